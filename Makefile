@@ -1,0 +1,42 @@
+# Two commands set everything up on a fresh machine with Python 3.10+ and make:
+#   make demo   the main job (installs first)
+#   make test   the default test suite (installs first)
+# Installation: .venv is created if needed, torch==2.13.0 (CPU) goes in first so nothing
+# pulls a multi-GB CUDA build, then the package with its dev extra. A stamp keyed on the
+# hash of pyproject.toml skips reinstalling when nothing changed.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_VERSION := 2.13.0
+STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-16)
+DEMO_DIR ?= runs/demo
+
+.PHONY: install test test-all demo lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check "torch==$(TORCH_VERSION)"
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -q -m "slow or not slow"
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+
+demo: $(STAMP)
+	$(BIN)/posttrain data make arithmetic --out $(DEMO_DIR)/data
+	$(BIN)/posttrain sft --config recipes/sft_arithmetic.yaml \
+		data.train_files=[$(DEMO_DIR)/data/train.jsonl] data.eval_files=[$(DEMO_DIR)/data/test.jsonl] \
+		trainer.output_dir=$(DEMO_DIR)/sft
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

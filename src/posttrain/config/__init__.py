@@ -1,0 +1,28 @@
+"""Typed configs: one dataclass tree per command, YAML presets, dotted overrides."""
+
+from posttrain.config.core import (
+    ConfigError,
+    build_config,
+    field_docs,
+    iter_fields,
+    save_config,
+    to_dict,
+)
+from posttrain.config.sections import DataConfig, LoraConfig, ModelConfig, TrainerConfig
+from posttrain.config.sft import SFTConfig, SFTDataConfig, SFTEvalConfig
+
+__all__ = [
+    "ConfigError",
+    "DataConfig",
+    "LoraConfig",
+    "ModelConfig",
+    "SFTConfig",
+    "SFTDataConfig",
+    "SFTEvalConfig",
+    "TrainerConfig",
+    "build_config",
+    "field_docs",
+    "iter_fields",
+    "save_config",
+    "to_dict",
+]

@@ -1,0 +1,335 @@
+"""Typed configuration: dataclass trees, YAML presets and dotted command-line overrides.
+
+A command's config is a tree of dataclasses. Each field carries its documentation as a
+string literal right under it (read with `ast`, so the docs live next to the field and
+there is no second copy). `build_config` merges, in order: the defaults, a YAML file, and
+`key=value` overrides, then checks every key and type and calls `validate()` on each node,
+all before anything heavy (a model, a dataset) is loaded.
+
+    cfg = build_config(SFTConfig, "recipes/sft.yaml", ["trainer.max_steps=100"])
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import functools
+import inspect
+import textwrap
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A bad configuration: the message names the key and says how to fix it."""
+
+
+# ---------------------------------------------------------------------------------------
+# Field documentation
+# ---------------------------------------------------------------------------------------
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of dataclass `cls` (and its bases)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            source = textwrap.dedent(inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+        body = ast.parse(source).body[0].body
+        for node, nxt in zip(body, body[1:]):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
+                docs[node.target.id] = inspect.cleandoc(nxt.value.value)
+    return docs
+
+
+def iter_fields(cls: type, prefix: str = "") -> typing.Iterator[tuple[str, Any, Any, str]]:
+    """Yield `(dotted_key, type, default, doc)` for every leaf field of a config tree."""
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        key = prefix + f.name
+        if _is_config_class(tp):
+            yield from iter_fields(tp, key + ".")
+        else:
+            yield key, tp, _default_of(f), docs.get(f.name, "")
+
+
+def _default_of(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def _is_config_class(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def type_name(tp: Any) -> str:
+    """A short readable name for a field type, used in errors and docs."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in args)
+    if origin in (Union, types.UnionType):
+        return " | ".join("null" if a is type(None) else type_name(a) for a in args)
+    if origin in (list, tuple):
+        inner = type_name(args[0]) if args else "any"
+        return f"list[{inner}]"
+    if origin is dict:
+        return "mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+# ---------------------------------------------------------------------------------------
+# Coercion of one value to a field type
+# ---------------------------------------------------------------------------------------
+
+
+def coerce(value: Any, tp: Any, key: str) -> Any:
+    """Convert `value` (from YAML or the command line) to type `tp`, or raise ConfigError."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return coerce(value, arg, key)
+            except ConfigError as err:
+                errors.append(err)
+        raise _type_error(key, value, tp)
+    if origin is Literal:
+        if value in args:
+            return value
+        close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(
+            f"{key}: {value!r} is not a valid choice; expected one of {type_name(tp)}.{hint}"
+        )
+    if origin in (list, tuple):
+        items = value if isinstance(value, (list, tuple)) else [value]
+        inner = args[0] if args else Any
+        out = [coerce(v, inner, f"{key}[{i}]") for i, v in enumerate(items)]
+        return tuple(out) if origin is tuple else out
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise _type_error(key, value, tp)
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise _type_error(key, value, tp)
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        raise _type_error(key, value, tp)
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise _type_error(key, value, tp)
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise _type_error(key, value, tp)
+    if isinstance(value, tp):
+        return value
+    raise _type_error(key, value, tp)
+
+
+def _type_error(key: str, value: Any, tp: Any) -> ConfigError:
+    return ConfigError(
+        f"{key}: expected {type_name(tp)}, got {value!r} ({type(value).__name__})"
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Building a config tree
+# ---------------------------------------------------------------------------------------
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Split `a.b.c=value` into the key and a YAML-parsed value (`[x,y]` is a list)."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(
+            f"cannot read override {text!r}: write overrides as key=value, e.g. trainer.max_steps=100"
+        )
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def nest(flat: dict[str, Any]) -> dict[str, Any]:
+    """`{"a.b": 1}` → `{"a": {"b": 1}}`."""
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            child = node.setdefault(p, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"{key}: {p} is a value, not a section")
+            node = child
+        node[leaf] = value
+    return out
+
+
+def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """Deep-merge two nested dicts; values of `update` win."""
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def valid_keys(cls: type) -> list[str]:
+    """Every dotted key of a config tree, sections included."""
+    keys = []
+    for key, *_ in iter_fields(cls):
+        parts = key.split(".")
+        keys += [".".join(parts[: i + 1]) for i in range(len(parts))]
+    return list(dict.fromkeys(keys))
+
+
+def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
+    """Build dataclass `cls` from nested `data`, checking keys and types (no validate())."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of options, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            raise _unknown_key(cls, prefix + str(key), prefix)
+    kwargs = {}
+    for name, value in data.items():
+        tp = hints[name]
+        if _is_config_class(tp):
+            kwargs[name] = from_dict(tp, value if value is not None else {}, f"{prefix}{name}.")
+        else:
+            kwargs[name] = coerce(value, tp, prefix + name)
+    return cls(**kwargs)
+
+
+def _unknown_key(cls: type, key: str, prefix: str) -> ConfigError:
+    root_keys = valid_keys(cls)
+    candidates = [prefix + k for k in root_keys]
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+    if not close:  # compare the last part alone: `trainer.lr_sched` vs `trainer.lr_scheduler`
+        leaves = {c.rsplit(".", 1)[-1]: c for c in candidates}
+        leaf = difflib.get_close_matches(key.rsplit(".", 1)[-1], list(leaves), n=1, cutoff=0.6)
+        close = [leaves[leaf[0]]] if leaf else []
+    hint = f" Did you mean {close[0]}?" if close else ""
+    section = prefix.rstrip(".") or "the config"
+    return ConfigError(
+        f"unknown key {key}.{hint} (valid keys of {section}: "
+        f"{', '.join(sorted(k for k in root_keys if '.' not in k))}; `posttrain CMD --help` lists all)"
+    )
+
+
+def validate_tree(cfg: Any) -> None:
+    """Call `validate()` on every node of a config tree, leaves first."""
+    for f in dataclasses.fields(cfg):
+        child = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(child):
+            validate_tree(child)
+    if hasattr(cfg, "validate"):
+        cfg.validate()
+
+
+def build_config(
+    cls: type[T],
+    config_file: str | Path | None = None,
+    overrides: typing.Sequence[str] = (),
+) -> T:
+    """Defaults ← YAML file ← `key=value` overrides; then check keys, types and combinations."""
+    data: dict[str, Any] = {}
+    if config_file is not None:
+        data = load_yaml(config_file)
+    flat = dict(parse_override(o) for o in overrides)
+    data = merge(data, nest(flat))
+    cfg = from_dict(cls, data)
+    validate_tree(cfg)
+    return cfg
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML preset; errors name the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    return data
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """A config tree as nested plain dicts (lists for tuples), ready for YAML."""
+    return _plain(dataclasses.asdict(cfg))
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
+
+
+def save_config(cfg: Any, path: str | Path) -> None:
+    """Write the resolved config as YAML (`RUN_DIR/config.yaml`)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def check(condition: bool, key: str, message: str) -> None:
+    """Raise ConfigError naming `key` unless `condition` holds (for `validate()` methods)."""
+    if not condition:
+        raise ConfigError(f"{key}: {message}")

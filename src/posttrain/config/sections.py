@@ -1,0 +1,170 @@
+"""Config sections shared by every command: model, data, trainer.
+
+Each field's docstring is its documentation: `posttrain CMD --help` and `docs/config.md`
+are generated from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from posttrain.config.core import check
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters through `peft`."""
+
+    r: int = 0
+    """LoRA rank; 0 turns LoRA off (full fine-tuning)."""
+    alpha: float = 16.0
+    """LoRA scaling numerator: the update is scaled by alpha / r."""
+    dropout: float = 0.0
+    """Dropout on the LoRA input."""
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    """Names of the linear layers that get adapters (Llama names; also `all-linear`)."""
+    quantize: Literal["none", "4bit", "8bit"] = "none"
+    """Load the frozen base in 4 or 8 bits (QLoRA); needs CUDA and bitsandbytes."""
+
+    def validate(self) -> None:
+        check(self.r >= 0, "model.lora.r", f"must be >= 0, got {self.r}")
+        check(0.0 <= self.dropout < 1.0, "model.lora.dropout", f"must be in [0, 1), got {self.dropout}")
+        check(
+            self.quantize == "none" or self.r > 0,
+            "model.lora.quantize",
+            "quantized training needs LoRA adapters: set model.lora.r > 0",
+        )
+
+
+@dataclass
+class ModelConfig:
+    """Which model to train: a local Hugging Face checkpoint or a fresh built-in one."""
+
+    path: str | None = None
+    """Local directory of a Hugging Face causal LM (config.json + weights). Nothing is downloaded."""
+    init: Literal["tiny", "small"] | None = None
+    """Start from a freshly initialised built-in model of this size (with the built-in tokenizer)."""
+    tokenizer: str | None = None
+    """Tokenizer directory; defaults to `model.path`, or the built-in tokenizer with `model.init`."""
+    impl: Literal["auto", "builtin", "hf"] = "auto"
+    """Model code: `builtin` (our Llama implementation, fast native rollout), `hf` (transformers), or `auto` (builtin for Llama checkpoints)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weight dtype: `auto` is bfloat16 on CUDA when supported, else float32."""
+    device: str = "auto"
+    """`auto` (CUDA when available, else CPU), `cpu`, `cuda`, or `cuda:N`."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters."""
+
+    def validate(self) -> None:
+        check(
+            self.path is None or self.init is None,
+            "model.path",
+            "set only one of model.path (a local HF model directory) or model.init (tiny|small)",
+        )
+        check(
+            self.init is None or self.lora.quantize == "none",
+            "model.lora.quantize",
+            "quantization applies to a loaded model.path, not to a fresh model.init",
+        )
+
+
+@dataclass
+class DataConfig:
+    """Where the examples come from and how they are cut into batches."""
+
+    train_files: list[str] = field(default_factory=list)
+    """Training data: JSONL, JSON, Parquet or CSV files, or a saved `datasets` folder."""
+    eval_files: list[str] = field(default_factory=list)
+    """Held-out data for evaluation (same formats)."""
+    format: Literal["auto", "text", "prompt_completion", "messages", "preference", "prompt"] = "auto"
+    """Dataset format (as TRL); `auto` detects it from the columns."""
+    max_length: int = 512
+    """Longest tokenized example, prompt included."""
+    truncation: Literal["truncate", "drop"] = "truncate"
+    """What to do with a longer example: cut it, or drop it. Either way it is counted and reported."""
+    train_batch_size: int = 32
+    """Examples (prompts, for RL) per optimizer step, across all micro-batches."""
+    shuffle: bool = True
+    """Shuffle the training examples every epoch (seeded by trainer.seed)."""
+
+    def validate(self) -> None:
+        check(self.max_length > 0, "data.max_length", f"must be > 0, got {self.max_length}")
+        check(
+            self.train_batch_size > 0,
+            "data.train_batch_size",
+            f"must be > 0, got {self.train_batch_size}",
+        )
+
+
+@dataclass
+class TrainerConfig:
+    """The optimisation loop: steps, optimizer, schedule, precision, logging, checkpoints."""
+
+    output_dir: str = "runs/run"
+    """Run directory: config.yaml, metrics.jsonl, checkpoints/, final/ are written here."""
+    max_steps: int = 100
+    """Number of optimizer steps."""
+    learning_rate: float = 1e-4
+    """Peak learning rate (AdamW)."""
+    lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    """Learning-rate shape after warmup."""
+    warmup_steps: int = 0
+    """Linear warmup from 0 to the peak over this many steps."""
+    min_lr_ratio: float = 0.0
+    """Floor of the cosine/linear decay, as a fraction of the peak."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay (not applied to norms and biases)."""
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW (beta1, beta2)."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this value; 0 turns clipping off."""
+    micro_batch_size: int = 8
+    """Examples per forward/backward pass; gradients accumulate up to data.train_batch_size."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """`bf16` runs forward and backward under bfloat16 autocast (master weights stay fp32)."""
+    seed: int = 0
+    """Seed for initialisation, shuffling and sampling."""
+    resume: str = "auto"
+    """`auto` continues from the newest complete checkpoint in output_dir, `never` starts fresh, or a checkpoint path."""
+    save_steps: int = 0
+    """Save a checkpoint every N steps (0: only at the end)."""
+    save_total_limit: int = 2
+    """Keep at most this many checkpoints (oldest removed first)."""
+    eval_steps: int = 0
+    """Evaluate every N steps (0: only at the end)."""
+    logging_steps: int = 1
+    """Write metrics every N steps."""
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
+    """Metric sinks besides metrics.jsonl: any of tensorboard, wandb, mlflow (none: [])."""
+    max_bad_steps: int = 5
+    """Stop after this many consecutive steps with a NaN/inf loss (each is skipped and counted)."""
+    progress: bool = True
+    """Show a progress bar with ETA on the console."""
+
+    def validate(self) -> None:
+        check(self.max_steps > 0, "trainer.max_steps", f"must be > 0, got {self.max_steps}")
+        check(self.learning_rate > 0, "trainer.learning_rate", f"must be > 0, got {self.learning_rate}")
+        check(self.micro_batch_size > 0, "trainer.micro_batch_size", "must be > 0")
+        check(len(self.adam_betas) == 2, "trainer.adam_betas", "needs two values, e.g. [0.9,0.999]")
+        check(0.0 <= self.min_lr_ratio <= 1.0, "trainer.min_lr_ratio", "must be in [0, 1]")
+        allowed = {"tensorboard", "wandb", "mlflow"}
+        unknown = sorted(set(self.report_to) - allowed)
+        check(not unknown, "trainer.report_to", f"unknown sink(s) {unknown}; choose from {sorted(allowed)}")
+
+
+def check_divides(batch: int, batch_key: str, part: int, part_key: str) -> None:
+    """`part` must divide `batch` (micro batch into mini batch, mini batch into batch)."""
+    check(
+        part <= batch and batch % part == 0,
+        part_key,
+        f"{part} must divide {batch_key}={batch} (e.g. {part_key}={_largest_divisor(batch, part)})",
+    )
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)

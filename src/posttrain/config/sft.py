@@ -1,0 +1,58 @@
+"""The `posttrain sft` config tree (also used to pretrain the built-in model from scratch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from posttrain.config.core import check
+from posttrain.config.sections import DataConfig, ModelConfig, TrainerConfig, check_divides
+
+
+@dataclass
+class SFTDataConfig(DataConfig):
+    """SFT data: the shared data options plus loss masking and packing."""
+
+    completion_only_loss: bool | None = None
+    """Train only on completion tokens of prompt/completion data; `null` means yes for that format (as TRL)."""
+    assistant_only_loss: bool = False
+    """Train only on assistant turns of conversational data (needs `{% generation %}` marks in the chat template)."""
+    packing: bool = False
+    """Pack several examples into each row of `max_length` tokens (best-fit decreasing); no attention crosses examples."""
+
+
+@dataclass
+class SFTEvalConfig:
+    """Held-out evaluation during SFT."""
+
+    task: str | None = None
+    """A bundled task name (e.g. arithmetic): also report exact-match accuracy by greedy decoding."""
+    max_new_tokens: int = 64
+    """Tokens generated per eval prompt when `task` is set."""
+    num_examples: int = 500
+    """Eval examples used for task accuracy (the first N of data.eval_files)."""
+    batch_size: int = 64
+    """Prompts decoded at once during task evaluation."""
+
+    def validate(self) -> None:
+        check(self.max_new_tokens > 0, "eval.max_new_tokens", "must be > 0")
+        check(self.num_examples > 0, "eval.num_examples", "must be > 0")
+
+
+@dataclass
+class SFTConfig:
+    """Supervised fine-tuning: next-token loss on text, prompt/completion or chat data."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model to train."""
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    """Training and eval data."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Optimisation, logging, checkpoints."""
+    eval: SFTEvalConfig = field(default_factory=SFTEvalConfig)
+    """Held-out evaluation."""
+
+    def validate(self) -> None:
+        check_divides(
+            self.data.train_batch_size, "data.train_batch_size",
+            self.trainer.micro_batch_size, "trainer.micro_batch_size",
+        )

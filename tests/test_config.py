@@ -1,0 +1,109 @@
+"""Config trees: YAML + dotted overrides, key/type/combination checks, field docs."""
+
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Literal
+
+import pytest
+import yaml
+
+from posttrain.config import ConfigError, SFTConfig, build_config, field_docs, iter_fields, save_config
+from posttrain.config.core import coerce, parse_override
+
+BASE = ["model.init=tiny", "data.train_files=[train.jsonl]"]
+
+
+@dataclass
+class _Inner:
+    size: int = 3
+    """How big."""
+    names: list[str] = field(default_factory=list)
+    """Some names."""
+
+
+@dataclass
+class _Outer:
+    inner: _Inner = field(default_factory=_Inner)
+    """The inner section."""
+    mode: Literal["a", "b"] = "a"
+    """Which mode."""
+    rate: float = 0.5
+    """A rate."""
+
+
+def test_defaults_yaml_then_overrides(tmp_path):
+    preset = tmp_path / "p.yaml"
+    preset.write_text("inner:\n  size: 7\nrate: 0.1\n")
+    cfg = build_config(_Outer, preset, ["rate=2e-3", "inner.names=[x,y]"])
+    assert cfg.inner.size == 7  # from YAML
+    assert cfg.rate == pytest.approx(2e-3)  # the override wins over YAML; `2e-3` is a float
+    assert cfg.inner.names == ["x", "y"]
+    assert cfg.mode == "a"  # default
+
+
+def test_unknown_key_names_nearest():
+    with pytest.raises(ConfigError, match=r"trainer\.lerning_rate.*Did you mean trainer\.learning_rate\?"):
+        build_config(SFTConfig, None, [*BASE, "trainer.lerning_rate=1"])
+    with pytest.raises(ConfigError, match=r"Did you mean data\.train_files\?"):
+        build_config(SFTConfig, None, [*BASE, "data.train_file=[x]"])
+
+
+def test_wrong_type_names_field_and_type():
+    with pytest.raises(ConfigError, match=r"trainer\.max_steps: expected int, got 'ten'"):
+        build_config(SFTConfig, None, [*BASE, "trainer.max_steps=ten"])
+    with pytest.raises(ConfigError, match=r"mode: 'c' is not a valid choice; expected one of 'a' \| 'b'"):
+        build_config(_Outer, None, ["mode=c"])
+    with pytest.raises(ConfigError, match=r"inner: expected a mapping"):
+        build_config(_Outer, None, ["inner=3"])
+
+
+def test_impossible_combination():
+    with pytest.raises(ConfigError, match=r"trainer\.micro_batch_size: 5 must divide data\.train_batch_size=32"):
+        build_config(SFTConfig, None, [*BASE, "trainer.micro_batch_size=5"])
+    with pytest.raises(ConfigError, match=r"model\.path: set only one"):
+        build_config(SFTConfig, None, ["model.init=tiny", "model.path=/x", "data.train_files=[a]"])
+
+
+def test_coerce_rules():
+    assert coerce("3", int, "k") == 3
+    assert coerce(4.0, int, "k") == 4
+    assert coerce("true", bool, "k") is True
+    assert coerce("x.jsonl", list[str], "k") == ["x.jsonl"]  # a scalar becomes a one-element list
+    assert coerce(None, int | None, "k") is None
+    with pytest.raises(ConfigError):
+        coerce(1.5, int, "k")
+    with pytest.raises(ConfigError):
+        coerce(True, float, "k")
+
+
+def test_parse_override():
+    assert parse_override("a.b=[1, 2]") == ("a.b", [1, 2])
+    assert parse_override("a=null") == ("a", None)
+    with pytest.raises(ConfigError, match="key=value"):
+        parse_override("trainer.max_steps")
+
+
+def test_every_field_is_documented():
+    missing = [key for key, _, _, doc in iter_fields(SFTConfig) if not doc]
+    assert not missing, f"fields without a docstring: {missing}"
+    assert "peak learning rate" in field_docs(type(SFTConfig().trainer))["learning_rate"].lower()
+
+
+def test_saved_config_round_trips(tmp_path):
+    cfg = build_config(SFTConfig, None, [*BASE, "trainer.max_steps=7"])
+    save_config(cfg, tmp_path / "config.yaml")
+    again = build_config(SFTConfig, tmp_path / "config.yaml")
+    assert again == cfg
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["trainer"]["max_steps"] == 7
+
+
+def test_cli_bad_key_exits_nonzero_before_loading():
+    proc = subprocess.run(
+        [sys.executable, "-m", "posttrain.cli", "sft", *BASE, "trainer.lerning_rate=1"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2
+    assert "trainer.learning_rate" in proc.stderr
+    assert "Traceback" not in proc.stderr
