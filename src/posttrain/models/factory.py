@@ -1,0 +1,108 @@
+"""Build the model and tokenizer a config asks for: a fresh built-in model or a local checkpoint, plus LoRA."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch import nn
+
+from posttrain.config import ConfigError, LoraConfig, ModelConfig
+from posttrain.models.builtin import BuiltinLM
+from posttrain.models.loading import load_causal_lm, resolve_device, resolve_dtype
+
+logger = logging.getLogger(__name__)
+
+LLAMA_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def load_tokenizer(cfg: ModelConfig) -> Any:
+    """The tokenizer of `model.tokenizer`, else of `model.path`, else the built-in one."""
+    source = cfg.tokenizer or cfg.path
+    if source is None:
+        from posttrain.data.tokenizer import build_tokenizer
+
+        return build_tokenizer()
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(source, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"model.tokenizer: cannot load a tokenizer from {source}: {err}") from None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+        logger.info("tokenizer has no pad token; using its eos token %r", tok.eos_token)
+    return tok
+
+
+def build_model(cfg: ModelConfig, tokenizer: Any) -> nn.Module:
+    """Load `model.path` or initialise `model.init`, on the configured device and dtype, with LoRA."""
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    if cfg.init is not None:
+        model = BuiltinLM.from_preset(
+            cfg.init,
+            vocab_size=len(tokenizer),
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        ).to(device=device, dtype=dtype)
+    elif cfg.path is not None and cfg.lora.quantize != "none":
+        model = _load_quantized(cfg, dtype)
+    elif cfg.path is not None:
+        model = load_causal_lm(cfg.path, impl=cfg.impl, device=device, dtype=dtype)
+    else:
+        raise ConfigError("model.path: set model.path (a local HF model directory) or model.init (tiny|small)")
+    return apply_lora(model, cfg.lora)
+
+
+def build_model_and_tokenizer(cfg: ModelConfig) -> tuple[nn.Module, Any]:
+    tokenizer = load_tokenizer(cfg)
+    return build_model(cfg, tokenizer), tokenizer
+
+
+def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
+    """Wrap `model` with peft LoRA adapters when `cfg.r > 0`; the base weights are frozen."""
+    if cfg.r == 0:
+        return model
+    import peft
+
+    targets: Any = cfg.target_modules
+    if targets == ["all-linear"]:
+        # peft cannot tell the output head of a non-transformers module apart: name the Llama linears.
+        targets = LLAMA_LINEARS if isinstance(model, BuiltinLM) else "all-linear"
+    lora = peft.LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets)
+    try:
+        model = peft.get_peft_model(model, lora)
+    except ValueError as err:
+        raise ConfigError(f"model.lora.target_modules: {err}") from None
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    n_all = sum(p.numel() for p in model.parameters())
+    logger.info("LoRA r=%d on %s: %d of %d parameters train", cfg.r, targets, n_train, n_all)
+    return model
+
+
+def _load_quantized(cfg: ModelConfig, dtype: Any) -> nn.Module:
+    """QLoRA: the frozen base in 4 or 8 bits through bitsandbytes (CUDA only), ready for adapters."""
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "model.lora.quantize: 4/8-bit base weights (QLoRA) need a CUDA GPU; set model.lora.quantize=none"
+        )
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError("model.lora.quantize: needs bitsandbytes: pip install bitsandbytes")
+    import peft
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    bnb = (
+        BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+        if cfg.lora.quantize == "4bit"
+        else BitsAndBytesConfig(load_in_8bit=True)
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        cfg.path, quantization_config=bnb, dtype=dtype, device_map={"": 0}, local_files_only=True
+    )
+    return peft.prepare_model_for_kbit_training(model)

@@ -1,0 +1,83 @@
+"""Preallocated key/value cache for batched incremental decoding with BuiltinLM.
+
+Notation: L layers, B batch rows, nkv key/value heads, T_max capacity, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Keys and values of every layer for positions [0, length) of every row.
+
+    All rows share one `length`: a batch of prompts is left-padded to a common
+    length and the padding is excluded by the attention mask the caller passes
+    with every forward, (B, length + T_new), 1 = real token. The model writes the
+    new keys/values of a forward at [length, length + T_new) and then advances
+    `length` by T_new.
+
+    Fields:
+        keys, values: (L, B, nkv, T_max, D), preallocated once.
+        length: number of filled positions (same for all rows).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
+        shape = (num_layers, batch_size, num_kv_heads, max_len, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.keys.shape[3]
+
+    def write(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, nkv, T_new, D) at [length, length + T_new) of `layer`.
+
+        Returns views of that layer's keys and values over [0, length + T_new),
+        each (B, nkv, length + T_new, D). `length` is not advanced here: the
+        model calls `advance` once after its last layer.
+        """
+        end = self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(
+                f"KVCache overflow: {self.length} cached + {k.shape[2]} new tokens "
+                f"> max_len={self.max_len}; create the cache with a larger max_len"
+            )
+        self.keys[layer, :, :, self.length : end] = k
+        self.values[layer, :, :, self.length : end] = v
+        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+
+    def advance(self, num_tokens: int) -> None:
+        """Mark `num_tokens` more positions as filled (after all layers were written)."""
+        self.length += num_tokens
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows `rows` (LongTensor of row indices, in the new order).
+
+        Used to drop finished sequences during generation. The caller must index
+        its attention mask (and any per-row state) with the same `rows`.
+        """
+        rows = rows.to(device=self.keys.device, dtype=torch.long)
+        self.keys = self.keys.index_select(1, rows)
+        self.values = self.values.index_select(1, rows)
+
+    def reset(self) -> None:
+        """Forget all cached positions (the storage is reused)."""
+        self.length = 0

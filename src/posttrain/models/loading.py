@@ -1,0 +1,89 @@
+"""Load a local causal LM, built-in or Hugging Face, and call both the same way.
+
+Nothing here downloads: paths are local directories and every transformers call
+passes `local_files_only=True`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from posttrain.models import llama_checkpoint as ckpt
+from posttrain.models.builtin import BuiltinLM
+
+IMPLS = ("auto", "builtin", "hf")
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """`"auto"` -> CUDA when available, else CPU; anything else -> torch.device(device)."""
+    if isinstance(device, str) and device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(
+    dtype: str | torch.dtype = "auto", device: str | torch.device | None = None
+) -> torch.dtype:
+    """`"auto"` -> bfloat16 on a CUDA device that supports it, else float32;
+    "float32" | "bfloat16" | "float16" (or a torch.dtype) -> that dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        on_cuda = resolve_device(device or "auto").type == "cuda"
+        return torch.bfloat16 if on_cuda and torch.cuda.is_bf16_supported() else torch.float32
+    if dtype not in ckpt.DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose auto or one of {list(ckpt.DTYPE_NAMES)}")
+    return ckpt.DTYPE_NAMES[dtype]
+
+
+def load_causal_lm(
+    path: str | Path,
+    impl: str = "auto",
+    device: str | torch.device = "auto",
+    dtype: str | torch.dtype = "auto",
+) -> nn.Module:
+    """Load the causal LM saved in the local directory `path`.
+
+    impl: "builtin" -> BuiltinLM (Llama checkpoints only); "hf" ->
+    transformers.AutoModelForCausalLM; "auto" -> builtin when config.json is a
+    Llama whose every feature BuiltinLM implements, else hf.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"unknown impl {impl!r}; choose one of {IMPLS}")
+    hf_config = ckpt.read_config_json(path)  # names the path when it is not a model dir
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    if impl == "auto":
+        impl = "hf" if ckpt.unsupported_llama_features(hf_config) else "builtin"
+    if impl == "builtin":
+        return BuiltinLM.from_pretrained(path, device=device, dtype=dtype)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+    return model.to(device)
+
+
+def forward_logits(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Logits (B, T, V) from a BuiltinLM or a Hugging Face causal LM (peft-wrapped or not).
+
+    input_ids (B, T); attention_mask (B, T), 1 = real token; position_ids (B, T).
+    HF models run without their generation cache.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if isinstance(base, BuiltinLM):
+        return model(input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+    )
+    return out.logits

@@ -1,0 +1,87 @@
+"""load_causal_lm chooses built-in or transformers; forward_logits treats both alike."""
+
+import pytest
+import torch
+
+from posttrain.models import (
+    BuiltinLM,
+    forward_logits,
+    load_causal_lm,
+    resolve_device,
+    resolve_dtype,
+)
+
+transformers = pytest.importorskip("transformers")
+
+IDS = torch.tensor([[4, 8, 15, 16, 23, 42], [0, 0, 7, 1, 9, 3]])
+MASK = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]])
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory, tiny_kwargs, randomize):
+    path = tmp_path_factory.mktemp("llama")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**tiny_kwargs))
+    randomize(model).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt2")
+    config = transformers.GPT2Config(vocab_size=61, n_embd=16, n_layer=1, n_head=2, n_positions=32)
+    transformers.GPT2LMHeadModel(config).save_pretrained(path)
+    return path
+
+
+def test_resolve_device_and_dtype():
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device("auto").type == expected
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_dtype("bfloat16") == torch.bfloat16
+    assert resolve_dtype(torch.float16) == torch.float16
+    with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
+        resolve_dtype("fp8")
+
+
+def test_auto_picks_builtin_for_llama_and_matches_hf(llama_dir):
+    builtin = load_causal_lm(llama_dir, device="cpu", dtype="float32")
+    hf = load_causal_lm(llama_dir, impl="hf", device="cpu", dtype="float32")
+    assert isinstance(builtin, BuiltinLM) and isinstance(hf, transformers.LlamaForCausalLM)
+    with torch.no_grad():
+        a, b = forward_logits(builtin, IDS, MASK), forward_logits(hf, IDS, MASK)
+    assert a.shape == b.shape == (2, 6, 61)
+    real = MASK.bool()
+    assert (a[real] - b[real]).abs().max() <= 1e-4
+
+
+def test_dtype_is_applied(llama_dir):
+    assert load_causal_lm(llama_dir, impl="builtin", dtype="bfloat16").dtype == torch.bfloat16
+    assert load_causal_lm(llama_dir, impl="hf", dtype="bfloat16").dtype == torch.bfloat16
+
+
+def test_auto_picks_hf_for_other_architectures(gpt2_dir):
+    model = load_causal_lm(gpt2_dir, device="cpu")
+    assert isinstance(model, transformers.GPT2LMHeadModel)
+    with torch.no_grad():
+        assert forward_logits(model, IDS, MASK).shape == (2, 6, 61)
+    with pytest.raises(ValueError, match="model_type='gpt2'"):
+        load_causal_lm(gpt2_dir, impl="builtin")
+
+
+def test_forward_logits_on_a_peft_wrapped_builtin(tiny_lm):
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(tiny_lm, LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        assert torch.allclose(forward_logits(lora, IDS, MASK), tiny_lm(IDS, MASK), atol=1e-6)
+
+
+def test_bad_paths_and_impls_are_named(tmp_path, llama_dir):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_causal_lm(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path}.*has no config.json"):
+        load_causal_lm(tmp_path)
+    with pytest.raises(ValueError, match="unknown impl 'vllm'"):
+        load_causal_lm(llama_dir, impl="vllm")
