@@ -1,0 +1,138 @@
+"""Bundled synthetic tasks with verifiable answers: one task and its scorer per file.
+
+    task = get_task("arithmetic", difficulty="easy")
+    rows = task.generate(4, random.Random(0))        # prompt / answer / completion (+ extras)
+    task.score("12+30=42\\nAnswer: 42", "42")         # 1.0
+
+    make_task("countdown", "data/countdown", n_train=10_000, seed=0)
+    # data/countdown/{train,test}.jsonl and task.json, the same bytes for the same seed
+
+Every completion ends with the line `Answer: <value>` (see `base.extract_answer`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import json
+import random
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from posttrain.data.tasks.arithmetic import ArithmeticTask
+from posttrain.data.tasks.base import Task, extract_answer, write_jsonl
+from posttrain.data.tasks.countdown import CountdownTask
+
+TASKS: dict[str, type[Task]] = {cls.name: cls for cls in (ArithmeticTask, CountdownTask)}
+
+__all__ = [
+    "TASKS",
+    "ArithmeticTask",
+    "CountdownTask",
+    "Task",
+    "extract_answer",
+    "get_task",
+    "make_task",
+    "score_completions",
+]
+
+
+def _unknown(kind: str, name: str, valid: Sequence[str]) -> ValueError:
+    near = difflib.get_close_matches(name, valid, n=1)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    return ValueError(f"unknown {kind} {name!r}{hint}; valid: {', '.join(valid)}")
+
+
+def get_task(name: str, **options: Any) -> Task:
+    """The task registered as `name`, built with `options` (see each task's docstring)."""
+    if name not in TASKS:
+        raise _unknown("task", name, sorted(TASKS))
+    cls = TASKS[name]
+    valid = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    for key in options:
+        if key not in valid:
+            raise _unknown(f"option of task {name!r}:", key, valid)
+    return cls(**options)
+
+
+def make_task(
+    name: str,
+    out_dir: str | Path,
+    n_train: int = 10_000,
+    n_test: int = 500,
+    seed: int = 0,
+    **options: Any,
+) -> dict[str, Any]:
+    """Write `train.jsonl`, `test.jsonl` and `task.json` for a task into `out_dir`.
+
+    Prompts are unique across both files. The test split is drawn first, so it depends
+    only on (name, options, seed, n_test): growing `n_train` never changes it.
+
+    Returns:
+        {"train": Path, "test": Path, "task": Path, "n_train": int, "n_test": int}
+    Raises:
+        ValueError: unknown task or option, or a problem space too small for
+            `n_train + n_test` distinct prompts (the message names the options to change).
+    """
+    if n_train < 0 or n_test < 0:
+        raise ValueError(f"n_train and n_test must be >= 0, got {n_train} and {n_test}")
+    task = get_task(name, **options)
+    rng, seen = random.Random(seed), set()
+    test = _draw_unique(task, n_test, rng, seen, n_train + n_test)
+    train = _draw_unique(task, n_train, rng, seen, n_train + n_test)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"train": out / "train.jsonl", "test": out / "test.jsonl", "task": out / "task.json"}
+    write_jsonl(paths["train"], train)
+    write_jsonl(paths["test"], test)
+    meta = {
+        "name": name,
+        "options": task.options,
+        "seed": seed,
+        "counts": {"train": n_train, "test": n_test},
+    }
+    paths["task"].write_text(json.dumps(meta, sort_keys=True, indent=2) + "\n", encoding="utf-8")
+    return {**paths, "n_train": n_train, "n_test": n_test}
+
+
+def _draw_unique(
+    task: Task, n: int, rng: random.Random, seen: set[str], requested: int
+) -> list[dict]:
+    """`n` rows whose prompts are not in `seen` (which they join).
+
+    The space counts as exhausted once `max(1000, n)` draws in a row bring nothing new.
+    """
+    rows: list[dict] = []
+    patience = stale = max(1000, n)
+    while len(rows) < n:
+        for row in task.generate(n - len(rows), rng):
+            if row["prompt"] in seen:
+                stale -= 1
+                if stale == 0:
+                    raise ValueError(
+                        f"task {task.name!r} with {task.options} has too few distinct prompts: found "
+                        f"{len(seen)} of the {requested} requested (n_train + n_test); {task.grow_hint}, "
+                        "or lower n_train/n_test"
+                    )
+                continue
+            seen.add(row["prompt"])
+            rows.append(row)
+            stale = patience
+    return rows
+
+
+def score_completions(
+    task: str | Task,
+    completions: Sequence[str],
+    answers: Sequence[str],
+    rows: Sequence[Mapping[str, Any]] | None = None,
+) -> list[float]:
+    """Score each completion against its answer; `rows` give extra columns (countdown's `numbers`)."""
+    task = get_task(task) if isinstance(task, str) else task
+    rows = rows if rows is not None else [{}] * len(completions)
+    if not len(completions) == len(answers) == len(rows):
+        raise ValueError(
+            f"lengths differ: {len(completions)} completions, {len(answers)} answers, {len(rows)} rows"
+        )
+    return [task.score(c, a, **row) for c, a, row in zip(completions, answers, rows)]

@@ -1,0 +1,133 @@
+"""Arithmetic: integer expressions over `+ - *` with the usual precedence.
+
+    prompt      "37+85*2="
+    completion  "85*2=170\\n37+170=207\\nAnswer: 207"
+    answer      "207"
+
+The worked solution has one line per binary operation, in the order precedence dictates:
+products left to right, then sums and differences left to right. With two operands that
+single line would only repeat the prompt, so the completion is just the answer line.
+Operands are non-negative; answers can be negative.
+
+The scorer accepts any integer-valued spelling of the answer (`207`, `+207`, `207.0`) and
+nothing else (`207a`, `207 or 208`, `2.07e2`).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from typing import Any
+
+from posttrain.data.tasks.base import (
+    Task,
+    extract_answer,
+    format_completion,
+    int_range,
+    resolve_options,
+)
+
+_INTEGER = re.compile(r"[+-]?[0-9]+(?:\.0*)?")
+
+
+class ArithmeticTask(Task):
+    """Expressions like `37+85*2=`; the answer is their integer value.
+
+    Args (None takes the value from the `difficulty` preset):
+        difficulty: "easy" | "medium" (default) | "hard"; see `presets`.
+        digits: the most digits an operand has; operands are uniform in [0, 10**digits).
+        mul_digits: the most digits of an operand next to a `*` (capped at `digits`), so
+            products can stay learnable while sums use bigger numbers.
+        operators: the operators drawn from, a non-empty subset of "+-*".
+        num_operands: operands per expression, an int or an inclusive (min, max) range
+            within 2..4.
+    """
+
+    name = "arithmetic"
+    presets = {
+        "easy": {"digits": 2, "mul_digits": 1, "operators": "+-", "num_operands": 2},
+        "medium": {"digits": 2, "mul_digits": 1, "operators": "+-*", "num_operands": (2, 3)},
+        "hard": {"digits": 3, "mul_digits": 2, "operators": "+-*", "num_operands": (3, 4)},
+    }
+    grow_hint = "raise `digits`, `mul_digits` or `num_operands`, add `operators`, or pick a harder `difficulty`"
+
+    def __init__(
+        self,
+        *,
+        difficulty: str = "medium",
+        digits: int | None = None,
+        mul_digits: int | None = None,
+        operators: str | None = None,
+        num_operands: int | tuple[int, int] | None = None,
+    ) -> None:
+        options = resolve_options(
+            self.presets,
+            difficulty,
+            digits=digits,
+            mul_digits=mul_digits,
+            operators=operators,
+            num_operands=num_operands,
+        )
+        super().__init__(options)
+        for key in ("digits", "mul_digits"):
+            if not (isinstance(options[key], int) and options[key] >= 1):
+                raise ValueError(f"{key} must be an int >= 1, got {options[key]!r}")
+        self.digits = options["digits"]
+        self.mul_digits = min(options["mul_digits"], self.digits)
+        ops = options["operators"]
+        if not (isinstance(ops, str) and ops and set(ops) <= set("+-*")):
+            raise ValueError(f"operators must be a non-empty subset of '+-*', got {ops!r}")
+        self.operators = self.options["operators"] = "".join(sorted(set(ops), key="+-*".index))
+        self.num_operands = int_range(options["num_operands"], "num_operands", 2, 4)
+
+    def generate(self, n: int, rng: random.Random) -> list[dict[str, Any]]:
+        return [self._row(*self._sample(rng)) for _ in range(n)]
+
+    def _sample(self, rng: random.Random) -> tuple[list[int], list[str]]:
+        k = rng.randint(*self.num_operands)
+        ops = [rng.choice(self.operators) for _ in range(k - 1)]
+        nums = []
+        for i in range(k):
+            is_factor = (i > 0 and ops[i - 1] == "*") or (i < k - 1 and ops[i] == "*")
+            nums.append(rng.randrange(10 ** (self.mul_digits if is_factor else self.digits)))
+        return nums, ops
+
+    def _row(self, nums: list[int], ops: list[str]) -> dict[str, Any]:
+        prompt = str(nums[0]) + "".join(f"{op}{x}" for op, x in zip(ops, nums[1:])) + "="
+        value, steps = solve(nums, ops)
+        shown = steps if len(nums) >= 3 else []
+        return {
+            "prompt": prompt,
+            "answer": str(value),
+            "completion": format_completion(shown, value),
+        }
+
+    def score(self, completion: str, answer: str, /, **row: Any) -> float:
+        value = parse_integer(extract_answer(completion))
+        return float(value is not None and value == int(answer))
+
+
+def solve(nums: list[int], ops: list[str]) -> tuple[int, list[str]]:
+    """Evaluate `nums[0] ops[0] nums[1] ...` by precedence; return the value and step lines."""
+    steps, terms, signs = [], [nums[0]], []
+    for op, x in zip(ops, nums[1:]):
+        if op == "*":
+            steps.append(f"{terms[-1]}*{x}={terms[-1] * x}")
+            terms[-1] *= x
+        else:
+            terms.append(x)
+            signs.append(op)
+    acc = terms[0]
+    for op, x in zip(signs, terms[1:]):
+        new = acc + x if op == "+" else acc - x
+        steps.append(f"{acc}{op}{x}={new}")
+        acc = new
+    return acc, steps
+
+
+def parse_integer(value: str | None) -> int | None:
+    """`value` as an int if it spells one (`-5`, `+5`, `5.0`), else None."""
+    # The length cap keeps clear of int()'s 4300-digit limit, which would raise.
+    if value is None or len(value) > 1000 or not _INTEGER.fullmatch(value):
+        return None
+    return int(value.split(".")[0])
