@@ -134,7 +134,7 @@ class TrainerConfig:
     save_steps: int = 0
     """Save a checkpoint every N steps (0: only at the end)."""
     save_total_limit: int = 2
-    """Keep at most this many checkpoints (oldest removed first)."""
+    """Keep at most this many checkpoints, oldest removed first (0: keep all)."""
     eval_steps: int = 0
     """Evaluate every N steps (0: only at the end)."""
     logging_steps: int = 1
@@ -150,6 +150,11 @@ class TrainerConfig:
         check(self.max_steps > 0, "trainer.max_steps", f"must be > 0, got {self.max_steps}")
         check(self.learning_rate > 0, "trainer.learning_rate", f"must be > 0, got {self.learning_rate}")
         check(self.micro_batch_size > 0, "trainer.micro_batch_size", "must be > 0")
+        check(self.warmup_steps >= 0, "trainer.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        check(self.max_bad_steps >= 1, "trainer.max_bad_steps", f"must be >= 1, got {self.max_bad_steps}")
+        check(self.logging_steps >= 1, "trainer.logging_steps", f"must be >= 1, got {self.logging_steps}")
+        check(self.save_steps >= 0 and self.eval_steps >= 0, "trainer.save_steps",
+              "save_steps and eval_steps must be >= 0 (0: only at the end)")
         check(len(self.adam_betas) == 2, "trainer.adam_betas", "needs two values, e.g. [0.9,0.999]")
         check(0.0 <= self.min_lr_ratio <= 1.0, "trainer.min_lr_ratio", "must be in [0, 1]")
         allowed = {"tensorboard", "wandb", "mlflow"}

@@ -1,0 +1,374 @@
+"""Checkpoints: atomic save, resume, keep-last-K, and the final HF-format export.
+
+Layout of one checkpoint (`RUN_DIR/checkpoints/step-N/`):
+
+    config.json, model.safetensors, ...   `model.save_pretrained` (HF format; a PEFT
+                                          model writes adapter_config.json +
+                                          adapter_model.safetensors instead)
+    tokenizer.json, ...                   `tokenizer.save_pretrained`
+    trainer_state.pt                      optimizer, scheduler, RNG states, data_state, step
+    trainer_state.json                    step, metrics, data_state, time (for people)
+    COMPLETE                              written last: {"step": N, "files": {name: bytes}}
+
+A checkpoint is written into `checkpoints/.tmp-step-N-<random>/`, every file is
+fsynced, COMPLETE is written last, and the folder is renamed to `step-N` in one
+`os.rename`, so a crash leaves either the whole checkpoint or a `.tmp-*` folder
+that is ignored and removed by the next save. A `step-N` folder whose COMPLETE
+is missing, or whose files are missing or of another size than COMPLETE
+records (a truncated copy), is skipped with a warning when looking for the
+newest checkpoint.
+
+trainer_state.pt loads with `torch.load(weights_only=True)`: the data_state a
+trainer passes must hold plain Python values (dict, list, str, int, float,
+bool, None) and tensors only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from posttrain.logging.metrics import jsonable
+
+log = logging.getLogger(__name__)
+
+CHECKPOINTS = "checkpoints"
+FINAL = "final"
+COMPLETE = "COMPLETE"
+STATE_PT = "trainer_state.pt"
+STATE_JSON = "trainer_state.json"
+_STEP_DIR = re.compile(r"step-(\d+)")
+_TMP_PREFIX = ".tmp-"
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    data_state: dict[str, Any],
+    keep: int,
+    metrics: dict[str, Any] | None = None,
+) -> Path:
+    """Write `RUN_DIR/checkpoints/step-{step}/` atomically and keep the newest `keep` ones.
+
+    `data_state` is where the data loader stands (e.g. {"epoch": 1, "index": 640}),
+    returned as is by `load_checkpoint`. `keep <= 0` keeps every checkpoint.
+    `tokenizer` may be None. An existing `step-{step}` is replaced.
+    """
+    root = Path(run_dir) / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_temp_dirs(root)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}step-{step}-", dir=root))
+    try:
+        _save_pretrained(tmp, model, tokenizer)
+        state = {
+            "step": step,
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "rng": _rng_state(),
+            "data_state": data_state,
+        }
+        torch.save(state, tmp / STATE_PT)
+        readable = {
+            "step": step,
+            "metrics": jsonable(metrics or {}),
+            "data_state": jsonable(data_state),
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        (tmp / STATE_JSON).write_text(json.dumps(readable, indent=2) + "\n")
+        _seal(tmp, step)
+        final = _publish(tmp, root / f"step-{step}")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if keep > 0:
+        complete = [p for p in _step_dirs(root) if _incomplete_reason(p) is None]
+        for old in complete[:-keep]:
+            shutil.rmtree(old)
+    return final
+
+
+def load_checkpoint(
+    path: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    restore_rng: bool = True,
+) -> dict[str, Any]:
+    """Restore a checkpoint into existing objects (the optimizer keeps its parameters).
+
+    Loads the weights into `model` in place (see `load_weights`), then the
+    optimizer, scheduler and RNG states when given / asked. Returns
+    {"step", "data_state", "metrics", "path"}.
+    """
+    path = Path(path)
+    reason = _incomplete_reason(path)
+    if reason is not None:
+        raise ValueError(f"checkpoint {path} is incomplete: {reason}")
+    load_weights(path, model)
+    state = torch.load(path / STATE_PT, map_location="cpu", weights_only=True)
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    if scheduler is not None:
+        if state["scheduler"] is None:
+            raise ValueError(f"checkpoint {path} was saved without a scheduler state")
+        scheduler.load_state_dict(state["scheduler"])
+    if restore_rng:
+        _set_rng_state(state["rng"])
+    readable = json.loads((path / STATE_JSON).read_text())
+    return {
+        "step": state["step"],
+        "data_state": state["data_state"],
+        "metrics": readable.get("metrics", {}),
+        "path": path,
+    }
+
+
+def load_weights(path: str | Path, model: torch.nn.Module) -> None:
+    """Copy the safetensors weights saved in `path` into `model`'s own parameters.
+
+    Tied weights: HF saves one tensor of a tied pair (e.g. `model.embed_tokens.weight`
+    but not `lm_head.weight`); a key missing from the file is accepted only when its
+    parameter shares storage with one that was loaded. Any other missing key, or a
+    key the model does not have, is an error. A PEFT model's adapter is loaded
+    with `peft.set_peft_model_state_dict`.
+    """
+    path = Path(path)
+    model = _unwrap(model)
+    if (path / "adapter_model.safetensors").exists():
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(model, load_file(path / "adapter_model.safetensors"))
+        if result.unexpected_keys:
+            raise ValueError(f"{path}: adapter keys the model lacks: {result.unexpected_keys[:5]}")
+        return
+    expected = model.state_dict()
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for file in _weight_files(path):
+        tensors = load_file(file)
+        unexpected += model.load_state_dict(tensors, strict=False).unexpected_keys
+        loaded.update(tensors)
+    storage = {name: t.data_ptr() for name, t in expected.items()}
+    loaded_storage = {storage[name] for name in loaded if name in storage}
+    missing = [k for k in expected if k not in loaded and storage[k] not in loaded_storage]
+    if missing or unexpected:
+        raise ValueError(
+            f"weights in {path} do not match the model: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+
+
+def find_latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete `RUN_DIR/checkpoints/step-N`, or None.
+
+    Newer incomplete or corrupt checkpoints are skipped with a warning naming them.
+    """
+    for path in reversed(_step_dirs(Path(run_dir) / CHECKPOINTS)):
+        reason = _incomplete_reason(path)
+        if reason is None:
+            return path
+        log.warning("skipping checkpoint %s: %s", path, reason)
+    return None
+
+
+def resolve_resume(run_dir: str | Path, resume: str) -> Path | None:
+    """The checkpoint `trainer.resume` asks for: `auto`, `never`, or a path.
+
+    `auto`: the newest complete checkpoint of `run_dir` (None for a fresh run).
+    A path may name a checkpoint folder or a run directory (its newest checkpoint).
+    """
+    if resume == "never":
+        return None
+    if resume == "auto":
+        return find_latest_checkpoint(run_dir)
+    path = Path(resume)
+    if not path.exists():
+        raise FileNotFoundError(f"trainer.resume={resume}: no such checkpoint directory {path}")
+    if (path / CHECKPOINTS).is_dir():
+        latest = find_latest_checkpoint(path)
+        if latest is None:
+            raise FileNotFoundError(
+                f"trainer.resume={resume}: no complete checkpoint in {path / CHECKPOINTS}"
+            )
+        return latest
+    reason = _incomplete_reason(path)
+    if reason is not None:
+        raise ValueError(f"trainer.resume={resume}: {path} is not a complete checkpoint ({reason})")
+    return path
+
+
+def save_final(run_dir: str | Path, model: torch.nn.Module, tokenizer: Any) -> Path:
+    """Write `RUN_DIR/final/` (model + tokenizer, HF format) atomically, replacing an old one.
+
+    A LoRA model should be merged first (the folder must load in plain transformers).
+    """
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _remove_temp_dirs(run_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{FINAL}-", dir=run_dir))
+    try:
+        _save_pretrained(tmp, model, tokenizer)
+        _fsync_tree(tmp)
+        return _publish(tmp, run_dir / FINAL)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# --- helpers ---------------------------------------------------------------------------
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module under `torch.compile` and DistributedDataParallel wrappers."""
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def _save_pretrained(directory: Path, model: torch.nn.Module, tokenizer: Any) -> None:
+    _unwrap(model).save_pretrained(directory)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+
+
+def _weight_files(path: Path) -> list[Path]:
+    if (path / "model.safetensors").exists():
+        return [path / "model.safetensors"]
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / shard for shard in shards]
+    raise FileNotFoundError(f"no model.safetensors (or sharded index) in {path}")
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    """`step-N` folders under `root`, oldest (smallest N) first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.fullmatch(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def _incomplete_reason(path: Path) -> str | None:
+    """Why `path` is not a usable checkpoint, or None when it is."""
+    marker = path / COMPLETE
+    if not marker.is_file():
+        return f"no {COMPLETE} marker (the save did not finish)"
+    try:
+        files = json.loads(marker.read_text())["files"]
+    except (ValueError, KeyError, TypeError):
+        return f"unreadable {COMPLETE} marker"
+    for name, size in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != size:
+            return f"{name} has {file.stat().st_size} bytes, expected {size} (truncated?)"
+    if STATE_PT not in files:
+        return f"{STATE_PT} was not saved"
+    return None
+
+
+def _seal(directory: Path, step: int) -> None:
+    """fsync every file, then write the COMPLETE manifest (last) and fsync it."""
+    sizes = _fsync_tree(directory)
+    with open(directory / COMPLETE, "w") as f:
+        json.dump({"step": step, "files": sizes}, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(directory)
+
+
+def _fsync_tree(directory: Path) -> dict[str, int]:
+    """fsync every file under `directory`; return {relative path: size}."""
+    sizes = {}
+    for file in sorted(p for p in directory.rglob("*") if p.is_file()):
+        with open(file, "rb") as f:
+            os.fsync(f.fileno())
+        sizes[file.relative_to(directory).as_posix()] = file.stat().st_size
+    for sub in [directory, *(p for p in directory.rglob("*") if p.is_dir())]:
+        _fsync_dir(sub)
+    return sizes
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # Windows cannot open a directory; its rename is durable enough
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(tmp: Path, final: Path) -> Path:
+    """Rename `tmp` to `final`, replacing an existing `final` folder."""
+    old = None
+    if final.exists():
+        old = final.with_name(f"{_TMP_PREFIX}old-{final.name}-{os.getpid()}")
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old)
+    return final
+
+
+def _remove_temp_dirs(parent: Path) -> None:
+    """Remove `.tmp-*` folders a crashed save left behind."""
+    for stale in parent.glob(f"{_TMP_PREFIX}*"):
+        if stale.is_dir():
+            log.info("removing unfinished save %s", stale)
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _rng_state() -> dict[str, Any]:
+    """Python, NumPy, torch and CUDA generator states, in weights_only-loadable types."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+        else:
+            log.warning(
+                "checkpoint has CUDA RNG states for %d devices, this run has %d: not restored",
+                len(cuda),
+                torch.cuda.device_count(),
+            )

@@ -1,0 +1,1 @@
+"""Trainers: SFT, reward model, DPO, online RL."""

@@ -1,0 +1,214 @@
+"""Checkpoints: exact roundtrip, keep-last-K, atomic saves, corrupt checkpoints, final export."""
+
+import json
+import logging
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from posttrain.checkpoint import (
+    find_latest_checkpoint,
+    load_checkpoint,
+    load_weights,
+    resolve_resume,
+    save_checkpoint,
+    save_final,
+)
+from posttrain.config.sections import TrainerConfig
+from posttrain.data.tokenizer import build_tokenizer
+from posttrain.models import BuiltinLM
+from posttrain.trainers.core import build_optimizer, build_scheduler, set_seed, train_step
+
+VOCAB = 64
+
+
+def tiny_lm(seed: int) -> BuiltinLM:
+    torch.manual_seed(seed)
+    return BuiltinLM.from_preset("tiny", vocab_size=VOCAB, num_hidden_layers=1)
+
+
+def lm_loss(model, ids):
+    logits = model(ids)  # (B, T, V)
+    ce = torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="sum"
+    )
+    return ce, ids[:, 1:].numel(), {}
+
+
+def trained(seed: int = 0, steps: int = 2):
+    """A tiny model, its AdamW and cosine schedule after `steps` real steps."""
+    model = tiny_lm(seed)
+    cfg = TrainerConfig(learning_rate=1e-2, warmup_steps=1, weight_decay=0.1)
+    opt = build_optimizer(model, cfg)
+    sched = build_scheduler(opt, cfg, total_steps=10)
+    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(seed))
+    for _ in range(steps):
+        train_step(model, [ids], lm_loss, opt, sched, 1.0)
+    return model, opt, sched
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def save(run_dir, step, model, opt, sched, tokenizer=None, keep=0, **kw):
+    data_state = {"epoch": 1, "index": 8 * step}
+    return save_checkpoint(run_dir, step, model, tokenizer, opt, sched, data_state, keep, **kw)
+
+
+def test_roundtrip_restores_weights_optimizer_schedule_and_rng(tmp_path, tokenizer):
+    model, opt, sched = trained(seed=0)
+    path = save(
+        tmp_path, 2, model, opt, sched, tokenizer, metrics={"loss": 1.5, "bad": float("nan")}
+    )
+    assert path == tmp_path / "checkpoints" / "step-2"
+    readable = json.loads((path / "trainer_state.json").read_text())
+    assert readable["step"] == 2 and readable["metrics"] == {"loss": 1.5, "bad": None}
+    next_draws = (torch.rand(3), random.random(), np.random.rand())
+
+    fresh, fresh_opt, fresh_sched = trained(seed=1, steps=0)  # other weights, empty state
+    set_seed(123)
+    info = load_checkpoint(path, fresh, fresh_opt, fresh_sched)
+
+    assert info["step"] == 2 and info["data_state"] == {"epoch": 1, "index": 16}
+    assert info["metrics"]["loss"] == 1.5
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, fresh.state_dict()[name]), name
+    assert fresh.lm_head.weight is fresh.model.embed_tokens.weight  # still tied
+    for p, q in zip(opt.param_groups[0]["params"], fresh_opt.param_groups[0]["params"]):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[p][key], fresh_opt.state[q][key])
+    assert fresh_sched.last_epoch == 2 and fresh_sched.get_last_lr() == sched.get_last_lr()
+    assert fresh_opt.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    assert torch.equal(torch.rand(3), next_draws[0])
+    assert random.random() == next_draws[1] and np.random.rand() == next_draws[2]
+    assert (path / "tokenizer.json").exists() and (path / "COMPLETE").exists()
+
+
+def test_keeps_the_newest_k(tmp_path):
+    model, opt, sched = trained(steps=0)
+    for step in (1, 2, 3, 4):
+        save(tmp_path, step, model, opt, sched, keep=2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-3", "step-4"]
+    assert find_latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step-4"
+
+
+def test_unfinished_saves_are_ignored_then_cleaned(tmp_path):
+    model, opt, sched = trained(steps=0)
+    save(tmp_path, 1, model, opt, sched)
+    root = tmp_path / "checkpoints"
+    crashed = root / ".tmp-step-9-abc123"  # a crash mid-save: never renamed
+    crashed.mkdir()
+    (crashed / "model.safetensors").write_bytes(b"partial")
+    assert find_latest_checkpoint(tmp_path) == root / "step-1"
+    save(tmp_path, 2, model, opt, sched)
+    assert sorted(p.name for p in root.iterdir()) == ["step-1", "step-2"]
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (lambda p: (p / "COMPLETE").unlink(), "no COMPLETE marker"),
+        (lambda p: (p / "trainer_state.pt").unlink(), "trainer_state.pt is missing"),
+        (lambda p: _truncate(p / "model.safetensors"), "truncated"),
+    ],
+)
+def test_corrupt_newest_is_skipped_with_a_warning(tmp_path, caplog, damage, reason):
+    model, opt, sched = trained(steps=0)
+    save(tmp_path, 1, model, opt, sched)
+    newest = save(tmp_path, 2, model, opt, sched)
+    damage(newest)
+    with caplog.at_level(logging.WARNING, logger="posttrain.checkpoint"):
+        assert find_latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step-1"
+    assert "step-2" in caplog.text and reason in caplog.text
+    with pytest.raises(ValueError, match="incomplete"):
+        load_checkpoint(newest, model)
+
+
+def _truncate(file):
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])
+
+
+def test_resolve_resume(tmp_path):
+    assert resolve_resume(tmp_path, "auto") is None  # fresh run
+    model, opt, sched = trained(steps=0)
+    path = save(tmp_path, 3, model, opt, sched)
+    assert resolve_resume(tmp_path, "never") is None
+    assert resolve_resume(tmp_path, "auto") == path
+    assert resolve_resume(tmp_path / "elsewhere", str(path)) == path
+    assert resolve_resume(tmp_path / "elsewhere", str(tmp_path)) == path  # a run directory
+    with pytest.raises(FileNotFoundError, match="nope/step-1"):
+        resolve_resume(tmp_path, str(tmp_path / "nope" / "step-1"))
+    (path / "COMPLETE").unlink()
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        resolve_resume(tmp_path, str(path))
+
+
+def test_same_step_saved_twice_is_replaced(tmp_path):
+    model, opt, sched = trained(steps=0)
+    save(tmp_path, 5, model, opt, sched, metrics={"v": 1})
+    path = save(tmp_path, 5, model, opt, sched, metrics={"v": 2})
+    assert json.loads((path / "trainer_state.json").read_text())["metrics"] == {"v": 2}
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-5"]
+
+
+def test_final_loads_in_plain_transformers(tmp_path, tokenizer):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, _, _ = trained(steps=1)
+    final = save_final(tmp_path, model, tokenizer)
+    assert final == tmp_path / "final"
+    hf = AutoModelForCausalLM.from_pretrained(final)
+    ids = AutoTokenizer.from_pretrained(final)("hello", return_tensors="pt")["input_ids"] % VOCAB
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model(ids), atol=1e-5, rtol=1e-5)
+    assert save_final(tmp_path, model, tokenizer) == final  # replaces the old export
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_weights_of_hf_models_roundtrip(tmp_path, tied):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tied,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    source = LlamaForCausalLM(config)
+    source.save_pretrained(tmp_path)
+    torch.manual_seed(1)
+    target = LlamaForCausalLM(config)
+    load_weights(tmp_path, target)
+    for name, tensor in source.state_dict().items():
+        assert torch.equal(tensor, target.state_dict()[name]), name
+
+
+def test_mismatched_weights_are_an_error(tmp_path):
+    tiny_lm(0).save_pretrained(tmp_path)
+    other = BuiltinLM.from_preset("tiny", vocab_size=VOCAB, num_hidden_layers=2)
+    with pytest.raises(ValueError, match=r"missing \['model.layers.1"):
+        load_weights(tmp_path, other)
+
+
+@pytest.mark.slow
+def test_lora_adapter_roundtrip(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    def lora_model(seed):
+        torch.manual_seed(0)
+        base = tiny_lm(0)
+        torch.manual_seed(seed)
+        config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        return get_peft_model(base, config)
+
+    source, target = lora_model(1), lora_model(2)
+    opt = torch.optim.AdamW([p for p in source.parameters() if p.requires_grad])
+    path = save_checkpoint(tmp_path, 1, source, None, opt, None, {}, keep=1)
+    assert (path / "adapter_model.safetensors").exists()
+    load_checkpoint(path, target)
+    for (name, a), b in zip(source.state_dict().items(), target.state_dict().values()):
+        assert torch.equal(a, b), name
