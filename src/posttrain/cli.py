@@ -139,7 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # key=value words may come before or after --flags; argparse only takes one run of them.
+    args, extra = parser.parse_known_args(argv)
+    field = next((f for f in ("overrides", "options") if hasattr(args, f)), None)
+    stray = [w for w in extra if field is None or "=" not in w or w.startswith("-")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        setattr(args, field, [*getattr(args, field), *extra])
     try:
         return args.handler(args)
     except ConfigError as err:

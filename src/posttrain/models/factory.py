@@ -7,13 +7,13 @@ from typing import Any
 
 from torch import nn
 
-from posttrain.config import ConfigError, LoraConfig, ModelConfig
+from posttrain.config import ConfigError, ModelConfig
 from posttrain.models.builtin import BuiltinLM
 from posttrain.models.loading import load_causal_lm, resolve_device, resolve_dtype
+from posttrain.models.lora import apply_lora
 
 logger = logging.getLogger(__name__)
 
-LLAMA_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def load_tokenizer(cfg: ModelConfig) -> Any:
@@ -59,27 +59,6 @@ def build_model(cfg: ModelConfig, tokenizer: Any) -> nn.Module:
 def build_model_and_tokenizer(cfg: ModelConfig) -> tuple[nn.Module, Any]:
     tokenizer = load_tokenizer(cfg)
     return build_model(cfg, tokenizer), tokenizer
-
-
-def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
-    """Wrap `model` with peft LoRA adapters when `cfg.r > 0`; the base weights are frozen."""
-    if cfg.r == 0:
-        return model
-    import peft
-
-    targets: Any = cfg.target_modules
-    if targets == ["all-linear"]:
-        # peft cannot tell the output head of a non-transformers module apart: name the Llama linears.
-        targets = LLAMA_LINEARS if isinstance(model, BuiltinLM) else "all-linear"
-    lora = peft.LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets)
-    try:
-        model = peft.get_peft_model(model, lora)
-    except ValueError as err:
-        raise ConfigError(f"model.lora.target_modules: {err}") from None
-    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    n_all = sum(p.numel() for p in model.parameters())
-    logger.info("LoRA r=%d on %s: %d of %d parameters train", cfg.r, targets, n_train, n_all)
-    return model
 
 
 def _load_quantized(cfg: ModelConfig, dtype: Any) -> nn.Module:

@@ -21,6 +21,7 @@ import torch
 from posttrain.checkpoint import load_checkpoint, resolve_resume, save_checkpoint, save_final
 from posttrain.config import TrainerConfig
 from posttrain.logging import MetricsLogger, Progress, get_logger
+from posttrain.models.lora import is_peft, merged_for_export
 from posttrain.trainers.core import (
     BadStepGuard,
     LossFn,
@@ -116,7 +117,9 @@ def fit(
             last_eval = _timed_eval(evaluate, model, step, sink)
             sink.log(step, last_eval)
         metrics.update(last_eval)
-    final_dir = save_final(run_dir, model, tokenizer)
+    final_dir = save_final(run_dir, merged_for_export(model), tokenizer)
+    if is_peft(model):
+        model.save_pretrained(final_dir / "adapter")  # the adapter alone, for peft users
     log.info("finished at step %d; model in %s", step, final_dir)
     return FitResult(run_dir, final_dir, step, metrics)
 
