@@ -8,7 +8,14 @@ from typing import Literal
 import pytest
 import yaml
 
-from posttrain.config import ConfigError, SFTConfig, build_config, field_docs, iter_fields, save_config
+from posttrain.config import (
+    ConfigError,
+    SFTConfig,
+    build_config,
+    field_docs,
+    iter_fields,
+    save_config,
+)
 from posttrain.config.core import coerce, parse_override
 
 BASE = ["model.init=tiny", "data.train_files=[train.jsonl]"]
