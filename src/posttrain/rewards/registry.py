@@ -1,0 +1,144 @@
+"""Turn a reward spec from a config or the command line into a (name, function) pair.
+
+    resolve_reward("math_accuracy")                                  # a built-in function
+    resolve_reward("format_reward")                                  # a factory, default options
+    resolve_reward({"name": "overlong_penalty", "max_len": 512, "buffer_len": 128})
+    resolve_reward({"name": "code_tests", "timeout_s": 2.0})         # a function's defaults
+    resolve_reward("mypkg.rewards:my_reward")                        # importable module
+    resolve_reward("rewards/my_rewards.py:my_reward")                # a file, by path
+    resolve_reward({"name": "mypkg.rewards:make_reward", "threshold": 0.5})  # factory(**options)
+    resolve_reward(my_function)                                      # a callable as it is
+
+The name is the built-in's name or the function's `__name__` (for `module:function`, the
+function part); it keys the metrics (`reward/<name>/mean`). Options given with an import
+path mean the target is a factory: it is called with them and must return the function.
+Options given with a built-in that is a plain function set its keyword defaults.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from posttrain.rewards.builtin import BUILTIN_REWARDS, REWARD_FACTORIES
+
+__all__ = ["load_object", "resolve_reward"]
+
+RewardFn = Callable[..., Any]
+
+
+def resolve_reward(spec: str | Mapping[str, Any] | RewardFn) -> tuple[str, RewardFn]:
+    """(name, reward function) for a built-in name, an options dict, an import path or a callable."""
+    if callable(spec) and not isinstance(spec, str):
+        return getattr(spec, "__name__", type(spec).__name__), spec
+    if isinstance(spec, Mapping):
+        options = dict(spec)
+        target = options.pop("name", None)
+        if not isinstance(target, str):
+            raise ValueError(
+                f"reward spec {dict(spec)!r} needs a 'name' (a built-in or 'module:function')"
+            )
+    elif isinstance(spec, str):
+        target, options = spec, {}
+    else:
+        raise TypeError(f"a reward spec is a name, a dict or a callable, got {spec!r}")
+
+    if ":" in target and target not in BUILTIN_REWARDS:
+        obj = load_object(target)
+        name = target.rpartition(":")[2]
+        is_factory = bool(options)
+    else:
+        if target not in BUILTIN_REWARDS:
+            raise ValueError(_unknown_message(target))
+        obj, name = BUILTIN_REWARDS[target], target
+        is_factory = target in REWARD_FACTORIES
+        if options and not is_factory:
+            return name, _bind_options(target, obj, options)
+    if is_factory:
+        try:
+            obj = obj(**options)
+        except TypeError as e:
+            raise ValueError(f"reward {target!r} with options {options}: {e}") from None
+    if not callable(obj):
+        raise TypeError(f"reward {target!r} resolved to {obj!r}, which is not callable")
+    return name, obj
+
+
+def _bind_options(target: str, fn: RewardFn, options: dict[str, Any]) -> RewardFn:
+    """`fn` with some of its keyword parameters that have defaults set (code_tests' timeout_s)."""
+    settable = [
+        p.name
+        for p in inspect.signature(fn).parameters.values()
+        if p.default is not p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+    unknown = sorted(set(options) - set(settable))
+    if unknown:
+        raise ValueError(
+            f"reward {target!r} has no option {', '.join(unknown)}; its options: {settable or 'none'}"
+        )
+    bound = functools.partial(fn, **options)
+    functools.update_wrapper(bound, fn)
+    return bound
+
+
+def load_object(path: str) -> Any:
+    """The object at 'package.module:attr' or 'path/to/file.py:attr'."""
+    module_part, _, attr = path.rpartition(":")
+    if not module_part or not attr:
+        raise ValueError(f"reward {path!r}: expected 'module:function' or 'file.py:function'")
+    if module_part.endswith(".py") or "/" in module_part or "\\" in module_part:
+        module = _load_file(module_part, path)
+    else:
+        try:
+            module = importlib.import_module(module_part)
+        except ImportError as e:
+            raise ValueError(
+                f"reward {path!r}: cannot import module {module_part!r} ({e})"
+            ) from None
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        public = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
+        near = difflib.get_close_matches(attr, public, n=3)
+        hint = f"; did you mean {', '.join(near)}?" if near else f"; it defines {public}"
+        raise ValueError(f"reward {path!r}: {module_part!r} has no {attr!r}{hint}") from None
+
+
+def _load_file(file: str, spec: str) -> Any:
+    path = Path(file).expanduser().resolve()
+    if not path.is_file():
+        raise ValueError(f"reward {spec!r}: no such file {str(path)!r}")
+    # A name unique per path, so two `rewards.py` files in different folders never collide,
+    # registered in sys.modules so pickling and dataclasses inside the file work.
+    digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
+    name = f"posttrain_user_rewards_{path.stem}_{digest}"
+    if name in sys.modules:
+        return sys.modules[name]
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ValueError(f"reward {spec!r}: cannot load {str(path)!r} as a Python module")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def _unknown_message(name: str) -> str:
+    near = difflib.get_close_matches(name, BUILTIN_REWARDS, n=3, cutoff=0.5)
+    hint = f" (did you mean {', '.join(repr(n) for n in near)}?)" if near else ""
+    return (
+        f"unknown reward {name!r}{hint}; built-ins: {', '.join(sorted(BUILTIN_REWARDS))}; "
+        "or give an import path 'package.module:function' or 'path/to/file.py:function'"
+    )

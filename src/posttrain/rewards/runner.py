@@ -1,0 +1,405 @@
+"""Run several reward functions on a batch: concurrently, under a timeout, never crashing.
+
+    runner = RewardRunner([("math_accuracy", math_accuracy), ("format", format_reward())],
+                          weights=[1.0, 0.2], timeout_s=10.0)
+    result = runner.score(prompts, completions, completion_ids, {"answer": answers})
+    result.total            # (B,) float32: Σ_f weight_f · reward_f, None terms left out
+    result.per_function     # {"math_accuracy": [1.0, 0.0, None, ...], ...}
+    result.metrics          # {"reward/mean": ..., "reward/math_accuracy/errors": 0, ...}
+
+A reward function has TRL's signature, `fn(prompts, completions, completion_ids, **columns)
+-> list[float | None]`, called with keyword arguments only; every dataset column arrives as a
+list aligned with `completions`.
+
+What the runner does with what a function gives back (the semantics, in one place):
+  - None means "not applicable": the sample is left out of that function's mean/std and adds
+    nothing to the weighted total. A sample for which every function says None gets total 0
+    and still counts in `reward/mean` (as TRL's nansum does).
+  - NaN is read as None (TRL itself turns None into NaN).
+  - An exception raised by the call, a call still running after `timeout_s`, a list of the
+    wrong length, or an element that is not a finite number (a string, ±inf, ...) gives the
+    affected samples `failure_reward` and counts them in `reward/<fn>/errors`. The first
+    `MAX_LOGGED_ERRORS` errors of each function are logged with their traceback.
+  - A function may put an `Exception` instance in place of one element: that sample alone
+    fails, exactly as if a per-sample call had raised (the LLM judge does this for a
+    request that failed after its retries).
+
+Granularity: one call per function for the whole batch, all functions at once, each in its
+own thread. If the batched call raises, the function is called again once per sample (at
+most `max_workers` threads at a time, under a fresh `timeout_s`), so only the samples that
+really fail get the failure reward; a batch therefore takes at most 2 × `timeout_s`. A batch
+call that times out fails the whole batch: retrying it sample by sample would double the
+wait and leave more threads hung. So a function is called from several threads at once
+(the retries), and different functions run side by side: a function with shared mutable
+state must guard it with a lock.
+
+Timeouts and threads: Python cannot kill a thread. A call that overruns is abandoned: it runs
+in a daemon thread, so it never blocks the process from exiting, its result is thrown away,
+and `reward/hung_threads` counts the abandoned threads still alive. A function that hangs in
+pure-Python CPU work keeps one core (and a share of the GIL) busy until it returns; work that
+can hang for good (generated code) belongs in a subprocess, as `code_tests` does through
+`posttrain.rewards.sandbox`. We chose threads over a process pool because reward functions
+are often closures or lambdas that cannot be pickled, and they share caches (tokenizers,
+judges' connection settings) with the trainer process.
+
+Metrics (TRL logs `reward`, `reward_std`, `rewards/<fn>/mean|std`; the meaning is the same):
+  reward/mean, reward/std            over the weighted totals of the batch
+  reward/<fn>/mean, reward/<fn>/std  over the samples where fn gave a value (failure rewards
+                                     included); NaN when it gave none
+  reward/<fn>/errors                 samples that got the failure reward
+  reward/<fn>/none_frac              fraction of samples where fn said None (or NaN)
+  reward/<fn>/time_s                 wall time of the function's batch call
+  reward/<fn>/<key>                  whatever `fn.pop_metrics()` returns, if fn has it
+  reward/hung_threads                abandoned calls still running
+Standard deviations are Bessel-corrected, as TRL's `nanstd`, and 0.0 for fewer than two values.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+RewardFn = Callable[..., Sequence[Any]]
+MAX_LOGGED_ERRORS = 3
+
+
+@dataclass
+class RewardResult:
+    """Rewards of one batch of B completions."""
+
+    total: torch.Tensor  # (B,) float32: Σ_f weight_f · reward_f over the fns that gave a value
+    per_function: dict[str, list[float | None]]  # name -> B values; failures hold failure_reward
+    metrics: dict[str, float] = field(default_factory=dict)  # see the module docstring
+
+
+class _Call:
+    """One call of a reward function in a daemon thread; `done` is set when it returns or raises."""
+
+    def __init__(self, fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> None:
+        self.done = threading.Event()
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        self.thread = threading.Thread(target=self._run, args=(fn, kwargs), daemon=True)
+        self.thread.start()
+
+    def _run(self, fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> None:
+        start = time.monotonic()
+        try:
+            self.value = fn(**kwargs)
+        except BaseException as e:  # noqa: BLE001 - a reward function must never kill the run
+            self.error = e
+        finally:
+            self.seconds = time.monotonic() - start
+            self.done.set()
+
+
+def map_in_daemon_threads(
+    fn: Callable[[Any], Any], items: Sequence[Any], workers: int, timeout_s: float | None = None
+) -> tuple[list[Any], list[BaseException | None], list[threading.Thread]]:
+    """`[fn(x) for x in items]` on up to `workers` daemon threads, waiting at most `timeout_s`.
+
+    Returns (results, errors, stragglers): results[i] is fn(items[i]) (None if it raised or did
+    not finish), errors[i] the exception it raised, a `TimeoutError` if it did not finish in
+    time, or None; stragglers are the threads still running at the deadline (abandoned: what
+    they finish later is thrown away).
+    """
+    n = len(items)
+    results: list[Any] = [None] * n
+    errors: list[BaseException | None] = [TimeoutError(f"not finished within {timeout_s} s")] * n
+    todo: queue.SimpleQueue[int] = queue.SimpleQueue()
+    for i in range(n):
+        todo.put(i)
+    lock, closed = threading.Lock(), [False]
+
+    def work() -> None:
+        while not closed[0]:
+            try:
+                i = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                value, error = fn(items[i]), None
+            except BaseException as e:  # noqa: BLE001 - reported through `errors`
+                value, error = None, e
+            with lock:
+                if not closed[0]:
+                    results[i], errors[i] = value, error
+
+    threads = [threading.Thread(target=work, daemon=True) for _ in range(min(workers, n))]
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    with lock:
+        closed[0] = True
+        return list(results), list(errors), [t for t in threads if t.is_alive()]
+
+
+class RewardRunner:
+    """Calls reward functions on a batch and combines them into one weighted reward.
+
+    Args:
+        functions: (name, fn) pairs; names must be unique (they key the metrics).
+            `RewardRunner.from_specs` builds them from names, option dicts or import paths.
+        weights: one weight per function (TRL's `reward_weights`); None gives all 1.0.
+        timeout_s: how long a batch call may run; per-sample retries get as long again.
+        failure_reward: the value of a sample whose reward call failed, before weighting.
+        max_workers: threads per function for the per-sample retries after a batch call raised.
+    """
+
+    def __init__(
+        self,
+        functions: Sequence[tuple[str, RewardFn]],
+        weights: Sequence[float] | None = None,
+        timeout_s: float = 10.0,
+        failure_reward: float = 0.0,
+        max_workers: int = 8,
+    ) -> None:
+        names = [name for name, _ in functions]
+        if not names:
+            raise ValueError("RewardRunner needs at least one reward function")
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"reward function names must be unique, repeated: {dupes}")
+        for name, fn in functions:
+            if not callable(fn):
+                raise TypeError(f"reward function {name!r} is not callable: {fn!r}")
+        weights = [1.0] * len(names) if weights is None else [float(w) for w in weights]
+        if len(weights) != len(names):
+            raise ValueError(
+                f"{len(weights)} reward weights for {len(names)} reward functions {names}"
+            )
+        if not timeout_s > 0 or max_workers < 1:
+            raise ValueError(
+                f"need timeout_s > 0 and max_workers >= 1, got {timeout_s}, {max_workers}"
+            )
+        if not math.isfinite(failure_reward):
+            raise ValueError(f"failure_reward must be finite, got {failure_reward}")
+        self.functions = list(functions)
+        self.weights = weights
+        self.timeout_s = timeout_s
+        self.failure_reward = float(failure_reward)
+        self.max_workers = max_workers
+        self._logged = dict.fromkeys(names, 0)
+        self._hung: list[threading.Thread] = []
+
+    @classmethod
+    def from_specs(cls, specs: Sequence[Any], **kwargs: Any) -> RewardRunner:
+        """Build from specs `resolve_reward` understands: "math_accuracy", {"name": ...}, "pkg.mod:fn"."""
+        from posttrain.rewards.registry import resolve_reward
+
+        return cls([resolve_reward(spec) for spec in specs], **kwargs)
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _ in self.functions]
+
+    def score(
+        self,
+        prompts: Sequence[Any],
+        completions: Sequence[Any],
+        completion_ids: Sequence[Sequence[int]] | None = None,
+        columns: Mapping[str, Sequence[Any]] | None = None,
+    ) -> RewardResult:
+        """Rewards of B completions; every column must hold B values (one per completion)."""
+        n = len(completions)
+        kwargs = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids}
+        for key, values in (columns or {}).items():
+            if key in kwargs:
+                raise ValueError(f"column {key!r} clashes with a reward-function argument")
+            kwargs[key] = values
+        for key, values in kwargs.items():
+            if values is not None and len(values) != n:
+                raise ValueError(f"{key} has {len(values)} entries for {n} completions")
+
+        calls = [_Call(fn, kwargs) for _, fn in self.functions]
+        deadline = time.monotonic() + self.timeout_s
+        for call in calls:
+            call.done.wait(max(0.0, deadline - time.monotonic()))
+
+        per_function: dict[str, list[float | None]] = {}
+        errors: dict[str, int] = {}
+        retry: list[tuple[str, RewardFn]] = []
+        for (name, fn), call in zip(self.functions, calls):
+            if not call.done.is_set():
+                self._hung.append(call.thread)
+                self._log(
+                    name,
+                    f"timed out after {self.timeout_s} s on a batch of {n}; "
+                    "the call is abandoned in a daemon thread",
+                    None,
+                )
+                per_function[name], errors[name] = [self.failure_reward] * n, n
+            elif call.error is not None:
+                self._log(name, f"raised on a batch of {n}; retrying sample by sample", call.error)
+                retry.append((name, fn))
+            else:
+                per_function[name], errors[name] = self._check(name, call.value, n)
+        if retry:
+            self._retry_per_sample(retry, kwargs, n, per_function, errors)
+
+        ordered = {name: per_function[name] for name in self.names}
+        times = {
+            name: call.seconds if call.done.is_set() else self.timeout_s
+            for name, call in zip(self.names, calls)
+        }
+        return self._combine(ordered, errors, times)
+
+    def _retry_per_sample(
+        self,
+        failed: Sequence[tuple[str, RewardFn]],
+        kwargs: Mapping[str, Any],
+        n: int,
+        per_function: dict[str, list[float | None]],
+        errors: dict[str, int],
+    ) -> None:
+        """Call each failed function once per sample, all at once, under one fresh timeout."""
+        jobs = [(fn, i) for _, fn in failed for i in range(n)]
+
+        def one(job: tuple[RewardFn, int]) -> Any:
+            fn, i = job
+            out = fn(**{k: (v if v is None else v[i : i + 1]) for k, v in kwargs.items()})
+            if isinstance(out, torch.Tensor):
+                out = out.reshape(-1).tolist()
+            if isinstance(out, (str, bytes)) or not hasattr(out, "__len__") or len(out) != 1:
+                raise ValueError(f"returned {_show(out)} for 1 completion (per-sample retry)")
+            return out[0]
+
+        values, errs, stragglers = map_in_daemon_threads(
+            one, jobs, self.max_workers * len(failed), self.timeout_s
+        )
+        self._hung.extend(stragglers)
+        for k, (name, _) in enumerate(failed):
+            per_function[name], errors[name] = [], 0
+            for i in range(n):
+                value, err = values[k * n + i], errs[k * n + i]
+                reward, problem = (None, err) if err is not None else _to_float(value)
+                if problem is not None:
+                    self._log(name, f"failed on sample {i} (per-sample retry)", problem)
+                    reward, errors[name] = self.failure_reward, errors[name] + 1
+                per_function[name].append(reward)
+
+    def _check(self, name: str, out: Any, n: int) -> tuple[list[float | None], int]:
+        """Validate a batch call's output; bad elements get the failure reward."""
+        if isinstance(out, torch.Tensor):
+            out = out.tolist() if out.dim() == 1 else out
+        try:
+            length = len(out)
+        except TypeError:
+            length = None
+        if length != n or isinstance(out, (str, bytes, Mapping)):
+            self._log(
+                name,
+                f"returned {_show(out)} for {n} completions; expected a list of {n} floats or None",
+                None,
+            )
+            return [self.failure_reward] * n, n
+        rewards: list[float | None] = []
+        n_errors = 0
+        for i, value in enumerate(out):
+            reward, problem = _to_float(value)
+            if problem is not None:
+                self._log(name, f"failed on sample {i}", problem)
+                reward, n_errors = self.failure_reward, n_errors + 1
+            rewards.append(reward)
+        return rewards, n_errors
+
+    def _combine(
+        self,
+        per_function: dict[str, list[float | None]],
+        errors: dict[str, int],
+        times: dict[str, float],
+    ) -> RewardResult:
+        n = len(next(iter(per_function.values())))
+        total = [0.0] * n
+        metrics: dict[str, float] = {}
+        for (name, fn), weight in zip(self.functions, self.weights):
+            values = per_function[name]
+            given = [v for v in values if v is not None]
+            for i, v in enumerate(values):
+                if v is not None:
+                    total[i] += weight * v
+            metrics[f"reward/{name}/mean"] = sum(given) / len(given) if given else math.nan
+            metrics[f"reward/{name}/std"] = _std(given) if given else math.nan
+            metrics[f"reward/{name}/errors"] = float(errors[name])
+            metrics[f"reward/{name}/none_frac"] = (n - len(given)) / n if n else 0.0
+            metrics[f"reward/{name}/time_s"] = times[name]
+            metrics.update(self._extra_metrics(name, fn))
+        metrics["reward/mean"] = sum(total) / n if n else math.nan
+        metrics["reward/std"] = _std(total)
+        self._hung = [t for t in self._hung if t.is_alive()]
+        metrics["reward/hung_threads"] = float(len(self._hung))
+        return RewardResult(torch.tensor(total, dtype=torch.float32), per_function, metrics)
+
+    def _extra_metrics(self, name: str, fn: RewardFn) -> dict[str, float]:
+        pop = getattr(fn, "pop_metrics", None)
+        if not callable(pop):
+            return {}
+        try:
+            return {f"reward/{name}/{k}": float(v) for k, v in pop().items()}
+        except Exception as e:  # noqa: BLE001 - metrics are never worth a crash
+            self._log(name, "pop_metrics() failed", e)
+            return {}
+
+    def _log(self, name: str, what: str, error: BaseException | None) -> None:
+        self._logged[name] += 1
+        count = self._logged[name]
+        if count > MAX_LOGGED_ERRORS:
+            return
+        detail = ""
+        if error is not None:
+            detail = "\n" + "".join(
+                traceback.format_exception(type(error), error, error.__traceback__)
+            )
+        more = (
+            f" (further errors of {name!r} are only counted in reward/{name}/errors)"
+            if count == MAX_LOGGED_ERRORS
+            else ""
+        )
+        logger.warning("reward function %r %s%s%s", name, what, more, detail)
+
+
+def _to_float(value: Any) -> tuple[float | None, BaseException | None]:
+    """(reward, None) for a usable value (None and NaN give None), else (None, the problem)."""
+    if value is None:
+        return None, None
+    if isinstance(value, BaseException):
+        return None, value
+    if isinstance(value, (torch.Tensor,)) and value.numel() == 1:
+        value = value.item()
+    elif hasattr(value, "item") and getattr(value, "size", None) == 1:  # numpy scalar / 0-d array
+        value = value.item()
+    if not isinstance(value, numbers.Real):
+        return None, TypeError(f"returned {_show(value)} ({type(value).__name__}), not a number")
+    value = float(value)
+    if math.isnan(value):
+        return None, None
+    if math.isinf(value):
+        return None, ValueError(f"returned {value}, not a finite number")
+    return value, None
+
+
+def _std(values: Sequence[float]) -> float:
+    if len(values) < 2:
+        return 0.0
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+def _show(value: Any, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,312 @@
+"""RewardRunner: weighting, None/NaN, metrics, failures, timeouts, concurrency; the registry."""
+
+from __future__ import annotations
+
+import logging
+import math
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from posttrain.rewards import BUILTIN_REWARDS, RewardRunner, resolve_reward
+
+
+def const(values):
+    def fn(prompts, completions, completion_ids, **kwargs):
+        return list(values)
+
+    return fn
+
+
+def score(runner, n=3, **columns):
+    return runner.score(["p"] * n, [f"c{i}" for i in range(n)], [[1]] * n, columns)
+
+
+# ---------------------------------------------------------------- combining
+
+
+def test_weights_combine_and_none_is_left_out():
+    runner = RewardRunner(
+        [("a", const([1.0, 0.0, None])), ("b", const([0.5, None, None]))], weights=[2.0, -1.0]
+    )
+    result = score(runner)
+    # sample 0: 2·1 − 0.5 = 1.5; sample 1: 2·0 = 0 (b says None); sample 2: all None → 0
+    assert result.total.tolist() == [1.5, 0.0, 0.0]
+    assert result.total.dtype == torch.float32
+    assert result.per_function == {"a": [1.0, 0.0, None], "b": [0.5, None, None]}
+    m = result.metrics
+    assert m["reward/a/mean"] == 0.5  # mean of 1, 0: the None is not a zero
+    assert m["reward/a/std"] == pytest.approx(math.sqrt(0.5))  # Bessel: ((.5²+.5²)/1)^.5
+    assert m["reward/a/none_frac"] == pytest.approx(1 / 3)
+    assert m["reward/b/mean"] == 0.5 and m["reward/b/std"] == 0.0  # one value
+    assert m["reward/b/none_frac"] == pytest.approx(2 / 3)
+    assert m["reward/mean"] == 0.5  # (1.5 + 0 + 0) / 3: all-None samples still count
+    assert m["reward/std"] == pytest.approx(math.sqrt(((1.0**2) + 0.5**2 + 0.5**2) / 2))
+    assert m["reward/a/errors"] == m["reward/b/errors"] == 0.0
+    assert {"reward/a/time_s", "reward/hung_threads"} <= m.keys()
+
+
+def test_default_weights_are_one_and_nan_means_none():
+    runner = RewardRunner([("a", const([1.0, math.nan])), ("b", const([True, 2]))])
+    result = score(runner, n=2)
+    assert result.per_function["a"] == [1.0, None]
+    assert result.per_function["b"] == [1.0, 2.0]  # bools and ints are numbers
+    assert result.total.tolist() == [2.0, 2.0]
+
+
+def test_all_none_function_has_nan_mean():
+    result = score(RewardRunner([("a", const([None, None]))]), n=2)
+    assert math.isnan(result.metrics["reward/a/mean"])
+    assert result.metrics["reward/a/none_frac"] == 1.0
+    assert result.total.tolist() == [0.0, 0.0]
+
+
+def test_columns_arrive_as_keyword_lists():
+    seen = {}
+
+    def fn(prompts, completions, completion_ids, answer, **kwargs):
+        seen.update(
+            prompts=prompts,
+            completions=completions,
+            ids=completion_ids,
+            answer=answer,
+            extra=kwargs,
+        )
+        return [float(c == a) for c, a in zip(completions, answer)]
+
+    result = RewardRunner([("fn", fn)]).score(
+        ["p0", "p1"], ["x", "y"], [[1], [2, 3]], {"answer": ["x", "z"], "task": ["t", "t"]}
+    )
+    assert result.total.tolist() == [1.0, 0.0]
+    assert seen == {
+        "prompts": ["p0", "p1"],
+        "completions": ["x", "y"],
+        "ids": [[1], [2, 3]],
+        "answer": ["x", "z"],
+        "extra": {"task": ["t", "t"]},
+    }
+
+
+def test_bad_construction_and_misaligned_columns_raise():
+    with pytest.raises(ValueError, match="unique"):
+        RewardRunner([("a", const([])), ("a", const([]))])
+    with pytest.raises(ValueError, match="1 reward weights for 2"):
+        RewardRunner([("a", const([])), ("b", const([]))], weights=[1.0])
+    with pytest.raises(ValueError, match="answer has 1 entries for 2"):
+        RewardRunner([("a", const([1, 1]))]).score(["p", "p"], ["x", "y"], None, {"answer": ["x"]})
+
+
+# ---------------------------------------------------------------- failures
+
+
+def test_raising_function_falls_back_per_sample(caplog):
+    def picky(completions, **kwargs):
+        if "bad" in completions:
+            raise ZeroDivisionError("boom")
+        return [1.0] * len(completions)
+
+    runner = RewardRunner([("picky", picky), ("ok", const([0.5, 0.5, 0.5]))], failure_reward=-1.0)
+    with caplog.at_level(logging.WARNING, logger="posttrain.rewards.runner"):
+        result = runner.score(["p"] * 3, ["good", "bad", "good"], None)
+    # only the sample that raises on its own gets the failure reward
+    assert result.per_function["picky"] == [1.0, -1.0, 1.0]
+    assert result.metrics["reward/picky/errors"] == 1.0
+    assert result.total.tolist() == [1.5, -0.5, 1.5]
+    assert "ZeroDivisionError: boom" in caplog.text  # traceback logged
+    assert "'picky'" in caplog.text
+
+
+def test_always_raising_function_fails_every_sample_and_run_goes_on():
+    def broken(**kwargs):
+        raise RuntimeError("always")
+
+    runner = RewardRunner([("broken", broken), ("ok", const([1.0, 1.0]))])
+    result = score(runner, n=2)
+    assert result.per_function["broken"] == [0.0, 0.0]
+    assert result.metrics["reward/broken/errors"] == 2.0
+    assert result.total.tolist() == [1.0, 1.0]
+
+
+def test_only_the_first_errors_are_logged(caplog):
+    def broken(**kwargs):
+        raise RuntimeError("always")
+
+    runner = RewardRunner([("broken", broken)])
+    with caplog.at_level(logging.WARNING, logger="posttrain.rewards.runner"):
+        for _ in range(3):
+            score(runner, n=4)
+    assert len(caplog.records) == 3
+    assert "only counted" in caplog.records[-1].getMessage()
+
+
+@pytest.mark.parametrize(
+    ("output", "what"),
+    [
+        ([1.0], "returned [1.0] for 2"),
+        ("ab", "returned 'ab'"),
+        (None, "returned None"),
+        (3.0, "returned 3.0"),
+    ],
+)
+def test_wrong_length_fails_the_batch_and_names_the_function(output, what, caplog):
+    with caplog.at_level(logging.WARNING, logger="posttrain.rewards.runner"):
+        result = score(RewardRunner([("short", lambda **k: output)]), n=2)
+    assert result.per_function["short"] == [0.0, 0.0]
+    assert result.metrics["reward/short/errors"] == 2.0
+    assert "'short'" in caplog.text and what in caplog.text
+
+
+def test_bad_elements_fail_only_their_sample(caplog):
+    runner = RewardRunner(
+        [("mixed", const([1.0, "x", math.inf, ValueError("judge down"), None]))],
+        failure_reward=-0.5,
+    )
+    with caplog.at_level(logging.WARNING, logger="posttrain.rewards.runner"):
+        result = score(runner, n=5)
+    assert result.per_function["mixed"] == [1.0, -0.5, -0.5, -0.5, None]
+    assert result.metrics["reward/mixed/errors"] == 3.0
+    assert "returned 'x' (str), not a number" in caplog.text
+    assert "judge down" in caplog.text
+
+
+def test_tensor_output_is_accepted():
+    result = score(RewardRunner([("t", lambda **k: torch.tensor([0.25, 0.75]))]), n=2)
+    assert result.per_function["t"] == [0.25, 0.75]
+
+
+def test_sleeping_function_times_out_quickly():
+    def sleepy(**kwargs):
+        time.sleep(60)
+
+    runner = RewardRunner(
+        [("sleepy", sleepy), ("ok", const([1.0, 1.0]))], timeout_s=0.5, failure_reward=-1.0
+    )
+    start = time.monotonic()
+    result = score(runner, n=2)
+    elapsed = time.monotonic() - start
+    assert 0.45 < elapsed < 1.0
+    assert result.per_function["sleepy"] == [-1.0, -1.0]
+    assert result.metrics["reward/sleepy/errors"] == 2.0
+    assert result.metrics["reward/hung_threads"] == 1.0
+    assert result.total.tolist() == [0.0, 0.0]
+
+
+def test_per_sample_retry_is_bounded_by_the_timeout():
+    def raise_then_hang(completions, **kwargs):
+        if len(completions) > 1:
+            raise RuntimeError("batch fails")
+        if completions[0] == "c1":
+            time.sleep(60)
+        return [1.0]
+
+    runner = RewardRunner([("f", raise_then_hang)], timeout_s=0.3)
+    start = time.monotonic()
+    result = score(runner, n=3)
+    assert time.monotonic() - start < 0.9  # ≤ 2 × timeout_s
+    assert result.per_function["f"] == [1.0, 0.0, 1.0]
+    assert result.metrics["reward/f/errors"] == 1.0
+
+
+def test_hung_reward_thread_does_not_block_exit():
+    code = textwrap.dedent("""
+        import time
+        from posttrain.rewards.runner import RewardRunner
+        def hang(**kwargs):
+            time.sleep(600)
+        r = RewardRunner([("hang", hang)], timeout_s=0.2).score(["p"], ["c"], None)
+        print(r.per_function["hang"], r.metrics["reward/hang/errors"])
+    """)
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["[0.0]", "1.0"]
+    assert time.monotonic() - start < 30  # the process exited without waiting for the sleep
+
+
+def test_functions_run_concurrently():
+    def slow(value):
+        def fn(completions, **kwargs):
+            time.sleep(0.3)
+            return [value] * len(completions)
+
+        return fn
+
+    runner = RewardRunner([("a", slow(1.0)), ("b", slow(2.0))])
+    start = time.monotonic()
+    result = score(runner, n=2)
+    assert time.monotonic() - start < 0.55
+    assert result.total.tolist() == [3.0, 3.0]
+
+
+def test_pop_metrics_of_a_function_are_logged_under_its_name():
+    class Counting:
+        def __call__(self, completions, **kwargs):
+            return [1.0] * len(completions)
+
+        def pop_metrics(self):
+            return {"requests": 2}
+
+    result = score(RewardRunner([("judge", Counting())]), n=2)
+    assert result.metrics["reward/judge/requests"] == 2.0
+
+
+# ---------------------------------------------------------------- registry
+
+
+def test_resolve_builtin_names_and_factories():
+    name, fn = resolve_reward("math_accuracy")
+    assert name == "math_accuracy" and fn is BUILTIN_REWARDS["math_accuracy"]
+    name, fn = resolve_reward("format_reward")  # a factory with its defaults
+    assert name == "format_reward"
+    assert fn(["<think>x</think><answer>1</answer>", "no"]) == [1.0, 0.0]
+    name, fn = resolve_reward({"name": "format_reward", "pattern": r"^\d+$"})
+    assert fn(["123", "12a"]) == [1.0, 0.0]
+    name, fn = resolve_reward({"name": "overlong_penalty", "max_len": 4, "buffer_len": 2})
+    assert fn(completion_ids=[[0] * 3]) == [-0.5]
+
+
+def test_unknown_name_suggests_the_nearest_builtin():
+    with pytest.raises(
+        ValueError, match=r"unknown reward 'math_acuracy' \(did you mean 'math_accuracy'"
+    ):
+        resolve_reward("math_acuracy")
+    with pytest.raises(ValueError, match="has no option foo"):
+        resolve_reward({"name": "exact_match", "foo": 1})
+    with pytest.raises(ValueError, match=r"overlong_penalty.*max_len"):
+        resolve_reward("overlong_penalty")  # required options missing
+
+
+def test_import_path_from_a_file(tmp_path):
+    path = tmp_path / "my_rewards.py"
+    path.write_text(
+        textwrap.dedent("""
+        def brevity(completions, **kwargs):
+            return [1.0 / (1 + len(c)) for c in completions]
+
+        def make_threshold(limit):
+            def threshold(completions, **kwargs):
+                return [float(len(c) <= limit) for c in completions]
+            return threshold
+    """)
+    )
+    name, fn = resolve_reward(f"{path}:brevity")
+    assert name == "brevity" and fn(["abc"]) == [0.25]
+    name, fn = resolve_reward({"name": f"{path}:make_threshold", "limit": 2})
+    assert name == "make_threshold" and fn(["ab", "abc"]) == [1.0, 0.0]
+    runner = RewardRunner.from_specs([f"{path}:brevity", "exact_match"], weights=[1.0, 1.0])
+    assert score(runner, n=1, answer=["c0"]).total.tolist() == [pytest.approx(1 / 3 + 1.0)]
+    with pytest.raises(ValueError, match=r"has no 'brevty'; did you mean brevity"):
+        resolve_reward(f"{path}:brevty")
+    with pytest.raises(ValueError, match="no such file"):
+        resolve_reward(f"{tmp_path}/missing.py:brevity")
+
+
+def test_import_path_from_a_module():
+    name, fn = resolve_reward("posttrain.rewards.builtin:exact_match")
+    assert name == "exact_match" and fn(["Answer: 4"], answer=["4"]) == [1.0]
+    with pytest.raises(ValueError, match="cannot import module 'no_such_pkg.mod'"):
+        resolve_reward("no_such_pkg.mod:fn")
