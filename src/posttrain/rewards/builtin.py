@@ -15,6 +15,7 @@ applicable to this sample" (see `posttrain.rewards.runner` for how it is combine
     task_reward       factory   the scorer of a bundled task or `rg:<name>`       answer, task
     code_tests        function  fraction of the row's asserts the code passes     tests
     llm_judge         factory   an OpenAI-compatible judge's 0..max_score grade   answer (optional)
+    reward_model      factory   a trained reward model's score of prompt + completion   -
 
 A factory is called to get the function: `format_reward(pattern=...)`. The registry does
 that for you from a name or a `{"name": ..., **options}` dict.
@@ -34,6 +35,7 @@ import torch
 
 from posttrain.algos.dapo import overlong_penalty as _dapo_overlong_penalty
 from posttrain.rewards.judge import llm_judge
+from posttrain.rewards.reward_model import reward_model
 
 __all__ = [
     "BUILTIN_REWARDS",
@@ -363,6 +365,7 @@ BUILTIN_REWARDS: dict[str, Callable[..., Any]] = {
     "task_reward": task_reward,
     "code_tests": code_tests,
     "llm_judge": llm_judge,
+    "reward_model": reward_model,
 }
 # Entries that build the reward function from options rather than being one.
-REWARD_FACTORIES = frozenset({"format_reward", "overlong_penalty", "task_reward", "llm_judge"})
+REWARD_FACTORIES = frozenset({"format_reward", "overlong_penalty", "task_reward", "llm_judge", "reward_model"})
