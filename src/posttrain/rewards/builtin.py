@@ -300,7 +300,7 @@ def _reasoning_gym_scorer(dataset: str) -> Callable[[str, Any, str, dict], float
         metadata = row.get("metadata") or {}
         if isinstance(metadata, str):
             metadata = json.loads(metadata)
-        entry = {"question": row.get("question", prompt), "answer": answer, "metadata": metadata}
+        entry = {"question": row.get("question") or prompt, "answer": answer, "metadata": metadata}
         return float(score_answer(answer=extract_final_answer(completion), entry=entry))
 
     return score

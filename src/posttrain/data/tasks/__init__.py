@@ -66,7 +66,7 @@ def make_task(
 ) -> dict[str, Any]:
     """Write `train.jsonl`, `test.jsonl` and `task.json` for a task into `out_dir`.
 
-    Prompts are unique across both files. The test split is drawn first, so it depends
+    Each row also gets a `task` column with the task's name. Prompts are unique across both files. The test split is drawn first, so it depends
     only on (name, options, seed, n_test): growing `n_train` never changes it.
 
     Returns:
@@ -81,6 +81,8 @@ def make_task(
     rng, seen = random.Random(seed), set()
     test = _draw_unique(task, n_test, rng, seen, n_train + n_test)
     train = _draw_unique(task, n_train, rng, seen, n_train + n_test)
+    for row in (*test, *train):  # lets `task_reward` and `posttrain eval` find the scorer
+        row["task"] = name
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"train": out / "train.jsonl", "test": out / "test.jsonl", "task": out / "task.json"}
