@@ -2,7 +2,7 @@
 #   make demo   the main job (installs first)
 #   make test   the default test suite (installs first)
 # Installation: .venv is created if needed, torch==2.13.0 (CPU) goes in first so nothing
-# pulls a multi-GB CUDA build, then the package with its dev extra. A stamp keyed on the
+# pulls a multi-GB CUDA build, then the package with its dev, tracking and tasks extras. A stamp keyed on the
 # hash of pyproject.toml skips reinstalling when nothing changed.
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
@@ -19,7 +19,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check "torch==$(TORCH_VERSION)"
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev,tracking,tasks]'
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 

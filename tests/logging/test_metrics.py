@@ -1,19 +1,20 @@
-"""metrics.jsonl and the sinks (TensorBoard; W&B and MLflow through stand-in modules),
-resume truncation, samples, console progress and the package logger."""
+"""metrics.jsonl and the sinks (TensorBoard; W&B offline and MLflow's file store when
+installed), resume truncation, samples, console progress and the package logger."""
 
 import io
 import json
 import logging
 import math
+import struct
+import subprocess
 import sys
-import types
 
 import numpy as np
 import pytest
 import torch
 
 from posttrain.logging import MetricsLogger, Progress, get_logger, log_line
-from posttrain.logging.metrics import jsonable
+from posttrain.logging.metrics import jsonable, wandb_mode
 from posttrain.logging.progress import format_value
 
 
@@ -93,73 +94,188 @@ def test_missing_tracker_is_a_clear_error_before_anything_starts(tmp_path, monke
         MetricsLogger(tmp_path, ["comet"])
 
 
-class Recorder:
-    """Stands in for a tracker module, recording calls as (name, args, kwargs)."""
-
-    def __init__(self):
-        self.calls = []
-
-    def record(self, name, result=None):
-        def call(*args, **kwargs):
-            self.calls.append((name, args, kwargs))
-            return result
-
-        return call
-
-    def named(self, name):
-        return [(args, kwargs) for n, args, kwargs in self.calls if n == name]
+# --- W&B and MLflow, the real packages in their offline modes ---------------------------
 
 
-def fake_wandb(recorder):
-    run = types.SimpleNamespace(log=recorder.record("log"), finish=recorder.record("finish"))
-    return types.SimpleNamespace(
-        init=recorder.record("init", run), util=types.SimpleNamespace(generate_id=lambda: "id42")
-    )
+@pytest.fixture
+def offline(monkeypatch):
+    """No tracker key, mode or URI set, and the W&B server pointed at a closed local port."""
+    names = ["WANDB_API_KEY", "WANDB_MODE", "WANDB_PROJECT", "WANDB_RUN_ID", "WANDB_DIR"]
+    names += ["MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_ALLOW_FILE_STORE"]
+    for name in names:
+        monkeypatch.setenv(name, "")  # so that the value before (or its absence) is restored
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing reaches wandb.ai
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    monkeypatch.setenv("DO_NOT_TRACK", "true")
 
 
-def test_wandb_offline_by_default_and_resumes_the_same_run(tmp_path, monkeypatch):
-    rec = Recorder()
-    monkeypatch.setitem(sys.modules, "wandb", fake_wandb(rec))
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.delenv("WANDB_MODE", raising=False)
-    with MetricsLogger(tmp_path / "run", ["wandb"], config={"a": {"b": 1}}) as logger:
+@pytest.fixture
+def offline_wandb(tmp_path, monkeypatch, offline):
+    """wandb with its own dirs and no output; its service process is shut down after."""
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
+    monkeypatch.setenv("WANDB_DISABLE_CODE", "true")
+    for var in ("CONFIG", "CACHE", "DATA", "ARTIFACT"):
+        monkeypatch.setenv(f"WANDB_{var}_DIR", str(tmp_path / "wandb-home" / var.lower()))
+    yield wandb
+    wandb.teardown()  # ends wandb-core: no process is left behind
+
+
+def wandb_records(path):
+    """The protobuf records of an offline `.wandb` file (a LevelDB-style log after a header)."""
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, chunk, records = 7, 32768, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7 or data[pos : pos + 7] == bytes(7):  # block padding
+            pos += block - pos % block
+            continue
+        length, kind = struct.unpack("<HB", data[pos + 4 : pos + 7])  # after a CRC
+        chunk += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last piece of one
+            records.append(Record.FromString(chunk))
+            chunk = b""
+    return records
+
+
+def wandb_offline_run(run_dir):
+    """(run record, [(step, {key: value})]) of each offline run folder, oldest first."""
+    runs = []
+    for folder in sorted((run_dir / "wandb").glob("offline-run-*")):
+        (log,) = folder.glob("run-*.wandb")
+        records = wandb_records(log)
+        (run,) = [r.run for r in records if r.HasField("run")]
+        history = [
+            (
+                r.history.step.num,
+                {i.nested_key[0]: json.loads(i.value_json) for i in r.history.item},
+            )
+            for r in records
+            if r.HasField("history")
+        ]
+        runs.append((run, history))
+    return runs
+
+
+def test_wandb_runs_offline_in_the_run_dir_and_resumes_the_same_run(tmp_path, offline_wandb):
+    run_dir = tmp_path / "sft-run"
+    with MetricsLogger(run_dir, ["wandb"], config={"a": {"b": 1}}) as logger:
         logger.log(3, {"loss": 0.5, "note": "skipped"})
-    ((_, init),) = rec.named("init")
-    assert init["mode"] == "offline" and init["id"] == "id42" and init["resume"] == "allow"
-    assert init["dir"] == str(tmp_path / "run") and init["config"] == {"a": {"b": 1}}
-    assert rec.named("log") == [(({"loss": 0.5},), {"step": 3})]
-    assert len(rec.named("finish")) == 1
+        logger.log(4, {"loss": torch.tensor(0.25)})
+    offline_wandb.teardown()  # wandb-core writes the file's end after finish() returns
+    run_id = json.loads((run_dir / "tracking.json").read_text())["wandb_run_id"]
+    ((run, history),) = wandb_offline_run(run_dir)
+    assert (run.run_id, run.project, run.display_name) == (run_id, "posttrain", "sft-run")
+    config = {i.key: json.loads(i.value_json) for i in run.config.update}
+    assert config["a"] == {"b": 1}
+    assert [(step, row["loss"]) for step, row in history] == [(3, 0.5), (4, 0.25)]
+    assert "note" not in history[0][1]
 
-    monkeypatch.setenv("WANDB_API_KEY", "k")
-    sys.modules["wandb"].util.generate_id = lambda: "another"
-    MetricsLogger(tmp_path / "run", ["wandb"]).close()
-    init = rec.named("init")[-1][1]
-    assert init["mode"] == "online" and init["id"] == "id42"
-
-
-def fake_mlflow(recorder):
-    run = types.SimpleNamespace(info=types.SimpleNamespace(run_id="r1"))
-    names = ("set_tracking_uri", "set_experiment", "log_params", "log_metrics", "end_run")
-    module = types.SimpleNamespace(**{n: recorder.record(n) for n in names})
-    module.start_run = recorder.record("start_run", run)
-    return module
+    with MetricsLogger(run_dir, ["wandb"]) as logger:  # resumed
+        logger.log(5, {"loss": 0.125})
+    offline_wandb.teardown()
+    assert json.loads((run_dir / "tracking.json").read_text())["wandb_run_id"] == run_id
+    first, (run, history) = wandb_offline_run(run_dir)
+    assert run.run_id == run_id and first[0].run_id == run_id
+    assert [(step, row["loss"]) for step, row in history] == [(5, 0.125)]
 
 
-def test_mlflow_uses_a_store_in_the_run_dir(tmp_path, monkeypatch):
-    rec = Recorder()
-    monkeypatch.setitem(sys.modules, "mlflow", fake_mlflow(rec))
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    with MetricsLogger(tmp_path, ["mlflow"], config={"trainer": {"seed": 0}}) as logger:
-        logger.log(1, {"kl": 0.1})
-    assert rec.named("set_tracking_uri") == [(((tmp_path / "mlruns").as_uri(),), {})]
-    assert rec.named("log_params") == [(({"trainer.seed": "0"},), {})]
-    assert rec.named("log_metrics") == [(({"kl": 0.1},), {"step": 1})]
+def test_wandb_mode_is_offline_unless_a_key_or_a_mode_is_set(tmp_path, offline_wandb, monkeypatch):
+    assert wandb_mode({}) == "offline"
+    assert wandb_mode({"WANDB_API_KEY": "k"}) == "online"
+    assert wandb_mode({"WANDB_API_KEY": "k", "WANDB_MODE": "offline"}) == "offline"
+    monkeypatch.setenv("WANDB_MODE", "disabled")  # the user's mode is used
+    with MetricsLogger(tmp_path, ["wandb"]) as logger:
+        logger.log(1, {"loss": 1.0})
+    assert not list((tmp_path / "wandb").glob("*run-*"))
 
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tracking:5000")
-    MetricsLogger(tmp_path, ["mlflow"], config={"trainer": {"seed": 1}}).close()
-    assert len(rec.named("set_tracking_uri")) == 1  # the user's URI is left alone
-    assert rec.named("start_run")[-1] == ((), {"run_id": "r1"})  # the same run continues
-    assert len(rec.named("log_params")) == 1  # MLflow refuses changed params
+
+OFFLINE_TRAINING = """
+import atexit, json, sys
+connects = []
+sys.addaudithook(
+    lambda event, args: event == "socket.connect"
+    and isinstance(args[1], tuple)
+    and connects.append(args[1][:2])
+)
+atexit.register(lambda: print(json.dumps(connects)))  # runs last, after the trackers' hooks
+from posttrain.logging import MetricsLogger
+with MetricsLogger(sys.argv[1], ["wandb", "mlflow"], config={"a": 1}) as logger:
+    logger.log(1, {"loss": 1.0})
+"""
+
+
+def test_offline_trackers_contact_no_server_even_at_exit(tmp_path, offline_wandb):
+    """wandb.init(mode="offline") alone still sends wandb's analytics at exit: not here."""
+    pytest.importorskip("mlflow")
+    script = [sys.executable, "-c", OFFLINE_TRAINING, str(tmp_path / "run")]
+    done = subprocess.run(script, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == []  # not even to the fake server
+    assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert (tmp_path / "run" / "mlruns").is_dir()
+
+
+@pytest.fixture
+def local_mlflow(offline):
+    return pytest.importorskip("mlflow")
+
+
+def test_mlflow_writes_a_run_in_the_run_dir_and_resumes_it(tmp_path, local_mlflow):
+    run_dir = tmp_path / "dpo-run"
+    config = {"trainer": {"seed": 0, "lr": 1e-5}, "model": "tiny"}
+    with MetricsLogger(run_dir, ["mlflow"], config=config) as logger:
+        logger.log(1, {"kl": 0.1, "note": "skipped"})
+        logger.log(2, {"kl": np.float32(0.5)})
+    client = local_mlflow.MlflowClient((run_dir / "mlruns").as_uri())
+    run_id = json.loads((run_dir / "tracking.json").read_text())["mlflow_run_id"]
+    run = client.get_run(run_id)
+    assert run.info.run_name == "dpo-run" and run.info.status == "FINISHED"
+    assert client.get_experiment(run.info.experiment_id).name == "posttrain"
+    assert run.data.params == {"trainer.seed": "0", "trainer.lr": "1e-05", "model": "tiny"}
+    assert set(run.data.metrics) == {"kl"}
+
+    def history():
+        return [(m.step, m.value) for m in client.get_metric_history(run_id, "kl")]
+
+    assert history() == [(1, 0.1), (2, 0.5)]
+
+    with MetricsLogger(run_dir, ["mlflow"], config={"trainer": {"seed": 1}}) as logger:
+        assert client.get_run(run_id).info.status == "RUNNING"
+        logger.log(3, {"kl": 0.25})
+    assert history() == [(1, 0.1), (2, 0.5), (3, 0.25)]
+    assert client.get_run(run_id).data.params["trainer.seed"] == "0"  # not logged again
+    assert len(client.search_runs([run.info.experiment_id])) == 1
+
+
+def test_mlflow_uses_the_users_tracking_uri(tmp_path, local_mlflow, monkeypatch):
+    store = (tmp_path / "team-store").as_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "sweep")
+    for name in ("a", "b"):
+        with MetricsLogger(tmp_path / name, ["mlflow"]) as logger:
+            logger.log(1, {"loss": 2.0})
+    assert not (tmp_path / "a" / "mlruns").exists()
+    client = local_mlflow.MlflowClient(store)
+    runs = client.search_runs([client.get_experiment_by_name("sweep").experiment_id])
+    assert sorted(r.info.run_name for r in runs) == ["a", "b"]
+    assert all(r.data.metrics == {"loss": 2.0} for r in runs)
+
+
+def test_runs_in_one_process_each_keep_their_own_mlflow_store(tmp_path, local_mlflow):
+    for name in ("sft", "dpo"):
+        with MetricsLogger(tmp_path / name, ["mlflow"]) as logger:
+            logger.log(1, {"loss": 1.0})
+    for name in ("sft", "dpo"):
+        client = local_mlflow.MlflowClient((tmp_path / name / "mlruns").as_uri())
+        (run,) = client.search_runs([client.get_experiment_by_name("posttrain").experiment_id])
+        assert run.info.run_name == name
 
 
 # --- console ----------------------------------------------------------------------------

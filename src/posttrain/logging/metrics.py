@@ -10,6 +10,10 @@ from metrics.jsonl and samples.jsonl (each step then appears once), and makes
 TensorBoard hide the events after it (`purge_step`). The W&B and MLflow run ids are
 kept in `RUN_DIR/tracking.json`, so a resumed run continues the same tracker run;
 W&B ignores steps at or below the last one it has seen, with a warning.
+
+Both trackers stay on this machine unless told otherwise: W&B runs offline unless
+WANDB_API_KEY or WANDB_MODE is set, and MLflow writes to `RUN_DIR/mlruns` unless
+MLFLOW_TRACKING_URI is set. The `tracking` extra installs wandb and mlflow-skinny.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import importlib
 import json
 import math
 import os
+import time
+import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -102,15 +108,31 @@ class _TensorBoard:
         self.writer.close()
 
 
+def wandb_mode(environ: Mapping[str, str]) -> str:
+    """WANDB_MODE when set, else "online" when WANDB_API_KEY is set, else "offline"."""
+    return environ.get("WANDB_MODE") or ("online" if environ.get("WANDB_API_KEY") else "offline")
+
+
 class _Wandb:
-    """A W&B run in `RUN_DIR/wandb/`; offline unless WANDB_API_KEY or WANDB_MODE says otherwise."""
+    """A W&B run in `RUN_DIR/wandb/`, named after the run dir, with the config.
+
+    The mode is `wandb_mode(os.environ)`, "offline" by default: the run is then only
+    written to `RUN_DIR/wandb/offline-run-*/` (upload it later with `wandb sync`). Offline
+    mode is also put in the environment (WANDB_MODE=offline): wandb 0.31 reads it there
+    for its own analytics, which otherwise contact the W&B server at exit even when
+    `wandb.init(mode="offline")`. The run id is kept in tracking.json and the run is
+    started with `resume="allow"`, so a resumed training run continues the same W&B run
+    (offline, each start writes a folder of its own with that id). `close` finishes the
+    run; W&B's service process (wandb-core) may still be writing the run's last records
+    then, and ends with the Python process or at `wandb.teardown()`, which waits for it.
+    """
 
     def __init__(self, run_dir: Path, config: Mapping[str, Any] | None, tracking: dict):
         wandb = _import_tracker("wandb")
-        mode = os.environ.get("WANDB_MODE") or (
-            "online" if os.environ.get("WANDB_API_KEY") else "offline"
-        )
-        tracking.setdefault("wandb_run_id", wandb.util.generate_id())
+        mode = wandb_mode(os.environ)
+        if mode == "offline":
+            os.environ["WANDB_MODE"] = "offline"
+        tracking.setdefault("wandb_run_id", uuid.uuid4().hex[:12])
         self.run = wandb.init(
             dir=str(run_dir),
             project=os.environ.get("WANDB_PROJECT", "posttrain"),
@@ -132,31 +154,60 @@ class _Wandb:
 
 
 class _MLflow:
-    """An MLflow run; its store is `RUN_DIR/mlruns` unless MLFLOW_TRACKING_URI is set."""
+    """An MLflow run named after the run dir, with the flattened config as params (`a.b`).
+
+    Store: MLFLOW_TRACKING_URI when set (a server, `sqlite:///...`, ...). Otherwise MLflow's
+    file store in `RUN_DIR/mlruns`, which needs no server, no database package (it works
+    with mlflow-skinny) and no network; view it with `mlflow ui --backend-store-uri
+    RUN_DIR/mlruns`. MLflow 3 keeps the file store in maintenance mode and refuses it unless
+    MLFLOW_ALLOW_FILE_STORE=true, so that is set for the process when it is unset. The same
+    store is chosen on resume whatever is installed, so the run id kept in tracking.json is
+    found and that run continues (its params are not logged again: MLflow refuses changes).
+
+    It talks to its store through an `MlflowClient` of its own: MLflow's global state (the
+    tracking URI, which `mlflow.set_tracking_uri` also copies into MLFLOW_TRACKING_URI, and
+    the active run) is left alone, so runs in one process do not leak into each other.
+    Experiment: MLFLOW_EXPERIMENT_NAME, else "posttrain".
+    """
 
     def __init__(self, run_dir: Path, config: Mapping[str, Any] | None, tracking: dict):
-        self.mlflow = _import_tracker("mlflow")
-        if not os.environ.get("MLFLOW_TRACKING_URI"):
-            self.mlflow.set_tracking_uri((run_dir / "mlruns").resolve().as_uri())
-        resumed = "mlflow_run_id" in tracking
-        if resumed:
-            run = self.mlflow.start_run(run_id=tracking["mlflow_run_id"])
-        else:
-            self.mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "posttrain"))
-            run = self.mlflow.start_run(run_name=run_dir.name)
-            tracking["mlflow_run_id"] = run.info.run_id
-        if config and not resumed:  # MLflow refuses to change a logged parameter
+        mlflow = _import_tracker("mlflow")
+        from mlflow.entities import Metric, Param
+
+        self.Metric = Metric
+        self.tracking_uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if not self.tracking_uri:
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            self.tracking_uri = (run_dir / "mlruns").resolve().as_uri()
+        self.client = mlflow.MlflowClient(self.tracking_uri)
+        if "mlflow_run_id" in tracking:
+            self.run_id = tracking["mlflow_run_id"]
+            self.client.update_run(self.run_id, status="RUNNING")
+            return
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "posttrain")
+        experiment = self.client.get_experiment_by_name(name)
+        experiment_id = (
+            experiment.experiment_id if experiment else self.client.create_experiment(name)
+        )
+        self.run_id = self.client.create_run(experiment_id, run_name=run_dir.name).info.run_id
+        tracking["mlflow_run_id"] = self.run_id
+        if config:
             params = _flatten(jsonable(config))
-            self.mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
+            self.client.log_batch(
+                self.run_id, params=[Param(k, str(v)[:500]) for k, v in params.items()]
+            )
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
-        self.mlflow.log_metrics(scalars, step=step)
+        now = int(time.time() * 1000)
+        metrics = [self.Metric(k, v, now, step) for k, v in scalars.items()]
+        if metrics:
+            self.client.log_batch(self.run_id, metrics=metrics)
 
     def truncate_after(self, step: int) -> None:
         """MLflow keeps every logged value; its charts show the latest per step."""
 
     def close(self) -> None:
-        self.mlflow.end_run()
+        self.client.set_terminated(self.run_id)
 
 
 SINKS: dict[str, type] = {"tensorboard": _TensorBoard, "wandb": _Wandb, "mlflow": _MLflow}
