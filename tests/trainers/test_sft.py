@@ -124,3 +124,21 @@ def test_missing_training_data_is_a_clear_error(tmp_path):
     cfg = build_config(SFTConfig, None, ["model.init=tiny", f"data.train_files=[{bad}]"])
     with pytest.raises(ValueError, match=r"bad\.jsonl:2"):
         SFTTrainer(args=cfg)
+
+
+def test_diverging_run_stops_cleanly_and_keeps_the_last_good_checkpoint(arith, tmp_path):
+    from posttrain.trainers.core import TrainingDiverged
+
+    run = tmp_path / "run"
+    # An absurd learning rate: the first update overflows the weights, every later loss is
+    # inf/NaN, each such step is skipped and counted, and the guard stops the run.
+    cfg = build_config(
+        SFTConfig, None,
+        _overrides(arith, run, **{"trainer.max_steps": 10, "trainer.learning_rate": 1e30, "trainer.warmup_steps": 0,
+                                  "trainer.max_grad_norm": 0, "trainer.max_bad_steps": 3, "trainer.save_steps": 1}),
+    )
+    with pytest.raises(TrainingDiverged, match=r"3 consecutive steps.*last good checkpoint is at .*step-1"):
+        SFTTrainer(args=cfg).train()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["nonfinite_steps"] >= 1  # skipped steps are counted in the metrics
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-1"]  # none from bad steps

@@ -107,7 +107,8 @@ def fit(
             if step % cfg.logging_steps == 0 or evaluated_at == step or step == cfg.max_steps:
                 sink.log(step, metrics)
             progress.update(1, loss=result.loss, lr=result.lr, **_eval_view(last_eval))
-            if cfg.save_steps and step % cfg.save_steps == 0 or step == cfg.max_steps:
+            due = cfg.save_steps and step % cfg.save_steps == 0 or step == cfg.max_steps
+            if due and not result.nonfinite:  # a checkpoint is only ever a good state
                 last_ckpt = save_checkpoint(
                     run_dir, step, model, tokenizer, optimizer, scheduler,
                     batches.state_dict(), cfg.save_total_limit, metrics,
