@@ -1,0 +1,423 @@
+"""The online-RL config tree, shared by `posttrain grpo` and `posttrain ppo`.
+
+One tree covers PPO (critic + GAE), GRPO, DAPO, GSPO, Dr.GRPO, RLOO and REINFORCE++:
+an algorithm is a choice of `algorithm.adv_estimator` plus actor-loss and sampling
+settings (see `recipes/*.yaml`). PPO is `adv_estimator=gae`, which turns the critic on.
+
+Batch sizes, as veRL counts them:
+    data.train_batch_size          prompts per RL step (one rollout)
+    rollout.n                      responses per prompt → train_batch_size · n rows
+    actor.ppo_mini_batch_size      prompts per optimizer step → ppo_mini_batch_size · n rows;
+                                   train_batch_size / ppo_mini_batch_size optimizer steps per
+                                   epoch, `actor.ppo_epochs` epochs per RL step
+    actor.micro_batch_size         rows (responses) per forward/backward; gradients of a
+                                   mini-batch accumulate exactly (the update does not depend on it)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from posttrain.config.core import check
+from posttrain.config.sections import ModelConfig, TrainerConfig, check_divides
+
+log = logging.getLogger(__name__)
+
+ADV_ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp")
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+
+
+@dataclass
+class RLDataConfig:
+    """Prompts: a `prompt` column (a string or chat messages) plus any extra columns,
+    which reach the reward functions as keyword arguments (as TRL)."""
+
+    train_files: list[str] = field(default_factory=list)
+    """Training prompts: JSONL, JSON, Parquet or CSV files, or a saved `datasets` folder."""
+    eval_files: list[str] = field(default_factory=list)
+    """Held-out prompts for evaluation (same formats)."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt."""
+    max_prompt_length: int = 512
+    """Longest prompt in tokens (BOS / chat template included)."""
+    truncation: Literal["error", "left", "drop"] = "error"
+    """A longer prompt is an error naming the row (`error`, veRL's default), keeps its last
+    max_prompt_length tokens (`left`), or is dropped (`drop`); cut or dropped prompts are
+    counted in the metrics `data/n_truncated` and `data/n_dropped`."""
+    train_batch_size: int = 32
+    """Prompts per RL step; each gets rollout.n responses."""
+    shuffle: bool = True
+    """Shuffle the prompts every epoch (seeded by trainer.seed)."""
+
+    def validate(self) -> None:
+        check(self.max_prompt_length > 0, "data.max_prompt_length", "must be > 0")
+        check(self.train_batch_size > 0, "data.train_batch_size", f"must be > 0, got {self.train_batch_size}")
+
+
+@dataclass
+class RolloutConfig:
+    """Sampling the responses (`posttrain.rollout` engines)."""
+
+    n: int = 8
+    """Responses per prompt (TRL `num_generations`, veRL `rollout.n`); group estimators need n >= 2."""
+    max_new_tokens: int = 256
+    """Longest response; a response that reaches it without a stop token is truncated."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0). Log-probs are always those of softmax(logits / temperature)."""
+    top_p: float = 1.0
+    """Nucleus sampling (1 = off). Filters choose tokens; log-probs stay unfiltered (veRL's convention)."""
+    top_k: int = 0
+    """Top-k sampling (0 = off)."""
+    min_p: float = 0.0
+    """Min-p sampling (0 = off)."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings besides the EOS token."""
+    engine: Literal["auto", "native", "hf", "vllm"] = "auto"
+    """Generation engine: `native` (KV-cache decoding of built-in/Llama models), `hf`
+    (transformers generate), `vllm` (GPU), or `auto` (native when the model allows it, else hf)."""
+    max_batch_size: int = 0
+    """Native engine: most rows decoded at once (0 = all)."""
+    gpu_memory_utilization: float = 0.5
+    """vLLM engine: fraction of GPU memory it may take."""
+    use_rollout_logprobs: bool = False
+    """Use the engine's log-probs as old log-probs and skip the actor's recompute pass.
+    Checked once against a recompute on the first batch: if any token differs by more than
+    1e-3 the run warns and recomputes for the rest of the run (veRL recomputes always)."""
+
+    def validate(self) -> None:
+        check(self.n >= 1, "rollout.n", f"must be >= 1, got {self.n}")
+        check(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
+        check(self.temperature > 0, "rollout.temperature",
+              f"must be > 0 for RL (greedy samples carry no exploration), got {self.temperature}")
+        check(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
+        check(self.top_k >= 0 and self.max_batch_size >= 0, "rollout.top_k", "top_k and max_batch_size must be >= 0")
+
+
+@dataclass
+class PolicyLossConfig:
+    """The clipped surrogate loss (`posttrain.algos.policy_loss`)."""
+
+    level: Literal["token", "sequence"] = "token"
+    """Importance ratio per token (PPO, GRPO, DAPO) or per sequence, length-normalised (GSPO)."""
+    clip_low: float = 0.2
+    """ε_low: the ratio is clipped below at 1 − clip_low (TRL `epsilon`, veRL `clip_ratio_low`)."""
+    clip_high: float = 0.2
+    """ε_high: the ratio is clipped above at 1 + clip_high; > clip_low is DAPO's clip-higher."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 bounding the loss of negative advantages (veRL uses 3.0); null = off."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
+    """How per-token losses become one number (`posttrain.algos.aggregate_loss`): token-mean
+    (DAPO, TRL `loss_type="dapo"`, veRL default), seq-mean-token-mean (GRPO paper, GSPO),
+    seq-mean-token-sum, seq-mean-token-sum-norm (Dr.GRPO: ÷ rows · rollout.max_new_tokens)."""
+
+    def validate(self) -> None:
+        check(0 <= self.clip_low < 1, "actor.policy_loss.clip_low", f"must be in [0, 1), got {self.clip_low}")
+        check(self.clip_high >= 0, "actor.policy_loss.clip_high", f"must be >= 0, got {self.clip_high}")
+        check(self.dual_clip is None or self.dual_clip > 1, "actor.policy_loss.dual_clip",
+              f"must be > 1 (or null), got {self.dual_clip}")
+
+
+@dataclass
+class ActorConfig:
+    """Updating the policy on a rollout. Its learning rate and schedule are `trainer.*`."""
+
+    ppo_mini_batch_size: int | None = None
+    """Prompts per optimizer step (× rollout.n rows); must divide data.train_batch_size.
+    null = data.train_batch_size: one optimizer step per epoch (fully on-policy)."""
+    micro_batch_size: int = 8
+    """Rows (responses) per forward/backward; must divide ppo_mini_batch_size · rollout.n.
+    Memory only: the update is the same for any value."""
+    max_tokens_per_micro_batch: int = 0
+    """Dynamic batching (veRL `use_dynamic_bsz`): cut micro-batches by padded token count
+    instead of micro_batch_size (0 = off). Also used for the log-prob and value passes."""
+    ppo_epochs: int = 1
+    """Passes over each rollout (TRL `num_iterations`, veRL `ppo_epochs`); mini-batches are reshuffled each pass."""
+    entropy_coeff: float = 0.0
+    """Weight of the entropy bonus: loss −= entropy_coeff · entropy (aggregated as the policy loss)."""
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    """The clipped surrogate loss."""
+
+    def validate(self) -> None:
+        check(self.micro_batch_size >= 1, "actor.micro_batch_size", "must be >= 1")
+        check(self.ppo_epochs >= 1, "actor.ppo_epochs", "must be >= 1")
+        check(self.max_tokens_per_micro_batch >= 0, "actor.max_tokens_per_micro_batch", "must be >= 0")
+        check(self.ppo_mini_batch_size is None or self.ppo_mini_batch_size >= 1,
+              "actor.ppo_mini_batch_size", "must be >= 1 (or null)")
+
+
+@dataclass
+class CriticConfig:
+    """The value model of PPO: a backbone plus a scalar head (`posttrain.models.heads`)."""
+
+    enable: bool | None = None
+    """Train a critic; null = exactly when algorithm.adv_estimator is gae (the only estimator that uses one)."""
+    model_path: str | None = None
+    """Initial critic: a saved value/reward model directory; null = the policy's initial
+    weights with a fresh scalar head."""
+    share_backbone: bool = False
+    """Put the value head on the policy's own backbone: one forward, one optimizer, and the
+    loss policy + vf_coef · value (TRL's old value-head models). False = a separate model."""
+    learning_rate: float | None = None
+    """Critic learning rate (null = trainer.learning_rate); the schedule is trainer's."""
+    value_clip: float | None = 0.5
+    """Clip the new values to old ± value_clip in the loss (veRL 0.5, TRL 0.2); null = off."""
+    vf_coef: float = 0.1
+    """Weight of the value loss: in the joint loss when share_backbone (TRL 0.1), else it
+    scales the critic's own loss (with AdamW that mainly changes when grad clipping bites)."""
+    warmup_steps: int = 0
+    """RL steps at the start that train only the critic (veRL `critic_warmup`)."""
+    micro_batch_size: int | None = None
+    """Rows per critic forward/backward (null = actor.micro_batch_size)."""
+
+    def validate(self) -> None:
+        check(self.learning_rate is None or self.learning_rate > 0, "critic.learning_rate", "must be > 0")
+        check(self.value_clip is None or self.value_clip > 0, "critic.value_clip", "must be > 0 (or null)")
+        check(self.vf_coef > 0, "critic.vf_coef", f"must be > 0, got {self.vf_coef}")
+        check(self.warmup_steps >= 0, "critic.warmup_steps", "must be >= 0")
+        check(self.micro_batch_size is None or self.micro_batch_size >= 1, "critic.micro_batch_size", "must be >= 1")
+
+
+@dataclass
+class RewardConfig:
+    """Scoring responses: reward functions (TRL signature) and/or a trained reward model."""
+
+    functions: list[str | dict[str, Any]] = field(default_factory=list)
+    """Reward functions: built-in names (task_reward, math_accuracy, format_reward, …),
+    `{name: ..., option: ...}` mappings, or `module:function` / `file.py:function` paths."""
+    weights: list[float] | None = None
+    """One weight per function (null = all 1.0)."""
+    timeout_s: float = 10.0
+    """Seconds a reward function may take on a batch (per-sample retries get as long again)."""
+    failure_reward: float = 0.0
+    """Reward of a sample whose reward function raised or timed out (counted in reward/<fn>/errors)."""
+    model_path: str | None = None
+    """A trained reward model directory (`posttrain rm`); its score is added to the functions' total."""
+    model_weight: float = 1.0
+    """Weight of the reward model's score."""
+    missing_eos_penalty: float | None = None
+    """Subtract this from the score of a response truncated before a stop token (TRL); null = off."""
+
+    def validate(self) -> None:
+        check(self.timeout_s > 0, "reward.timeout_s", "must be > 0")
+        check(self.weights is None or len(self.weights) == len(self.functions), "reward.weights",
+              f"needs one weight per reward function ({len(self.functions)}), got {self.weights}")
+        check(self.missing_eos_penalty is None or self.missing_eos_penalty >= 0, "reward.missing_eos_penalty",
+              "must be >= 0 (it is subtracted)")
+
+
+@dataclass
+class KLConfig:
+    """The KL(π ‖ π_ref) regulariser; the reference model is loaded only when one is on."""
+
+    in_reward: bool = False
+    """Subtract coef · KL_t from every token's reward (InstructGPT/PPO style; veRL `use_kl_in_reward`)."""
+    in_loss: bool = False
+    """Add coef · KL to the actor loss (GRPO; TRL β > 0, veRL `use_kl_loss`)."""
+    kind: Literal["k1", "k2", "k3", "abs"] | None = None
+    """Estimator (`posttrain.algos.kl_penalty`); null = k1 in the reward, k3 in the loss (the anchors' defaults)."""
+    coef: float = 0.001
+    """β (veRL 0.001; TRL GRPO's `beta` when it is on)."""
+    adaptive: bool = False
+    """Adapt β towards `target` (Ziegler et al. 2019) instead of keeping it fixed."""
+    target: float = 6.0
+    """Target KL of the adaptive controller."""
+    horizon: int = 10000
+    """Horizon (samples) of the adaptive controller."""
+
+    def validate(self) -> None:
+        check(self.coef >= 0, "algorithm.kl.coef", f"must be >= 0, got {self.coef}")
+        check(self.target > 0 and self.horizon > 0, "algorithm.kl.target", "target and horizon must be > 0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.in_reward or self.in_loss
+
+
+@dataclass
+class OverlongConfig:
+    """DAPO's soft overlong punishment (eq. 13), added to the score."""
+
+    buffer: int = 0
+    """L_cache: the penalty ramps from 0 to −penalty over the last `buffer` tokens before
+    rollout.max_new_tokens (0 = off)."""
+    penalty: float = 1.0
+    """α: the penalty at the length limit."""
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantages, KL and the DAPO data tricks."""
+
+    adv_estimator: Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
+    """gae (PPO: critic + GAE), grpo (group-normalised), dr_grpo (group mean only), rloo
+    (leave-one-out baseline), reinforce_pp (REINFORCE++: batch-whitened returns)."""
+    norm_adv_by_std: Literal["group", "batch", "none"] | None = None
+    """Group estimators' scaling (TRL `scale_rewards`): divide by the group's std, the
+    batch's, or not at all; null = group for grpo, none for dr_grpo."""
+    gamma: float = 1.0
+    """Discount γ (gae, reinforce_pp)."""
+    lam: float = 0.95
+    """GAE λ (TRL 0.95; veRL 1.0)."""
+    whiten_advantages: bool | None = None
+    """Whiten advantages over the batch's valid tokens; null = on for gae, off otherwise
+    (reinforce_pp always whitens, as its definition does)."""
+    kl: KLConfig = field(default_factory=KLConfig)
+    """KL to the reference policy."""
+    filter_groups: bool = False
+    """DAPO dynamic sampling: drop groups whose scores are all equal and generate more
+    prompts until data.train_batch_size groups are kept."""
+    max_gen_batches: int = 10
+    """Dynamic sampling gives up after this many generation rounds per step and trains on
+    what it kept (with a warning; metrics dynamic_sampling/*)."""
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    """Soft overlong punishment."""
+    mask_truncated_completions: bool = False
+    """Leave truncated responses out of the loss (DAPO's overlong filtering; TRL option)."""
+
+    def validate(self) -> None:
+        check(self.max_gen_batches >= 1, "algorithm.max_gen_batches", "must be >= 1")
+        check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algorithm.gamma", "gamma and lam must be in [0, 1]")
+        check(self.overlong.buffer >= 0, "algorithm.overlong.buffer", "must be >= 0")
+        check(not (self.adv_estimator == "dr_grpo" and self.norm_adv_by_std not in (None, "none")),
+              "algorithm.norm_adv_by_std", "dr_grpo does not scale advantages; leave it null or none")
+        check(not (self.adv_estimator == "reinforce_pp" and self.whiten_advantages is False),
+              "algorithm.whiten_advantages", "reinforce_pp always whitens; leave it null or true")
+        if self.kl.in_reward and self.kl.in_loss:
+            log.warning("algorithm.kl: both in_reward and in_loss are on: the KL is penalised twice "
+                        "(veRL allows it too); usually one is meant")
+
+    @property
+    def grpo_scale(self) -> str:
+        if self.norm_adv_by_std is not None:
+            return self.norm_adv_by_std
+        return "none" if self.adv_estimator == "dr_grpo" else "group"
+
+    @property
+    def whiten(self) -> bool:
+        if self.whiten_advantages is not None:
+            return self.whiten_advantages
+        return self.adv_estimator == "gae"
+
+
+@dataclass
+class RLEvalConfig:
+    """Held-out evaluation every trainer.eval_steps steps (and at the end)."""
+
+    task: str | None = None
+    """A bundled task (e.g. arithmetic): eval/accuracy is its scorer on greedy completions,
+    the same number `posttrain sft` reports. null = score with the reward functions."""
+    num_examples: int = 200
+    """Eval prompts used (the first N of data.eval_files)."""
+    max_new_tokens: int | None = None
+    """Tokens generated per eval prompt (null = rollout.max_new_tokens)."""
+    temperature: float = 0.0
+    """Eval sampling temperature (0 = greedy)."""
+    batch_size: int = 64
+    """Prompts decoded at once."""
+
+    def validate(self) -> None:
+        check(self.num_examples > 0 and self.batch_size > 0, "eval.num_examples", "num_examples and batch_size must be > 0")
+
+
+@dataclass
+class RLConfig:
+    """Online RL: PPO (critic + GAE) and the critic-free GRPO family (GRPO, DAPO, GSPO,
+    Dr.GRPO, RLOO, REINFORCE++), chosen by algorithm.adv_estimator and the actor's loss."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy (its initial weights are also the reference)."""
+    data: RLDataConfig = field(default_factory=RLDataConfig)
+    """Prompts."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Sampling."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """Policy update."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """Value model (PPO)."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Rewards."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantage estimator, KL, DAPO tricks."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Steps, optimizer (the actor's), schedule, logging, checkpoints. max_steps, warmup
+    and the schedule count RL steps; trainer.micro_batch_size is not used (see actor)."""
+    eval: RLEvalConfig = field(default_factory=RLEvalConfig)
+    """Held-out evaluation."""
+
+    def validate(self) -> None:
+        d, a, n = self.data, self.actor, self.rollout.n
+        mini = self.mini_batch_prompts
+        check_divides(d.train_batch_size, "data.train_batch_size", mini, "actor.ppo_mini_batch_size")
+        if not a.max_tokens_per_micro_batch:
+            check_divides(mini * n, "actor.ppo_mini_batch_size·rollout.n", a.micro_batch_size, "actor.micro_batch_size")
+            if self.critic.micro_batch_size is not None:
+                check_divides(mini * n, "actor.ppo_mini_batch_size·rollout.n",
+                              self.critic.micro_batch_size, "critic.micro_batch_size")
+        est = self.algorithm.adv_estimator
+        check(n >= 2 or est not in GROUP_ESTIMATORS, "rollout.n",
+              f"{est} compares the responses of a prompt: needs rollout.n >= 2, got {n}")
+        check(n >= 2 or not self.algorithm.filter_groups, "rollout.n", "algorithm.filter_groups needs rollout.n >= 2")
+        self._validate_critic(est)
+        check(self.algorithm.overlong.buffer <= self.rollout.max_new_tokens, "algorithm.overlong.buffer",
+              f"must be <= rollout.max_new_tokens={self.rollout.max_new_tokens}")
+        check(self.trainer.micro_batch_size == TrainerConfig.micro_batch_size, "trainer.micro_batch_size",
+              "RL does not use it: set actor.micro_batch_size (and critic.micro_batch_size)")
+
+    def _validate_critic(self, est: str) -> None:
+        c = self.critic
+        check(not (est == "gae" and c.enable is False), "critic.enable",
+              "algorithm.adv_estimator=gae needs the critic (critic.enable=true or null)")
+        check(not (est != "gae" and c.enable), "critic.enable",
+              f"only gae uses a critic; algorithm.adv_estimator={est} would train it for nothing")
+        check(not (c.share_backbone and c.warmup_steps), "critic.warmup_steps",
+              "critic-only warmup needs a separate critic (critic.share_backbone=false)")
+        check(not (c.share_backbone and c.model_path), "critic.model_path",
+              "a critic sharing the policy's backbone starts from the policy (drop critic.model_path)")
+        check(not (c.share_backbone and self.model.lora.r), "critic.share_backbone",
+              "a value head on a LoRA policy's backbone is not supported; use a separate critic")
+        check(not (c.share_backbone and self.actor.policy_loss.loss_agg_mode == "seq-mean-token-sum-norm"),
+              "critic.share_backbone", "the joint loss needs a loss_agg_mode other than seq-mean-token-sum-norm")
+        check(c.warmup_steps < self.trainer.max_steps, "critic.warmup_steps",
+              f"must be < trainer.max_steps={self.trainer.max_steps}")
+
+    @property
+    def mini_batch_prompts(self) -> int:
+        """actor.ppo_mini_batch_size, or data.train_batch_size when it is null."""
+        return self.actor.ppo_mini_batch_size or self.data.train_batch_size
+
+    @property
+    def use_critic(self) -> bool:
+        return self.algorithm.adv_estimator == "gae"
+
+
+@dataclass
+class GRPOConfig(RLConfig):
+    """GRPO and its relatives (DAPO, GSPO, Dr.GRPO, RLOO, REINFORCE++): no critic by default."""
+
+
+@dataclass
+class PPORolloutConfig(RolloutConfig):
+    """Sampling for PPO: one response per prompt by default (the critic is the baseline)."""
+
+    n: int = 1
+    """Responses per prompt."""
+
+
+@dataclass
+class PPOAlgorithmConfig(AlgorithmConfig):
+    """PPO's algorithm section: GAE by default."""
+
+    adv_estimator: Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"] = "gae"
+    """gae (PPO: critic + GAE), grpo, dr_grpo, rloo or reinforce_pp (see `posttrain grpo`)."""
+
+
+@dataclass
+class PPOConfig(RLConfig):
+    """PPO with a critic: algorithm.adv_estimator=gae and rollout.n=1 by default."""
+
+    rollout: PPORolloutConfig = field(default_factory=PPORolloutConfig)
+    """Sampling."""
+    algorithm: PPOAlgorithmConfig = field(default_factory=PPOAlgorithmConfig)
+    """Advantage estimator, KL, DAPO tricks."""

@@ -1,0 +1,351 @@
+"""Online RL: PPO with a critic and the GRPO family (GRPO, DAPO, GSPO, Dr.GRPO, RLOO, REINFORCE++).
+
+One driver (`fit`, `rl_step`) calls the roles of `posttrain.workers` in veRL's order:
+
+    prompts → rollout.generate (n per prompt) → reward.score → actor.compute_logprobs (old)
+      → ref.compute_logprobs (only with a KL term) → critic.compute_values (PPO)
+      → advantages (`rl_steps.ESTIMATORS[algorithm.adv_estimator]`)
+      → critic.update → actor.update (ppo_epochs × shuffled mini-batches) → rollout.sync_weights
+
+Papers: PPO (Schulman et al. 2017, arXiv 1707.06347) with GAE (arXiv 1506.02438); GRPO
+(Shao et al. 2024, arXiv 2402.03300); DAPO (Yu et al. 2025, arXiv 2503.14476); GSPO
+(Zheng et al. 2025, arXiv 2507.18071); Dr.GRPO (Liu et al. 2025, arXiv 2503.20783); RLOO
+(Ahmadian et al. 2024, arXiv 2402.14740); REINFORCE++ (Hu 2025, arXiv 2501.03262). The
+formulas are in `posttrain.algos`; `recipes/*.yaml` set each algorithm up.
+
+"The loss is 0 on the first step" (TRL #2703, #3452). On the first pass over a fresh
+rollout the policy is the behaviour policy: every ratio is exactly 1, so the clipped
+loss is −mean(A), and group-normalised advantages average to 0 within each group, so
+the logged `policy_loss` is ~0 (exactly 0 for seq-mean aggregations with equal-length
+groups). Its gradient is not: ∇L = −mean(A · ∇log π), the plain policy gradient, which
+is what moves the model. Watch `reward/mean`, `grad_norm` and `approx_kl`, not the loss.
+
+Departures from the papers, TRL and veRL, and why:
+- Batch sizes count as veRL's: data.train_batch_size prompts per step, ppo_mini_batch_size
+  in prompts (× n rows) per optimizer step, micro_batch_size in rows. TRL counts
+  completions per device. The lr schedule, warmup and max_steps count RL steps (veRL).
+- Micro-batches combine exactly for every loss_agg_mode (weights from
+  `algos.aggregation_weight`), so micro_batch_size and dynamic batching never change
+  the update; Dr.GRPO's constant is rollout.max_new_tokens, not the batch's width.
+- GRPO's std is the population std (÷G), not TRL/veRL's Bessel-corrected one (÷(G−1))
+  (`algos.grpo_advantages`); eps 1e-6 as veRL (TRL 1e-4).
+- Group estimators score the sequence reward after KL-in-reward (token rewards summed),
+  as veRL; the KL penalty of the reward is applied in the advantage stage, once old and
+  reference log-probs exist (veRL's `apply_kl_penalty`), not inside the reward call.
+- Both KL placements may be on at once (veRL allows it too); a warning says so. One
+  coefficient and one estimator serve both (default k1 in the reward, k3 in the loss).
+- Dynamic sampling never loops forever: after algorithm.max_gen_batches rounds it trains
+  on the groups it kept (or on the last round when it kept none), with a warning and
+  the metrics dynamic_sampling/gen_batches and dynamic_sampling/kept_frac. The kept
+  batch is cut to exactly data.train_batch_size groups, as veRL's DAPO recipe.
+- Old log-probs are recomputed by the actor (veRL), unless rollout.use_rollout_logprobs
+  and a one-time check on the first batch finds the engine within 1e-3 of the actor.
+- A separate critic starts from the policy's weights with a zero value head (all values
+  0 at first); TRL/veRL start from a reward model or a random head. critic.model_path
+  overrides. With LoRA the reference is the base model with adapters disabled.
+- Every RL metric is written every step: stages that did not run log their neutral
+  value (`rl_steps.NOT_RUN`, timing 0), never NaN. `accuracy` is the fraction of
+  samples whose first reward function gives ≥ 1 (`workers/reward_worker.py`).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.algos import AdaptiveKLController, FixedKLController
+from posttrain.checkpoint import load_checkpoint, resolve_resume, save_checkpoint, save_final
+from posttrain.config import save_config, to_dict
+from posttrain.config.core import check, validate_tree
+from posttrain.config.rl import GRPOConfig, PPOConfig, RLConfig
+from posttrain.logging import MetricsLogger, Progress, get_logger
+from posttrain.models.lora import is_peft, merged_for_export
+from posttrain.trainers.batches import EpochBatches
+from posttrain.trainers.loop import SAMPLES_PER_EVAL, FitResult
+from posttrain.trainers.rl_build import build_roles, check_reward_source, evaluate_policy
+from posttrain.trainers.rl_steps import (
+    NOT_RUN,
+    ROLLOUT_LOGPROB_TOL,
+    RunModels,
+    StageTimer,
+    collect_rollouts,
+    compute_advantages,
+    load_prompts,
+    mask_truncated,
+    prompt_collator,
+    step_seed,
+)
+from posttrain.workers import Reward, RLBatch
+
+log = get_logger(__name__)
+
+UPDATE_SALT = 1_000_000
+
+
+class RLTrainer:
+    """The RL run: roles, prompt stream, KL controller; `train()` runs the driver.
+
+        trainer = GRPOTrainer(model, reward_funcs=[my_reward], args=GRPOConfig(...),
+                              train_dataset=rows, eval_dataset=rows)
+        trainer.train()
+
+    `model`: a loaded module, a local model directory, or None (`args.model` says what
+    to build). `reward_funcs`: callables with TRL's signature or spec strings (built-in
+    names, `module:function`); they replace `args.reward.functions`. Datasets are
+    anything `posttrain.data.sources.load_rows` reads; when omitted, `args.data.*_files`.
+    """
+
+    config_class: type[RLConfig] = RLConfig
+
+    def __init__(
+        self,
+        model: torch.nn.Module | str | None = None,
+        reward_funcs: Any = None,
+        args: RLConfig | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        value_model: torch.nn.Module | None = None,
+    ):
+        self.args = args = args if args is not None else self.config_class()
+        if isinstance(model, str):
+            args.model.path, args.model.init = model, None
+        validate_tree(args)
+        if reward_funcs is not None and not isinstance(reward_funcs, (list, tuple)):
+            reward_funcs = [reward_funcs]
+        check_reward_source(args, reward_funcs)
+        train_source = train_dataset if train_dataset is not None else args.data.train_files
+        check(bool(train_source), "data.train_files", "no training data: pass train_dataset or set data.train_files")
+        eval_source = eval_dataset if eval_dataset is not None else (args.data.eval_files or None)
+        check(eval_source is not None or not args.eval.task, "eval.task", "needs held-out data: set data.eval_files")
+        from posttrain.models.factory import load_tokenizer
+        from posttrain.trainers.core import set_seed
+
+        set_seed(args.trainer.seed)
+        self.tokenizer = processing_class if processing_class is not None else load_tokenizer(args.model)
+        self.examples, self.data_stats = load_prompts(train_source, self.tokenizer, args.data)
+        self.eval_examples = None
+        if eval_source is not None:
+            self.eval_examples = load_prompts(eval_source, self.tokenizer, args.data)[0][: args.eval.num_examples]
+        self.roles = build_roles(args, self.tokenizer, model, reward_funcs, value_model)
+        self.stream = EpochBatches(self.examples, args.data.train_batch_size, args.data.train_batch_size,
+                                   prompt_collator(self.tokenizer), seed=args.trainer.seed, shuffle=args.data.shuffle)
+        kl = args.algorithm.kl
+        self.kl_ctrl = (AdaptiveKLController(kl.coef, kl.target, kl.horizon) if kl.adaptive
+                        else FixedKLController(kl.coef))
+        self.rollout_logp_ok: bool | None = None  # the one-time engine check (None: not done)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.roles.actor.model
+
+    def train(self) -> FitResult:
+        save_config(self.args, Path(self.args.trainer.output_dir) / "config.yaml")
+        return fit(self)
+
+    # ------------------------------------------------------------------ one step's stages
+
+    def next_prompts(self) -> RLBatch:
+        return self.stream.next_step()[0]
+
+    def old_logprobs(self, batch: RLBatch) -> tuple[RLBatch, dict[str, float]]:
+        """The behaviour policy's log-probs: recomputed by the actor, or the engine's once a
+        first-batch comparison found them within ROLLOUT_LOGPROB_TOL."""
+        wanted = self.args.rollout.use_rollout_logprobs and batch.rollout_logp is not None
+        if wanted and self.rollout_logp_ok:
+            return batch.replace(old_logp=batch.rollout_logp), {}
+        old = self.roles.actor.compute_logprobs(batch)
+        metrics: dict[str, float] = {}
+        if wanted and self.rollout_logp_ok is None:
+            mask = batch.response_mask.bool()
+            diff = float((old - batch.rollout_logp).abs()[mask].max()) if mask.any() else 0.0
+            self.rollout_logp_ok = diff <= ROLLOUT_LOGPROB_TOL
+            metrics["rollout/logprob_max_diff"] = diff
+            if not self.rollout_logp_ok:
+                log.warning("rollout.use_rollout_logprobs: the engine's log-probs differ from the actor's by "
+                            "up to %.3g (> %g); recomputing them for the rest of the run", diff, ROLLOUT_LOGPROB_TOL)
+        return batch.replace(old_logp=old), metrics
+
+    def evaluate(self, step: int, sink: MetricsLogger, batch: RLBatch | None) -> dict[str, float]:
+        t0 = time.perf_counter()
+        metrics, samples = evaluate_policy(self, step)
+        if batch is not None:
+            samples = samples[:SAMPLES_PER_EVAL] + train_samples(batch)
+        sink.log_samples(step, samples[: 2 * SAMPLES_PER_EVAL])
+        return {**metrics, "timing/eval": time.perf_counter() - t0}
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state(self) -> dict[str, Any]:
+        return {"prompts": self.stream.state_dict(), "kl_coef": self.kl_ctrl.value,
+                "rollout_logp_ok": self.rollout_logp_ok}
+
+    def save(self, step: int, metrics: dict[str, float]) -> Path:
+        r, t = self.roles, self.args.trainer
+        return save_checkpoint(t.output_dir, step, RunModels(r.actor.model, r.critic), self.tokenizer,
+                               r.actor.optimizer, r.actor.scheduler, self.state(), t.save_total_limit, metrics)
+
+    def restore(self) -> int:
+        """Resume per trainer.resume; returns the step to continue after (0 for a fresh run)."""
+        path = resolve_resume(self.args.trainer.output_dir, self.args.trainer.resume)
+        if path is None:
+            return 0
+        r = self.roles
+        state = load_checkpoint(path, r.actor.model, r.actor.optimizer, r.actor.scheduler)
+        if r.critic is not None:
+            RunModels.load_critic(path, r.critic)
+        self.stream.load_state_dict(state["data_state"]["prompts"])
+        self.kl_ctrl.value = float(state["data_state"]["kl_coef"])
+        self.rollout_logp_ok = state["data_state"]["rollout_logp_ok"]
+        r.actor.steps = max(0, state["step"] - self.args.critic.warmup_steps)
+        r.rollout.sync_weights(r.actor.model)
+        log.info("resumed from %s at step %d", path, state["step"])
+        return state["step"]
+
+    def save_final(self) -> Path:
+        r = self.roles
+        models = RunModels(merged_for_export(r.actor.model), r.critic,
+                           adapter=r.actor.model if is_peft(r.actor.model) else None, with_optimizer=False)
+        return save_final(self.args.trainer.output_dir, models, self.tokenizer)
+
+
+class GRPOTrainer(RLTrainer):
+    """GRPO and its relatives, shaped like TRL's `GRPOTrainer` (see `RLTrainer`)."""
+
+    config_class = GRPOConfig
+
+
+class PPOTrainer(RLTrainer):
+    """PPO with a critic (GAE); `value_model` (a ScalarHeadModel) replaces the default
+    critic, which is the policy's initial weights with a zero value head."""
+
+    config_class = PPOConfig
+
+
+# ---------------------------------------------------------------------------- the driver
+
+
+def fit(trainer: RLTrainer) -> FitResult:
+    """Run trainer.max_steps RL steps (resuming when a checkpoint says so), logging every
+    step, evaluating every trainer.eval_steps and at the end, checkpointing every
+    trainer.save_steps and at the end; then write RUN_DIR/final/."""
+    cfg = trainer.args.trainer
+    run_dir = Path(cfg.output_dir)
+    step = trainer.restore()
+    sink = MetricsLogger(run_dir, cfg.report_to, to_dict(trainer.args))
+    sink.truncate_after(step)
+    has_eval = trainer.eval_examples is not None
+    metrics: dict[str, float] = dict(trainer.data_stats) if step == 0 else {}
+    batch, evaluated_at = None, None
+    with sink, Progress(cfg.max_steps, "rl", initial=step, enabled=cfg.progress) as progress:
+        while step < cfg.max_steps:
+            step += 1
+            step_metrics, batch = rl_step(trainer, step)
+            metrics.update(step_metrics)
+            if has_eval and cfg.eval_steps and step % cfg.eval_steps == 0:
+                metrics.update(trainer.evaluate(step, sink, batch))
+                evaluated_at = step
+            if step % cfg.logging_steps == 0 or evaluated_at == step or step == cfg.max_steps:
+                sink.log(step, metrics)
+            progress.update(1, reward=metrics["reward/mean"], acc=metrics["accuracy"], kl=metrics["kl"])
+            if cfg.save_steps and step % cfg.save_steps == 0 or step == cfg.max_steps:
+                trainer.save(step, metrics)
+            metrics = {}
+        if has_eval and evaluated_at != step:
+            metrics = trainer.evaluate(step, sink, batch)
+            sink.log(step, metrics)
+    final_dir = trainer.save_final()
+    log.info("finished at step %d; policy in %s", step, final_dir)
+    return FitResult(run_dir, final_dir, step, metrics)
+
+
+def rl_step(trainer: RLTrainer, step: int) -> tuple[dict[str, float], RLBatch]:
+    """One RL iteration, read top to bottom; returns its metrics and its training batch."""
+    cfg, r, timer = trainer.args, trainer.roles, StageTimer()
+    n, algo, kl = cfg.rollout.n, cfg.algorithm, cfg.algorithm.kl
+    started = time.perf_counter()
+
+    # 1. prompts → n responses each → scores (DAPO: more rounds until groups differ)
+    batch, metrics = collect_rollouts(
+        trainer.next_prompts, lambda prompts, rnd: r.rollout.generate(prompts, step_seed(cfg.trainer.seed, step, rnd)),
+        r.reward, algo, cfg.data.train_batch_size, n, timer,
+    )
+    if algo.mask_truncated_completions:
+        batch = mask_truncated(batch)
+
+    # 2. log-probs of the behaviour policy, of the reference; values of the critic
+    with timer("old_logprob"):
+        batch, logprob_metrics = trainer.old_logprobs(batch)
+    with timer("ref"):
+        if r.ref is not None:
+            batch = batch.replace(ref_logp=r.ref.compute_logprobs(batch))
+    with timer("values"):
+        if r.critic is not None:
+            batch = batch.replace(values=r.critic.compute_values(batch))
+
+    # 3. per-token rewards (− β·KL when it is in the reward) → advantages
+    with timer("adv"):
+        beta = trainer.kl_ctrl.value
+        if kl.in_reward:
+            batch, metrics["kl"] = Reward.apply_kl(batch, beta, kl.kind or "k1")
+        batch, adv_metrics = compute_advantages(batch, algo, n)
+
+    # 4. updates: critic first, then the actor (not during critic warmup); new weights to the engine
+    rows, epochs = cfg.mini_batch_prompts * n, cfg.actor.ppo_epochs
+    seed = step_seed(cfg.trainer.seed, step, UPDATE_SALT)
+    with timer("update_critic"):
+        critic_metrics = r.critic.update(batch, rows, epochs, seed) if r.critic is not None else {}
+    with timer("update_actor"):
+        actor_metrics = {}
+        if step > cfg.critic.warmup_steps:
+            actor_metrics = r.actor.update(batch, rows, epochs, beta, seed)
+    r.rollout.sync_weights(r.actor.model)
+
+    if step == 1 and algo.adv_estimator != "gae":
+        log.info("policy_loss ≈ 0 on a fresh rollout is expected (ratio 1, advantages centred per group); "
+                 "its gradient is not 0. Follow reward/mean and grad_norm (see posttrain.trainers.rl)")
+    out = {**NOT_RUN, **metrics, **logprob_metrics, **adv_metrics, **_prefixed(critic_metrics, "critic/"),
+           **actor_metrics}
+    trainer.kl_ctrl.update(out["kl"], len(batch))
+    elapsed = time.perf_counter() - started
+    out.update(timer.metrics(), **{
+        "kl_coef": beta,
+        "lr": actor_metrics.get("lr", r.actor.lr),
+        "timing/step": elapsed,
+        "throughput/tokens_per_s": batch.num_tokens() / max(elapsed, 1e-9),
+    })
+    return out, batch
+
+
+def _prefixed(metrics: dict[str, float], prefix: str) -> dict[str, float]:
+    """grad_norm, lr, … of the critic under critic/ (value_loss, a DESIGN.md name, and
+    names already under a section stay as they are)."""
+    return {k if k == "value_loss" or "/" in k else prefix + k: v for k, v in metrics.items()}
+
+
+def train_samples(batch: RLBatch, k: int = SAMPLES_PER_EVAL) -> list[dict[str, Any]]:
+    """The first k rows of a training batch, for samples.jsonl."""
+    adv = batch.advantages.sum(-1) / batch.response_mask.sum(-1).clamp_min(1)
+    return [
+        {"split": "train", "prompt": batch.prompts[i], "completion": batch.completions[i],
+         "score": float(batch.scores[i]), "advantage": float(adv[i])}
+        for i in range(min(k, len(batch)))
+    ]
+
+
+# ---------------------------------------------------------------------------- CLI entry points
+
+
+def run_rl(cfg: RLConfig) -> FitResult:
+    """`posttrain grpo` / `posttrain ppo`: train as configured."""
+    check(bool(cfg.data.train_files), "data.train_files", "no training data: set data.train_files=[path.jsonl]")
+    check(cfg.model.path is not None or cfg.model.init is not None, "model.path",
+          "set model.path (a local HF model directory, e.g. an SFT run's final/) or model.init (tiny|small)")
+    trainer_cls = PPOTrainer if isinstance(cfg, PPOConfig) else GRPOTrainer
+    result = trainer_cls(args=cfg).train()
+    print(f"model: {result.final_dir}\nmetrics: {result.run_dir / 'metrics.jsonl'}")
+    return result
+

@@ -1,0 +1,186 @@
+"""Building an RL run's roles from its config, and evaluating the policy.
+
+Order matters: the reference (a frozen copy) and a separate critic are taken from the
+policy's *initial* weights, before a resume loads trained ones into the policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from posttrain.config.core import ConfigError, check
+from posttrain.config.rl import RLConfig
+from posttrain.logging import get_logger
+from posttrain.models.lora import is_peft
+from posttrain.rewards import RewardRunner
+from posttrain.rewards.registry import resolve_reward
+from posttrain.rollout import SamplingParams, make_engine
+from posttrain.rollout.base import pad_id_of
+from posttrain.trainers.core import BadStepGuard
+from posttrain.trainers.rl_steps import collate_prompts, step_seed
+from posttrain.workers import (
+    Actor,
+    ActorSettings,
+    Critic,
+    CriticSettings,
+    Reference,
+    Reward,
+    Rollout,
+    head_on_policy,
+)
+
+log = get_logger(__name__)
+
+EVAL_SALT = 2_000_000
+
+
+@dataclass
+class Roles:
+    """The objects the driver calls (see `posttrain.workers`)."""
+
+    actor: Actor
+    rollout: Rollout
+    reward: Reward
+    ref: Reference | None
+    critic: Critic | None
+
+
+def check_reward_source(cfg: RLConfig, reward_funcs: Any) -> None:
+    """A run needs reward functions (config or Python API) or a reward model."""
+    check(bool(cfg.reward.functions or reward_funcs or cfg.reward.model_path), "reward.functions",
+          "no reward: set reward.functions=[...] (e.g. [task_reward]) or reward.model_path")
+    if reward_funcs:
+        check(cfg.reward.weights is None or len(cfg.reward.weights) == len(reward_funcs), "reward.weights",
+              f"needs one weight per reward function ({len(reward_funcs)}), got {cfg.reward.weights}")
+
+
+def build_reward(cfg: RLConfig, reward_funcs: Any) -> Reward:
+    rc = cfg.reward
+    specs = list(reward_funcs) if reward_funcs else list(rc.functions)
+    functions = [resolve_reward(s) for s in specs]
+    weights = list(rc.weights) if rc.weights is not None else [1.0] * len(functions)
+    if rc.model_path is not None:
+        from posttrain.rewards.reward_model import reward_model
+
+        functions.append(("reward_model", reward_model(rc.model_path, device=cfg.model.device).load()))
+        weights.append(rc.model_weight)
+    runner = RewardRunner(functions, weights=weights, timeout_s=rc.timeout_s, failure_reward=rc.failure_reward)
+    ov = cfg.algorithm.overlong
+    return Reward(runner, cfg.rollout.max_new_tokens, ov.buffer, ov.penalty, rc.missing_eos_penalty)
+
+
+def build_rollout(cfg: RLConfig, model: torch.nn.Module, tokenizer: Any) -> Rollout:
+    from posttrain.evaluation import engine_kind_for
+
+    rc = cfg.rollout
+    kind = engine_kind_for(model) if rc.engine == "auto" else rc.engine
+    opts: dict[str, Any] = {}
+    if kind == "native" and rc.max_batch_size:
+        opts["max_batch_size"] = rc.max_batch_size
+    if kind == "vllm":
+        opts = {"gpu_memory_utilization": rc.gpu_memory_utilization, "seed": cfg.trainer.seed}
+    params = SamplingParams(n=rc.n, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
+                            min_p=rc.min_p, max_new_tokens=rc.max_new_tokens, stop=tuple(rc.stop))
+    return Rollout(make_engine(kind, model, tokenizer, **opts), params)
+
+
+def build_critic(cfg: RLConfig, policy: torch.nn.Module, value_model: Any, guard: BadStepGuard) -> Critic:
+    from posttrain.models.heads import ScalarHeadModel
+    from posttrain.models.loading import resolve_device, resolve_dtype
+
+    c, a = cfg.critic, cfg.actor
+    settings = CriticSettings(
+        value_clip=c.value_clip, vf_coef=c.vf_coef, loss_agg_mode=a.policy_loss.loss_agg_mode,
+        micro_batch_size=c.micro_batch_size or a.micro_batch_size,
+        max_tokens_per_micro_batch=a.max_tokens_per_micro_batch,
+        max_grad_norm=cfg.trainer.max_grad_norm, precision=cfg.trainer.precision,
+    )
+    trainer = dataclasses.replace(cfg.trainer, learning_rate=c.learning_rate or cfg.trainer.learning_rate)
+    if c.share_backbone:
+        return Critic(head_on_policy(policy), settings, trainer, cfg.trainer.max_steps, policy=policy, guard=guard)
+    if value_model is None and c.model_path is not None:
+        device = resolve_device(cfg.model.device)
+        value_model = ScalarHeadModel.from_pretrained(c.model_path, device, resolve_dtype(cfg.model.dtype, device))
+    if value_model is None:
+        value_model = ScalarHeadModel.from_causal_lm(policy, init_std=0.0)
+    return Critic(value_model, settings, trainer, cfg.trainer.max_steps, guard=guard)
+
+
+def build_roles(cfg: RLConfig, tokenizer: Any, model: Any, reward_funcs: Any, value_model: Any) -> Roles:
+    """Reward first (cheap, fails early), then the policy, reference, critic, actor, rollout."""
+    from posttrain.models.factory import build_model
+
+    reward = build_reward(cfg, reward_funcs)
+    if not isinstance(model, torch.nn.Module):
+        model = build_model(cfg.model, tokenizer)
+    kl, a, t = cfg.algorithm.kl, cfg.actor, cfg.trainer
+    temperature = cfg.rollout.temperature
+    ref = None
+    if kl.enabled:
+        ref = Reference(model, temperature, a.micro_batch_size, a.max_tokens_per_micro_batch, t.precision)
+    guard = BadStepGuard(t.max_bad_steps)
+    critic = build_critic(cfg, model, value_model, guard) if cfg.use_critic else None
+    settings = ActorSettings(
+        temperature=temperature, loss=a.policy_loss, max_len=cfg.rollout.max_new_tokens,
+        micro_batch_size=a.micro_batch_size, max_tokens_per_micro_batch=a.max_tokens_per_micro_batch,
+        entropy_coeff=a.entropy_coeff, kl_in_loss=kl.in_loss, kl_kind=kl.kind or "k3",
+        max_grad_norm=t.max_grad_norm, precision=t.precision,
+    )
+    shared = critic is not None and critic.shared
+    actor = Actor(model, settings, t, t.max_steps - cfg.critic.warmup_steps,
+                  extra_params=critic.model.score if shared else None, guard=guard)
+    if shared:
+        actor.joint = critic.joint_forward
+    if is_peft(model):
+        log.info("LoRA policy: the reference is the base model with adapters disabled (no copy)")
+    return Roles(actor, build_rollout(cfg, model, tokenizer), reward, ref, critic)
+
+
+def evaluate_policy(trainer: Any, step: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """eval/* metrics and samples: the task's scorer on greedy completions when eval.task
+    is set (as `posttrain sft` reports it), else the reward functions on eval.temperature
+    samples."""
+    e, cfg = trainer.args.eval, trainer.args
+    examples = trainer.eval_examples
+    max_new = e.max_new_tokens or cfg.rollout.max_new_tokens
+    model = trainer.roles.actor.model
+    was_training = model.training
+    model.eval()
+    try:
+        if e.task is not None:
+            from posttrain.evaluation import evaluate_task
+
+            rows = [{"prompt": x["prompt"], **x["columns"]} for x in examples]
+            check("answer" in rows[0], "eval.task", "the eval rows need an `answer` column")
+            metrics, samples = evaluate_task(model, trainer.tokenizer, rows, e.task, max_new, e.batch_size, e.temperature)
+        else:
+            metrics, samples = _evaluate_with_rewards(trainer, examples, max_new, step)
+    finally:
+        model.train(was_training)
+    return {f"eval/{k}": v for k, v in metrics.items()}, [{"split": "eval", **s} for s in samples]
+
+
+def _evaluate_with_rewards(trainer: Any, examples: list[dict], max_new: int, step: int):
+    e, roles = trainer.args.eval, trainer.roles
+    params = dataclasses.replace(roles.rollout.params, n=1, temperature=e.temperature, max_new_tokens=max_new)
+    pad = pad_id_of(trainer.tokenizer)
+    parts = []
+    for i in range(0, len(examples), e.batch_size):
+        prompts = collate_prompts(examples[i : i + e.batch_size], pad)
+        seed = step_seed(trainer.args.trainer.seed, step, EVAL_SALT + i)
+        parts.append(roles.reward.score(roles.rollout.generate(prompts, seed, params))[0])
+    if not parts:
+        raise ConfigError("data.eval_files: no eval prompts")
+    scores = torch.cat([p.rewards["total"] for p in parts])
+    correct = torch.cat([p.rewards["correct"] for p in parts])
+    lengths = torch.cat([p.lengths for p in parts]).float()
+    metrics = {"reward/mean": float(scores.mean()), "accuracy": float(correct.mean()),
+               "response_length/mean": float(lengths.mean()),
+               "truncation_rate": float(torch.cat([p.truncated for p in parts]).float().mean())}
+    samples = [{"prompt": p.prompts[j], "completion": p.completions[j], "score": float(p.rewards["total"][j])}
+               for p in parts for j in range(len(p))]
+    return metrics, samples

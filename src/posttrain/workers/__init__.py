@@ -1,0 +1,33 @@
+"""The roles the RL driver calls (veRL's single-controller workers), as local objects.
+
+    rollout.generate(prompts, seed) -> RLBatch        Rollout   (rollout_worker.py)
+    reward.score(batch)                               Reward    (reward_worker.py)
+    actor.compute_logprobs(batch), actor.update(...)  Actor     (actor.py)
+    ref.compute_logprobs(batch)                       Reference (reference.py)
+    critic.compute_values(batch), critic.update(...)  Critic    (critic.py)
+    rollout.sync_weights(actor.model)
+
+Roles take and return `RLBatch` containers (batch.py) and plain numbers, never config
+trees or each other's internals, so a Ray-backed worker group exposing the same methods
+can replace any of them without changing the driver (`posttrain.trainers.rl`).
+"""
+
+from posttrain.workers.actor import Actor, ActorSettings
+from posttrain.workers.batch import BatchOps, RLBatch
+from posttrain.workers.critic import Critic, CriticSettings, head_on_policy
+from posttrain.workers.reference import Reference
+from posttrain.workers.reward_worker import Reward
+from posttrain.workers.rollout_worker import Rollout
+
+__all__ = [
+    "Actor",
+    "ActorSettings",
+    "BatchOps",
+    "Critic",
+    "CriticSettings",
+    "RLBatch",
+    "Reference",
+    "Reward",
+    "Rollout",
+    "head_on_policy",
+]

@@ -1,0 +1,195 @@
+"""The actor role: the policy model, its optimizer and schedule, log-probs and the PPO update.
+
+Notation: B rows, Tr response tokens, V vocab. One `update(batch)`:
+
+    for epoch in 1..ppo_epochs:
+        rows shuffled (seeded), cut in mini-batches of ppo_mini_batch_size · n rows
+        for each mini-batch: ONE optimizer step (`trainers.core.train_step`) whose gradient
+            accumulates over micro-batches; micro-batch k contributes w_k · L_k with
+            w_k = aggregation_weight(mask_k) and train_step divides by Σ w_k, so the step
+            equals one pass over the whole mini-batch whatever the micro-batch size.
+    scheduler.step()  (the learning-rate schedule counts RL steps, as veRL's)
+
+Loss of a micro-batch (each term reduced with the same `loss_agg_mode`, which is what
+makes the weighted combination exact):
+    L = policy_loss(logp, old_logp, adv) − entropy_coeff · H + β · KL(logp, ref_logp)
+with the KL term only when `algorithm.kl.in_loss`. The policy runs in whatever mode it
+is in (train); RL models should have no dropout, or the first ratio is not exactly 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from posttrain.algos import (
+    aggregate_loss,
+    aggregation_weight,
+    entropy_from_logits,
+    kl_penalty,
+    masked_mean,
+    policy_loss,
+    token_logprobs,
+)
+from posttrain.config.rl import PolicyLossConfig
+from posttrain.config.sections import TrainerConfig
+from posttrain.trainers.core import (
+    BadStepGuard,
+    StepResult,
+    autocast,
+    build_optimizer,
+    build_scheduler,
+    train_step,
+)
+from posttrain.workers.batch import RLBatch
+from posttrain.workers.forward import (
+    device_of,
+    micro_batches,
+    per_token_pass,
+    response_logits,
+)
+
+JointForward = Callable[[nn.Module, RLBatch], tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]
+"""`joint(policy, micro_batch) -> (logits (b, tr, V), loss term, metrics)`: replaces the
+actor's forward and adds a term to its loss (a value head on the policy's backbone)."""
+
+
+@dataclass
+class ActorSettings:
+    """What the actor needs from the config (one object, so a remote worker gets it whole)."""
+
+    temperature: float
+    """Sampling temperature: log-probs are those of softmax(logits / T)."""
+    loss: PolicyLossConfig
+    """Clip bounds, ratio level, aggregation."""
+    max_len: int
+    """rollout.max_new_tokens: the L of seq-mean-token-sum-norm."""
+    micro_batch_size: int
+    max_tokens_per_micro_batch: int
+    entropy_coeff: float
+    kl_in_loss: bool
+    kl_kind: str
+    max_grad_norm: float
+    precision: str
+
+
+class Actor:
+    """The policy being trained (TRL's `model`; veRL's actor worker).
+
+    Args:
+        model: the policy (BuiltinLM, transformers causal LM, or peft-wrapped).
+        settings: see `ActorSettings`.
+        trainer: optimizer and schedule settings (trainer.learning_rate is the actor's).
+        total_steps: RL steps the schedule spans.
+        extra_params: more parameters for the actor's optimizer (a shared value head).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        settings: ActorSettings,
+        trainer: TrainerConfig,
+        total_steps: int,
+        extra_params: nn.Module | None = None,
+        guard: BadStepGuard | None = None,
+    ):
+        self.model, self.s = model, settings
+        self.joint: JointForward | None = None
+        owner = model if extra_params is None else nn.ModuleList([model, extra_params])
+        self.optimizer = build_optimizer(owner, trainer)
+        self.scheduler = build_scheduler(self.optimizer, trainer, total_steps)
+        self.guard = guard or BadStepGuard(trainer.max_bad_steps)
+        self.steps = 0
+
+    @property
+    def device(self) -> torch.device:
+        return device_of(self.model)
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next update will use."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def micro_batches(self, batch: RLBatch) -> list[RLBatch]:
+        return micro_batches(batch, self.s.micro_batch_size, self.s.max_tokens_per_micro_batch, self.device)
+
+    def compute_logprobs(self, batch: RLBatch) -> torch.Tensor:
+        """(B, Tr) log softmax(logits / T)[y_t] of the current policy, 0 on padding (CPU)."""
+        def logp(mb: RLBatch) -> torch.Tensor:
+            return token_logprobs(response_logits(self.model, mb), mb.response_ids, self.s.temperature)
+
+        # Under the update's autocast: a first-step ratio of exactly 1 needs the same numerics.
+        with autocast(self.s.precision, self.device):
+            (out,) = per_token_pass(batch, logp, self.s.micro_batch_size, self.s.max_tokens_per_micro_batch, self.device)
+        return out
+
+    def loss(
+        self, model: nn.Module, mb: RLBatch, kl_coef: float
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """The `train_step` contract: (w · L, w, metrics) with w = aggregation_weight(mask)."""
+        s, agg = self.s, self.s.loss.loss_agg_mode
+        mask = mb.response_mask
+        extra, extra_metrics = None, {}
+        if self.joint is None:
+            logits = response_logits(model, mb)
+        else:
+            logits, extra, extra_metrics = self.joint(model, mb)
+        logp = token_logprobs(logits, mb.response_ids, s.temperature)
+        loss, metrics = policy_loss(
+            logp, mb.old_logp, mb.advantages, mask, s.loss.clip_low, s.loss.clip_high,
+            s.loss.dual_clip, s.loss.level, agg, s.max_len,
+        )
+        metrics["policy_loss"] = loss.detach()
+        with torch.set_grad_enabled(s.entropy_coeff != 0 and torch.is_grad_enabled()):
+            entropy = entropy_from_logits(logits if s.entropy_coeff else logits.detach(), s.temperature)
+        metrics["entropy"] = masked_mean(entropy.detach(), mask)
+        if s.entropy_coeff:
+            loss = loss - s.entropy_coeff * aggregate_loss(entropy, mask, agg, s.max_len)
+        if s.kl_in_loss:
+            # Padding may hold anything (even NaN), which a KL's gradient would carry.
+            ref = torch.where(mask.bool(), mb.ref_logp, logp.detach())
+            kl = kl_penalty(logp, ref, s.kl_kind)
+            loss = loss + kl_coef * aggregate_loss(kl, mask, agg, s.max_len)
+            metrics["kl"] = masked_mean(kl.detach(), mask)
+        if extra is not None:
+            loss = loss + extra
+            metrics.update(extra_metrics)
+        weight = aggregation_weight(mask, agg)
+        return loss * weight, weight, metrics
+
+    def update(self, batch: RLBatch, mini_batch_rows: int, epochs: int, kl_coef: float, seed: int) -> dict[str, float]:
+        """`epochs` passes of shuffled mini-batches, one optimizer step each; then one
+        scheduler step. Returns the metrics averaged over the optimizer steps."""
+        self.model.train()
+        results: list[StepResult] = []
+        for epoch in range(epochs):
+            order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(seed + epoch))
+            for mini in batch.select(order).split(mini_batch_rows):
+                result = train_step(
+                    self.model, self.micro_batches(mini), partial(self.loss, kl_coef=kl_coef),
+                    self.optimizer, None, self.s.max_grad_norm, self.s.precision,
+                )
+                self.guard.update(result, self.steps)
+                results.append(result)
+        self.scheduler.step()
+        self.steps += 1
+        return average_steps(results)
+
+
+def average_steps(results: list[StepResult], role: str = "actor") -> dict[str, float]:
+    """Mean over optimizer steps of grad_norm, lr and every loss_fn metric (skipped steps'
+    non-finite values left out), plus `<role>/optimizer_steps` and `<role>/skipped_steps`."""
+    out: dict[str, list[float]] = {}
+    for r in results:
+        for key, value in {"grad_norm": r.grad_norm, "lr": r.lr, **r.metrics}.items():
+            if value == value and abs(value) != float("inf"):
+                out.setdefault(key, []).append(value)
+    merged = {k: sum(v) / len(v) for k, v in out.items()}
+    merged[f"{role}/skipped_steps"] = float(sum(r.skipped for r in results))
+    merged[f"{role}/optimizer_steps"] = float(len(results))
+    return merged

@@ -1,0 +1,164 @@
+"""The critic role (PPO): values V(s_t) of every response position, and their regression.
+
+Notation: B rows, Tr response tokens, H hidden size. s_t = prompt + response[:t], read at
+the same column as the logits that predict response token t (workers/forward.py).
+Loss (`posttrain.algos.value_loss`, PPO2 / veRL / TRL):
+    ℓ_t = ½ max((V_t − R_t)², (clip(V_t, V_old,t ± value_clip) − R_t)²),
+aggregated with the actor's `loss_agg_mode` and scaled by `vf_coef`.
+
+Two layouts (`critic.share_backbone`):
+- separate (default, veRL): its own `ScalarHeadModel` (initialised from `critic.model_path`,
+  else from the policy's initial weights with a zero head, so every value starts at 0),
+  its own AdamW and schedule; `update` runs after the values are used for GAE and before
+  the actor's update, over the same mini-batch layout (ppo_epochs × shuffled mini-batches,
+  one optimizer step each, exact accumulation over micro-batches).
+- shared (TRL's old value-head models): a zero-initialised head on the policy's own
+  backbone. One forward gives logits and values; the value loss joins the actor's loss,
+  L = L_policy + vf_coef · L_value, under the actor's optimizer. `update` then does
+  nothing: the actor's update trains both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from posttrain.algos import aggregation_weight, masked_mean, value_loss
+from posttrain.config.sections import TrainerConfig
+from posttrain.models.heads import ScalarHeadModel
+from posttrain.trainers.core import (
+    BadStepGuard,
+    autocast,
+    build_optimizer,
+    build_scheduler,
+    train_step,
+)
+from posttrain.workers.actor import average_steps
+from posttrain.workers.batch import RLBatch
+from posttrain.workers.forward import (
+    builtin_of,
+    device_of,
+    micro_batches,
+    per_token_pass,
+    position_ids,
+)
+
+
+@dataclass
+class CriticSettings:
+    """What the critic needs from the config."""
+
+    value_clip: float | None
+    vf_coef: float
+    loss_agg_mode: str
+    micro_batch_size: int
+    max_tokens_per_micro_batch: int
+    max_grad_norm: float
+    precision: str
+
+
+def response_hidden(model: ScalarHeadModel, batch: RLBatch) -> torch.Tensor:
+    """Hidden states (B, Tr, H) of the states s_0 … s_{Tr−1}."""
+    ids, mask = batch.input_ids, batch.attention_mask
+    tp, tr = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
+    return model.hidden_states(ids, mask, position_ids(mask))[:, tp - 1 : tp - 1 + tr]
+
+
+def head_on_policy(policy: nn.Module) -> ScalarHeadModel:
+    """A zero-initialised value head on `policy`'s own backbone (no copy)."""
+    builtin = builtin_of(policy)
+    if builtin is not None:
+        return ScalarHeadModel(builtin.model, builtin.config, "model", init_std=0.0)
+    return ScalarHeadModel(policy.base_model, policy.config, policy.base_model_prefix, init_std=0.0)
+
+
+class Critic:
+    """V_φ (veRL's critic worker; TRL's `value_model`).
+
+    Args:
+        model: the value model (`ScalarHeadModel`); for a shared critic, `head_on_policy(policy)`.
+        settings: see `CriticSettings`.
+        trainer: optimizer/schedule settings, learning_rate already the critic's.
+        total_steps: RL steps the schedule spans.
+        policy: the policy whose backbone `model` shares, or None for a separate critic.
+    """
+
+    def __init__(
+        self,
+        model: ScalarHeadModel,
+        settings: CriticSettings,
+        trainer: TrainerConfig,
+        total_steps: int,
+        policy: nn.Module | None = None,
+        guard: BadStepGuard | None = None,
+    ):
+        self.model, self.s, self.policy = model, settings, policy
+        self.shared = policy is not None
+        self.optimizer = self.scheduler = None
+        if not self.shared:
+            self.optimizer = build_optimizer(model, trainer)
+            self.scheduler = build_scheduler(self.optimizer, trainer, total_steps)
+        self.guard = guard or BadStepGuard(trainer.max_bad_steps)
+        self.steps = 0
+
+    @property
+    def device(self) -> torch.device:
+        return device_of(self.model)
+
+    def compute_values(self, batch: RLBatch) -> torch.Tensor:
+        """(B, Tr) V(s_t), 0 on padding (CPU)."""
+        def values(mb: RLBatch) -> torch.Tensor:
+            return self.model.score(response_hidden(self.model, mb)).squeeze(-1).float()
+
+        with autocast(self.s.precision, self.device):
+            (out,) = per_token_pass(batch, values, self.s.micro_batch_size, self.s.max_tokens_per_micro_batch, self.device)
+        return out
+
+    def _value_term(self, values: torch.Tensor, mb: RLBatch) -> tuple[torch.Tensor, dict[str, Any]]:
+        mask = mb.response_mask
+        loss, metrics = value_loss(values, mb.values, mb.returns, mask, self.s.value_clip, self.s.loss_agg_mode)
+        metrics["value_loss"] = loss.detach()
+        metrics["values/mean"] = masked_mean(values.detach(), mask)
+        return self.s.vf_coef * loss, metrics
+
+    def loss(self, model: ScalarHeadModel, mb: RLBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """The `train_step` contract for a separate critic."""
+        values = model.score(response_hidden(model, mb)).squeeze(-1).float()
+        term, metrics = self._value_term(values, mb)
+        weight = aggregation_weight(mb.response_mask, self.s.loss_agg_mode)
+        return term * weight, weight, metrics
+
+    def joint_forward(self, policy: nn.Module, mb: RLBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """Shared backbone: one forward → (logits (b, tr, V), vf_coef · value loss, metrics)."""
+        hidden = response_hidden(self.model, mb)
+        logits = policy.get_output_embeddings()(hidden)
+        term, metrics = self._value_term(self.model.score(hidden).squeeze(-1).float(), mb)
+        return logits, term, metrics
+
+    def update(self, batch: RLBatch, mini_batch_rows: int, epochs: int, seed: int) -> dict[str, float]:
+        """ppo_epochs × shuffled mini-batches, one critic optimizer step each (separate
+        critic); nothing for a shared one (the actor's update trains it)."""
+        if self.shared:
+            return {}
+        self.model.train()
+        results = []
+        for epoch in range(epochs):
+            order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(seed + epoch))
+            for mini in batch.select(order).split(mini_batch_rows):
+                parts = micro_batches(mini, self.s.micro_batch_size, self.s.max_tokens_per_micro_batch, self.device)
+                result = train_step(self.model, parts, self.loss, self.optimizer, None,
+                                    self.s.max_grad_norm, self.s.precision)
+                self.guard.update(result, self.steps)
+                results.append(result)
+        self.scheduler.step()
+        self.steps += 1
+        return average_steps(results, role="critic")
+
+
+def shared_value_params(critic: Critic) -> nn.Module:
+    """The parameters a shared critic adds to the actor's optimizer: its head."""
+    return critic.model.score
+

@@ -1,0 +1,99 @@
+"""The reward role: score responses and turn scores into per-token rewards.
+
+Notation: B rows, Tr response tokens. For each row:
+
+    score = Σ_f w_f · r_f                              (reward functions, `RewardRunner`; a
+                                                       trained reward model is one of them,
+                                                       `posttrain.rewards.reward_model`)
+            + overlong_penalty(length)                 (DAPO eq. 13, when algorithm.overlong.buffer > 0)
+            − missing_eos_penalty · [truncated]        (TRL, when reward.missing_eos_penalty is set)
+    token_rewards[t] = score if t is the last generated token else 0   (veRL, TRL PPO)
+
+and, later in the step once old and reference log-probs exist (`apply_kl`), the KL
+penalty of the reward: token_rewards[t] −= β · KL_t (k1 by default). That second half is
+a separate call because in the driver's order (veRL's) the reward is computed before the
+log-prob passes; this is where veRL's `apply_kl_penalty` runs too.
+
+`accuracy`: a sample is correct when the FIRST reward function gives ≥ 1 (its raw value,
+before weights and shaping; TRL's accuracy rewards give 1 for right). With only a
+reward model that is its score ≥ 1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from posttrain.algos import kl_penalty, masked_mean, overlong_penalty
+from posttrain.rewards import RewardRunner
+from posttrain.workers.batch import RLBatch
+
+
+def place_on_last_token(scores: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """(B,) scores → (B, width) float with score_i at column lengths_i − 1, 0 elsewhere."""
+    out = torch.zeros(len(scores), width, dtype=torch.float32)
+    rows = torch.arange(len(scores))[lengths > 0]
+    out[rows, lengths[lengths > 0] - 1] = scores[rows].float()
+    return out
+
+
+class Reward:
+    """Scores a batch (veRL's reward manager + reward-model worker).
+
+    Args:
+        runner: the reward functions (a reward model included), with their weights.
+        max_new_tokens, overlong_buffer, overlong_penalty: DAPO's soft punishment (buffer 0 = off).
+        missing_eos_penalty: subtracted from truncated responses' scores (None = off).
+    """
+
+    def __init__(
+        self,
+        runner: RewardRunner,
+        max_new_tokens: int = 256,
+        overlong_buffer: int = 0,
+        overlong_penalty: float = 1.0,
+        missing_eos_penalty: float | None = None,
+    ):
+        self.runner = runner
+        self.max_new_tokens = max_new_tokens
+        self.overlong = (overlong_buffer, overlong_penalty)
+        self.missing_eos_penalty = missing_eos_penalty
+
+    def score(self, batch: RLBatch) -> tuple[RLBatch, dict[str, float]]:
+        """Fill `scores`, `token_rewards` and `rewards`; return the runner's metrics."""
+        terms, metrics = self._reward_terms(batch)
+        total = terms["total"].clone()
+        buffer, alpha = self.overlong
+        if buffer:
+            total += overlong_penalty(batch.lengths, self.max_new_tokens, buffer, alpha)
+        if self.missing_eos_penalty:
+            total -= self.missing_eos_penalty * batch.truncated.float()
+        width = batch.response_ids.shape[1]
+        return batch.replace(
+            scores=total,
+            token_rewards=place_on_last_token(total, batch.lengths, width),
+            rewards=terms,
+        ), metrics
+
+    def _reward_terms(self, batch: RLBatch) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """Each function's values (NaN for None), their weighted `total`, `correct` (0/1)."""
+        ids = [row[: int(n)].tolist() for row, n in zip(batch.response_ids, batch.lengths)]
+        result = self.runner.score(batch.prompts, batch.completions, ids, batch.columns or {})
+        terms = {
+            name: torch.tensor([math.nan if v is None else float(v) for v in values])
+            for name, values in result.per_function.items()
+        }
+        first = next(iter(terms.values()))
+        terms["total"] = result.total.float().cpu()
+        terms["correct"] = (torch.nan_to_num(first, nan=0.0) >= 1.0).float()
+        return terms, dict(result.metrics)
+
+    @staticmethod
+    def apply_kl(batch: RLBatch, coef: float, kind: str) -> tuple[RLBatch, float]:
+        """token_rewards −= coef · kl_penalty(old_logp, ref_logp, kind) on valid tokens.
+
+        Returns the batch and the mean KL over valid tokens."""
+        mask = batch.response_mask.bool()
+        kl = torch.where(mask, kl_penalty(batch.old_logp, batch.ref_logp, kind), 0.0)
+        return batch.replace(token_rewards=batch.token_rewards - coef * kl), float(masked_mean(kl, mask))

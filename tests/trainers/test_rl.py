@@ -1,0 +1,272 @@
+"""RL end to end on tiny models: every estimator learns a known optimum, micro-batching and
+resuming do not change the run, dynamic sampling stops, failures do not crash, the CLI runs.
+
+The task: reward 1 when the response starts with the word "a" (one of 8 words, so a random
+policy gets ~1/11), 0 otherwise; its optimum is reward 1.
+"""
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+
+from posttrain import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
+from posttrain.cli import main
+from posttrain.config import LoraConfig, build_config
+from posttrain.data.tasks import make_task
+from posttrain.models import BuiltinLM
+from posttrain.models.lora import apply_lora
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+WORDS = "a b c d e f g h".split()
+TARGET = 3  # the id of "a"
+RL_METRICS = (
+    "reward/mean reward/std accuracy advantage/mean kl approx_kl clip_frac clip_frac/low clip_frac/high "
+    "ratio/mean entropy response_length/mean response_length/max truncation_rate zero_std_group_frac "
+    "value_loss policy_loss grad_norm lr timing/gen timing/reward timing/old_logprob timing/ref timing/values "
+    "timing/adv timing/update_actor timing/update_critic timing/step throughput/tokens_per_s"
+).split()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matmuls on a shared 2-core machine run ~100x slower with 2 intra-op threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def word_tokenizer():
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    return BuiltinLM.from_preset("tiny", vocab_size=len(WORDS) + 3, num_hidden_layers=1, hidden_size=64,
+                                 intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
+                                 bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def starts_with_a(prompts, completions, completion_ids, **columns):
+    return [1.0 if ids and ids[0] == TARGET else 0.0 for ids in completion_ids]
+
+
+PROMPTS = [{"prompt": " ".join(WORDS[(i * 7 + k) % 8] for k in range(1 + i % 4)), "answer": "a"} for i in range(64)]
+
+
+def config(run_dir, estimator="grpo", **overrides):
+    """A fast config: 8 prompts × 8 responses of 3 tokens (PPO: 32 prompts × 1), lr 1e-2."""
+    ppo = estimator == "gae"
+    base = {
+        "algorithm.adv_estimator": estimator, "rollout.n": 1 if ppo else 8, "rollout.max_new_tokens": 3,
+        "data.train_batch_size": 32 if ppo else 8, "actor.micro_batch_size": 16,
+        "trainer.max_steps": 15, "trainer.learning_rate": 1e-2, "trainer.lr_scheduler": "constant",
+        "trainer.report_to": [], "trainer.progress": False, "trainer.output_dir": str(run_dir),
+    }
+    base.update(overrides)
+    return build_config(PPOConfig if ppo else GRPOConfig, None,
+                        [f"{k}={json.dumps(v) if isinstance(v, list) else v}" for k, v in base.items()])
+
+
+def trainer_for(cfg, reward=starts_with_a, model=None, **kwargs):
+    cls = PPOTrainer if cfg.use_critic else GRPOTrainer
+    return cls(model if model is not None else tiny_model(), reward_funcs=[reward], args=cfg,
+               train_dataset=PROMPTS, processing_class=word_tokenizer(), **kwargs)
+
+
+def metric_lines(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def weights(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_same_weights(a, b, atol=1e-5):
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=atol, rtol=1e-5)
+
+
+LEARNERS = {
+    "ppo": ("gae", {}),
+    "ppo-shared-backbone": ("gae", {"critic.share_backbone": "true", "critic.vf_coef": 0.5}),
+    "grpo": ("grpo", {}),
+    "dr_grpo": ("dr_grpo", {"actor.policy_loss.loss_agg_mode": "seq-mean-token-sum-norm"}),
+    "rloo": ("rloo", {}),
+    "reinforce_pp": ("reinforce_pp", {}),
+    "gspo": ("grpo", {"actor.policy_loss.level": "sequence", "actor.policy_loss.clip_low": 3e-4,
+                      "actor.policy_loss.clip_high": 4e-4, "actor.policy_loss.loss_agg_mode": "seq-mean-token-mean"}),
+}
+
+
+@pytest.mark.parametrize("name", list(LEARNERS))
+def test_every_estimator_reaches_the_optimum(tmp_path, name):
+    estimator, overrides = LEARNERS[name]
+    trainer_for(config(tmp_path, estimator, **overrides)).train()
+    rewards = [m["reward/mean"] for m in metric_lines(tmp_path)]
+    assert len(rewards) == 15 and rewards[0] < 0.4
+    assert sum(rewards[-3:]) / 3 > 0.9, rewards
+
+
+def test_every_metric_every_step_and_eval_samples(tmp_path):
+    cfg = config(tmp_path, "gae", **{"trainer.max_steps": 2, "trainer.eval_steps": 2, "eval.num_examples": 5,
+                                     "rollout.use_rollout_logprobs": "true"})
+    trainer_for(cfg, eval_dataset=PROMPTS[:5]).train()
+    lines = metric_lines(tmp_path)
+    assert [m["step"] for m in lines] == [1, 2]
+    for m in lines:
+        missing = [k for k in RL_METRICS if not isinstance(m.get(k), (int, float))]
+        assert not missing, missing
+    assert "eval/accuracy" in lines[1] and "eval/accuracy" not in lines[0]
+    assert lines[0]["data/n_rows"] == 64 and lines[0]["rollout/logprob_max_diff"] <= 1e-3
+    assert lines[1]["timing/old_logprob"] < lines[0]["timing/old_logprob"]  # the engine's log-probs are used
+    samples = [json.loads(s) for s in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert {s["split"] for s in samples} == {"eval", "train"} and all(s["step"] == 2 for s in samples)
+    assert (tmp_path / "final" / "config.json").is_file() and (tmp_path / "final" / "critic" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("variant", ["micro", "tokens"])
+def test_micro_batching_does_not_change_the_run(tmp_path, variant):
+    common = {"trainer.max_steps": 2, "trainer.learning_rate": 1e-3, "algorithm.kl.in_loss": "true",
+              "actor.ppo_mini_batch_size": 4, "actor.entropy_coeff": 0.01}
+    split = {"micro": {"actor.micro_batch_size": 4}, "tokens": {"actor.max_tokens_per_micro_batch": 40}}[variant]
+    a = trainer_for(config(tmp_path / "a", **common, **{"actor.micro_batch_size": 32}))
+    a.train()
+    b = trainer_for(config(tmp_path / "b", **common, **split))
+    b.train()
+    assert_same_weights(weights(a.model), weights(b.model))
+
+
+@pytest.mark.parametrize("estimator,extra", [
+    ("grpo", {"algorithm.kl.in_loss": "true", "algorithm.kl.adaptive": "true", "algorithm.kl.target": 0.01}),
+    ("gae", {"critic.warmup_steps": 1, "algorithm.kl.in_reward": "true"}),
+])
+def test_resume_continues_exactly(tmp_path, estimator, extra):
+    overrides = {"trainer.max_steps": 4, "trainer.save_steps": 2, "trainer.learning_rate": 3e-3, **extra}
+    full = trainer_for(config(tmp_path / "full", estimator, **overrides))
+    full.train()
+    # An interrupted run: the same run with everything after the step-2 checkpoint lost.
+    run = tmp_path / "cut"
+    shutil.copytree(tmp_path / "full", run)
+    shutil.rmtree(run / "checkpoints" / "step-4")
+    shutil.rmtree(run / "final")
+    scored = []
+
+    def counting(prompts, completions, completion_ids, **columns):
+        scored.append(len(completions))
+        return starts_with_a(prompts, completions, completion_ids)
+
+    resumed = trainer_for(config(run, estimator, **overrides), reward=counting)
+    resumed.train()
+    assert len(scored) == 2  # only steps 3 and 4 ran
+    assert_same_weights(weights(full.model), weights(resumed.model), atol=1e-6)
+    if estimator == "gae":
+        assert_same_weights(weights(full.roles.critic.model), weights(resumed.roles.critic.model), atol=1e-6)
+    assert [m["step"] for m in metric_lines(run)] == [1, 2, 3, 4]
+    assert metric_lines(run)[3]["reward/mean"] == metric_lines(tmp_path / "full")[3]["reward/mean"]
+    assert metric_lines(run)[0]["kl"] == 0.0  # the policy is the reference before its first update
+
+
+def always_one(prompts, completions, completion_ids, **columns):
+    return [1.0] * len(completions)
+
+
+def test_dynamic_sampling_gives_up_after_max_gen_batches(tmp_path, caplog):
+    cfg = config(tmp_path, **{"algorithm.filter_groups": "true", "algorithm.max_gen_batches": 3,
+                              "trainer.max_steps": 1})
+    trainer_for(cfg, reward=always_one).train()
+    (m,) = metric_lines(tmp_path)
+    assert m["dynamic_sampling/gen_batches"] == 3 and m["dynamic_sampling/kept_frac"] == 0.0
+    assert m["zero_std_group_frac"] == 1.0 and "dynamic sampling kept 0 of 8 groups" in caplog.text
+
+
+def test_dynamic_sampling_keeps_only_informative_groups(tmp_path):
+    from posttrain.algos import filter_groups
+    from posttrain.trainers.rl import rl_step
+
+    cfg = config(tmp_path, **{"algorithm.filter_groups": "true", "algorithm.max_gen_batches": 20,
+                              "rollout.n": 4, "data.train_batch_size": 4})
+    trainer = trainer_for(cfg)
+    metrics, batch = rl_step(trainer, 1)
+    assert len(batch) == 16 and bool(filter_groups(batch.scores, 4).all())
+    assert metrics["dynamic_sampling/gen_batches"] > 1 and metrics["dynamic_sampling/kept_frac"] < 1
+
+
+def flaky(prompts, completions, completion_ids, **columns):
+    if len(completions) > 1 or completion_ids[0][0] == TARGET:
+        raise RuntimeError("reward function bug")
+    return [0.0]
+
+
+def test_a_raising_reward_function_does_not_crash_the_run(tmp_path):
+    trainer_for(config(tmp_path, **{"trainer.max_steps": 2, "reward.failure_reward": 1.0}), reward=flaky).train()
+    lines = metric_lines(tmp_path)
+    assert len(lines) == 2 and all(m["reward/flaky/errors"] > 0 for m in lines)
+    assert (tmp_path / "final" / "config.json").is_file()
+
+
+def test_lora_run_exports_a_merged_policy_and_keeps_one_copy(tmp_path):
+    model = apply_lora(tiny_model(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    cfg = config(tmp_path, **{"trainer.max_steps": 2, "algorithm.kl.in_loss": "true"})
+    trainer = trainer_for(cfg, model=model)
+    assert trainer.roles.ref.model is model
+    trainer.train()
+    merged = BuiltinLM.from_pretrained(tmp_path / "final")
+    ids = torch.tensor([[1, 3, 4]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids), copy.deepcopy(model).merge_and_unload()(ids), atol=1e-5, rtol=1e-5)
+    assert (tmp_path / "final" / "adapter" / "adapter_config.json").is_file()
+
+
+@pytest.fixture(scope="module")
+def arith(tmp_path_factory):
+    out = tmp_path_factory.mktemp("arith")
+    make_task("arithmetic", out, n_train=40, n_test=8, seed=0, difficulty="easy")
+    return out
+
+
+@pytest.mark.parametrize("command,recipe", [("grpo", "grpo"), ("grpo", "dapo"), ("ppo", "ppo")])
+def test_cli_runs_a_recipe_on_a_tiny_model(arith, tmp_path, command, recipe):
+    torch.manual_seed(0)
+    run = tmp_path / "run"
+    code = main([
+        command, "--config", str(RECIPES / f"{recipe}.yaml"), "model.path=null", "model.init=tiny",
+        f"data.train_files=[{arith / 'train.jsonl'}]", f"data.eval_files=[{arith / 'test.jsonl'}]",
+        "data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "rollout.n=2", "rollout.max_new_tokens=6",
+        "actor.micro_batch_size=4", "trainer.max_steps=2", "trainer.eval_steps=2", "trainer.save_steps=1",
+        "eval.num_examples=2", "eval.max_new_tokens=6", "algorithm.overlong.buffer=0", "algorithm.max_gen_batches=2",
+        f"trainer.output_dir={run}", "trainer.report_to=[]", "trainer.progress=false",
+    ])
+    assert code == 0
+    lines = metric_lines(run)
+    assert [m["step"] for m in lines] == [1, 2] and "eval/accuracy" in lines[-1]
+    assert (run / "config.yaml").is_file() and (run / "final" / "config.json").is_file()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-1", "step-2"]
+    assert (run / "final" / "critic" / "config.json").is_file() == (command == "ppo")
+
+
+def test_prompt_loading_follows_the_truncation_rule():
+    from posttrain.config import ConfigError
+    from posttrain.trainers.rl_steps import load_prompts
+
+    rows = [{"question": "a b c d e f", "answer": "x"}, {"question": "a", "extra": 1}]
+    cfg = config("unused", **{"data.max_prompt_length": 4, "data.prompt_key": "question"}).data
+    with pytest.raises(ConfigError, match=r"data\.max_prompt_length: the prompt of list: row 1 has 7 tokens"):
+        load_prompts([dict(r) for r in rows], word_tokenizer(), cfg)
+    cfg.truncation = "left"
+    examples, stats = load_prompts([dict(r) for r in rows], word_tokenizer(), cfg)
+    assert examples[0]["ids"] == [5, 6, 7, 8] and stats["data/n_truncated"] == 1
+    assert examples[0]["columns"] == {"answer": "x", "extra": None} and examples[1]["prompt"] == "a"
+    cfg.truncation = "drop"
+    examples, stats = load_prompts([dict(r) for r in rows], word_tokenizer(), cfg)
+    assert len(examples) == 1 and stats["data/n_dropped"] == 1

@@ -1,0 +1,80 @@
+"""The RL config tree: batch-size rules, impossible combinations, recipes; errors name the field
+and come before any model is loaded."""
+
+from pathlib import Path
+
+import pytest
+
+from posttrain import GRPOConfig, GRPOTrainer, PPOConfig
+from posttrain.config import ConfigError, build_config
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+
+
+def build(*overrides, cls=GRPOConfig):
+    return build_config(cls, None, ["reward.functions=[task_reward]", *overrides])
+
+
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        (["data.train_batch_size=8", "actor.ppo_mini_batch_size=3"], "actor.ppo_mini_batch_size"),
+        (["data.train_batch_size=8", "actor.ppo_mini_batch_size=16"], "actor.ppo_mini_batch_size"),
+        (["data.train_batch_size=4", "rollout.n=2", "actor.micro_batch_size=3"], "actor.micro_batch_size"),
+        (["data.train_batch_size=4", "rollout.n=2", "critic.micro_batch_size=3"], "critic.micro_batch_size"),
+        (["algorithm.adv_estimator=gae", "critic.enable=false"], "critic.enable"),
+        (["critic.enable=true"], "critic.enable"),
+        (["rollout.n=1"], "rollout.n"),
+        (["algorithm.adv_estimator=rloo", "rollout.n=1"], "rollout.n"),
+        (["algorithm.adv_estimator=dr_grpo", "algorithm.norm_adv_by_std=group"], "algorithm.norm_adv_by_std"),
+        (["algorithm.adv_estimator=reinforce_pp", "algorithm.whiten_advantages=false"], "algorithm.whiten_advantages"),
+        (["trainer.micro_batch_size=4"], "trainer.micro_batch_size"),
+        (["rollout.temperature=0"], "rollout.temperature"),
+        (["actor.policy_loss.dual_clip=1.0"], "actor.policy_loss.dual_clip"),
+        (["algorithm.overlong.buffer=500", "rollout.max_new_tokens=100"], "algorithm.overlong.buffer"),
+        (["reward.functions=[a,b]", "reward.weights=[1.0]"], "reward.weights"),
+        (["algorithm.adv_estimator=gae", "critic.share_backbone=true", "critic.warmup_steps=2"], "critic.warmup_steps"),
+        (["algorithm.adv_estimator=gae", "critic.share_backbone=true", "model.lora.r=4"], "critic.share_backbone"),
+        (["actor.policy_loss.loss_agg_mode=token_mean"], "actor.policy_loss.loss_agg_mode"),
+    ],
+)
+def test_impossible_settings_name_the_field(overrides, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        build(*overrides)
+
+
+def test_batch_semantics_and_defaults():
+    cfg = build("data.train_batch_size=8", "rollout.n=4", "actor.micro_batch_size=16")
+    assert cfg.mini_batch_prompts == 8 and not cfg.use_critic  # null mini batch = one step per rollout
+    assert cfg.algorithm.grpo_scale == "group" and not cfg.algorithm.whiten
+    dr = build("algorithm.adv_estimator=dr_grpo")
+    assert dr.algorithm.grpo_scale == "none"
+    ppo = build_config(PPOConfig, None, ["algorithm.gamma=0.99"])
+    assert ppo.algorithm.adv_estimator == "gae" and ppo.rollout.n == 1 and ppo.use_critic and ppo.algorithm.whiten
+    # dynamic batching replaces the micro-batch rule
+    build("data.train_batch_size=4", "rollout.n=2", "actor.micro_batch_size=3", "actor.max_tokens_per_micro_batch=256")
+
+
+def test_both_kl_placements_warn(caplog):
+    build("algorithm.kl.in_reward=true", "algorithm.kl.in_loss=true")
+    assert "penalised twice" in caplog.text
+
+
+def test_errors_come_before_any_model_loads(tmp_path):
+    cfg = GRPOConfig()
+    cfg.model.path = str(tmp_path / "no-such-model")
+    cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size = 8, 3
+    with pytest.raises(ConfigError, match="actor.ppo_mini_batch_size"):
+        GRPOTrainer(args=cfg, reward_funcs=["task_reward"], train_dataset=[{"prompt": "1+1="}])
+    cfg = GRPOConfig()
+    cfg.model.path = str(tmp_path / "no-such-model")
+    with pytest.raises(ConfigError, match="reward.functions"):
+        GRPOTrainer(args=cfg, train_dataset=[{"prompt": "1+1="}])
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in RECIPES.glob("*.yaml") if p.name != "sft_arithmetic.yaml"))
+def test_recipes_resolve_and_open_with_a_citation(recipe):
+    text = (RECIPES / recipe).read_text()
+    assert text.startswith("# ") and "arXiv" in text.split("\n\n")[0]
+    cfg = build_config(PPOConfig if recipe == "ppo.yaml" else GRPOConfig, RECIPES / recipe)
+    assert cfg.reward.functions and cfg.eval.task == "arithmetic"

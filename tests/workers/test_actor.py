@@ -1,0 +1,125 @@
+"""Actor and reference: first-step ratio and gradient, micro-batch invariance, padding, KL."""
+
+import copy
+
+import pytest
+import torch
+
+from posttrain.algos import aggregate_loss, grpo_advantages, kl_penalty, token_logprobs
+from posttrain.config import LoraConfig
+from posttrain.config.rl import PolicyLossConfig
+from posttrain.config.sections import TrainerConfig
+from posttrain.models.lora import apply_lora
+from posttrain.workers import Actor, ActorSettings, Reference
+from posttrain.workers.forward import response_logits
+
+from .conftest import rollout
+
+AGGS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+
+
+def make_actor(model, micro=4, max_tokens=0, agg="token-mean", level="token", kl_in_loss=False, lr=1e-3, **loss):
+    settings = ActorSettings(
+        temperature=1.0, loss=PolicyLossConfig(level=level, loss_agg_mode=agg, **loss), max_len=5,
+        micro_batch_size=micro, max_tokens_per_micro_batch=max_tokens, entropy_coeff=0.0,
+        kl_in_loss=kl_in_loss, kl_kind="k3", max_grad_norm=0.0, precision="fp32",
+    )
+    return Actor(model, settings, TrainerConfig(learning_rate=lr, lr_scheduler="constant"), total_steps=10)
+
+
+def training_batch(model, tok, n=4):
+    """A rollout with GRPO advantages of a made-up score and fresh old log-probs."""
+    b = rollout(model, tok, n=n, max_new_tokens=5)
+    scores = (b.response_ids[:, 0] % 3).float()
+    adv = grpo_advantages(scores, n)[:, None] * b.response_mask
+    actor = make_actor(model)
+    return b.replace(advantages=adv, old_logp=actor.compute_logprobs(b), ref_logp=actor.compute_logprobs(b))
+
+
+def grads(model):
+    return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("level,agg", [("token", a) for a in AGGS] + [("sequence", "seq-mean-token-mean")])
+def test_first_step_ratio_is_one_and_gradient_is_the_policy_gradient(model, tok, level, agg):
+    batch = training_batch(model, tok)
+    actor = make_actor(model, agg=agg, level=level)
+    mb = batch.trimmed()
+    loss_sum, weight, metrics = actor.loss(model, mb, kl_coef=0.0)
+    assert metrics["ratio/mean"] == 1.0 and metrics["clip_frac"] == 0.0 and metrics["approx_kl"] == 0.0
+    model.zero_grad()
+    (loss_sum / weight).backward()
+    ours = grads(model)
+    # The plain policy gradient: −∇ agg(A · log π).
+    model.zero_grad()
+    logp = token_logprobs(response_logits(model, mb), mb.response_ids)
+    aggregate_loss(-mb.advantages * logp, mb.response_mask, agg, 5).backward()
+    for k, g in grads(model).items():
+        torch.testing.assert_close(ours[k], g, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("agg", AGGS)
+def test_micro_batch_size_does_not_change_the_update(model, tok, agg):
+    batch = training_batch(model, tok)
+    weights = []
+    for micro, max_tokens in ((12, 0), (1, 0), (5, 0), (4, 18)):
+        m = copy.deepcopy(model)
+        actor = make_actor(m, micro=micro, max_tokens=max_tokens, agg=agg, kl_in_loss=True)
+        actor.optimizer = torch.optim.SGD(m.parameters(), lr=1.0)  # the update is the gradient itself
+        actor.scheduler = torch.optim.lr_scheduler.LambdaLR(actor.optimizer, lambda step: 1.0)
+        actor.update(batch, mini_batch_rows=12, epochs=1, kl_coef=0.1, seed=0)
+        weights.append({k: v.clone() for k, v in m.state_dict().items()})
+    moved = max(float((weights[0][k] - v).abs().max()) for k, v in model.state_dict().items())
+    assert moved > 1e-3
+    for other in weights[1:]:
+        for k in weights[0]:
+            torch.testing.assert_close(other[k], weights[0][k], atol=1e-6, rtol=1e-5)
+
+
+def test_padding_content_changes_nothing(model, tok):
+    batch = training_batch(model, tok)
+    pad = batch.response_mask == 0
+    assert pad.any()
+    g = torch.Generator().manual_seed(0)
+    noisy = batch.replace(
+        response_ids=torch.where(pad, torch.randint(0, len(tok), pad.shape, generator=g), batch.response_ids),
+        old_logp=batch.old_logp.masked_fill(pad, float("nan")),
+        ref_logp=batch.ref_logp.masked_fill(pad, float("nan")),
+        advantages=batch.advantages.masked_fill(pad, 1e6),
+    )
+    results = []
+    for b in (batch, noisy):
+        m = copy.deepcopy(model)
+        actor = make_actor(m, micro=12, kl_in_loss=True)
+        loss_sum, weight, metrics = actor.loss(m, b, kl_coef=0.5)
+        loss_sum.backward()
+        results.append((loss_sum.detach(), {k: float(v) for k, v in metrics.items()}, grads(m)))
+    assert torch.equal(results[0][0], results[1][0]) and results[0][1] == results[1][1]
+    for k, v in results[0][2].items():
+        assert torch.equal(v, results[1][2][k])
+
+
+def test_kl_is_zero_when_the_policy_is_the_reference(model, tok):
+    batch = training_batch(model, tok)
+    ref = Reference(model, temperature=1.0, micro_batch_size=5)
+    actor = make_actor(model, kl_in_loss=True)
+    ref_logp = ref.compute_logprobs(batch)
+    assert torch.equal(ref_logp, actor.compute_logprobs(batch))
+    for kind in ("k1", "k2", "k3", "abs"):
+        assert float(kl_penalty(batch.old_logp, ref_logp, kind).abs().max()) == 0.0
+    _, _, metrics = actor.loss(model, batch.replace(ref_logp=ref_logp), kl_coef=1.0)
+    assert float(metrics["kl"]) == 0.0
+
+
+def test_lora_reference_is_the_base_model_with_adapters_off(model, tok):
+    batch = training_batch(model, tok)
+    base_logp = make_actor(model).compute_logprobs(batch)
+    lora = apply_lora(copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    ref = Reference(lora, temperature=1.0, micro_batch_size=5)
+    assert ref.model is lora  # no second copy
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)  # as if trained
+    assert not torch.allclose(make_actor(lora).compute_logprobs(batch), base_logp)
+    torch.testing.assert_close(ref.compute_logprobs(batch), base_logp, atol=1e-6, rtol=1e-6)
