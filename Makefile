@@ -24,10 +24,10 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
 
 test-all: $(STAMP)
-	$(BIN)/python -m pytest -q -m "slow or not slow"
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "slow or not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
