@@ -1,0 +1,73 @@
+"""Rollout engines: sample completions (with their logprobs) from the current policy.
+
+    engine = make_engine("native", model, tokenizer)        # or "hf", "vllm"
+    out = engine.generate(prompts, SamplingParams(n=8, temperature=1.0, max_new_tokens=256))
+    out.response_ids, out.response_mask, out.logprobs        # (B·n, T_resp) each
+    engine.sync_weights(model)                               # after each policy update
+
+Engines (one interface, `RolloutEngine`; config key `rollout.engine`):
+- native: batched KV-cache decoding of the built-in model (and Llama checkpoints) in
+  eager PyTorch; finished rows leave the batch. The default on CPU and for the demo.
+- hf: transformers' `generate`, for any causal LM.
+- vllm: a vLLM engine with in-place weight sync (optional extra, CUDA).
+All three return the same `Completions`, whose logprobs are log softmax(logits / T)
+of the sampled tokens (see base.py).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from posttrain.rollout.base import (
+    Completions,
+    Prompts,
+    RolloutEngine,
+    SamplingParams,
+    filter_logits,
+    sample_next,
+)
+
+
+def _native(model, tokenizer, **opts):
+    from posttrain.rollout.native import NativeEngine
+
+    return NativeEngine(model, tokenizer, **opts)
+
+
+def _hf(model, tokenizer, **opts):
+    from posttrain.rollout.hf import HFEngine
+
+    return HFEngine(model, tokenizer, **opts)
+
+
+def _vllm(model, tokenizer, **opts):
+    from posttrain.rollout.vllm import VLLMEngine
+
+    return VLLMEngine(model, tokenizer, **opts)
+
+
+ENGINES = {"native": _native, "hf": _hf, "vllm": _vllm}
+"""Engine constructors by name (the valid values of `rollout.engine`)."""
+
+
+def make_engine(kind: str, model: nn.Module, tokenizer, **opts) -> RolloutEngine:
+    """Build the rollout engine `kind` ("native" | "hf" | "vllm") over `model`.
+
+    opts go to the engine: native: compact_fraction, max_batch_size; hf: none;
+    vllm: model_path, dtype, gpu_memory_utilization, seed and any `vllm.LLM` argument.
+    """
+    if kind not in ENGINES:
+        raise ValueError(f"unknown rollout engine {kind!r}; choose one of {sorted(ENGINES)}")
+    return ENGINES[kind](model, tokenizer, **opts)
+
+
+__all__ = [
+    "ENGINES",
+    "Completions",
+    "Prompts",
+    "RolloutEngine",
+    "SamplingParams",
+    "filter_logits",
+    "make_engine",
+    "sample_next",
+]

@@ -1,0 +1,361 @@
+"""What every rollout engine shares: SamplingParams, Completions, the engine protocol,
+next-token sampling and stop handling.
+
+Notation: B prompts, n samples per prompt, N = B·n rows, T_resp the longest
+response in a batch, V vocab.
+
+Log-probabilities (`Completions.logprobs`) are those of the *temperature-scaled*
+distribution, before top-k / top-p / min-p filtering:
+
+    logp_t = log softmax(logits_t / temperature)[y_t]        (temperature 0 -> 1)
+
+which is exactly `posttrain.algos.token_logprobs(logits, labels, temperature)` of a
+teacher-forced forward over the same tokens, so an RL trainer may use them as
+`old_logp` when it scores with the same temperature (tests/rollout check the match
+to 1e-4 in fp32). The filters only decide which tokens may be sampled; they do not
+renormalise the logprob. This is veRL's convention (its actor recomputes
+log softmax(logits / T) over the full vocabulary); vLLM's `processed_logprobs`
+equals it only while no filter is active (see `vllm.py`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+Prompts = Sequence[str] | Sequence[Sequence[int]]
+"""A batch of prompts: strings (tokenized by the engine, BOS as the tokenizer adds it)
+or token-id lists (used as they are)."""
+
+FINISH_REASONS = ("stop", "length")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one call's completions (names as in vLLM, where they exist)."""
+
+    n: int = 1
+    """Samples per prompt. Output rows are grouped by prompt: p0 x n, p1 x n, ... (GRPO groups)."""
+    temperature: float = 1.0
+    """Logits are divided by it before sampling; 0 = greedy (argmax)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the most probable tokens whose mass first reaches top_p (1 = off)."""
+    top_k: int = 0
+    """Keep the k most probable tokens (ties at the k-th kept); 0 = off."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p x the top token's probability (0 = off)."""
+    max_new_tokens: int = 256
+    """Most tokens generated per row; a row that reaches it finishes with reason "length"."""
+    stop: tuple[str, ...] = ()
+    """Stop strings: a row finishes (reason "stop") with the token that completes one of
+    them in its decoded response; that token is kept in `response_ids`."""
+    stop_token_ids: tuple[int, ...] | None = None
+    """Token ids that finish a row (reason "stop") and are kept as its last token.
+    None = the tokenizer's eos token; () = never stop on a token (benchmarks)."""
+    include_stop_str_in_output: bool = False
+    """Whether `Completions.texts` keeps the matched stop string (as in vLLM)."""
+    seed: int | None = None
+    """Same seed, same prompts, same engine -> same samples. None draws one from torch's
+    global RNG, so `torch.manual_seed` still makes a run repeatable."""
+    logprobs: bool = True
+    """Return `Completions.logprobs` (see the module docstring for their definition)."""
+
+    def __post_init__(self) -> None:
+        # Accept lists from configs and callers; store tuples so params stay hashable.
+        object.__setattr__(self, "stop", tuple(self.stop))
+        if self.stop_token_ids is not None:
+            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        checks = {
+            "n": self.n >= 1,
+            "temperature": self.temperature >= 0 and math.isfinite(self.temperature),
+            "top_p": 0 < self.top_p <= 1,
+            "top_k": self.top_k >= 0,
+            "min_p": 0 <= self.min_p <= 1,
+            "max_new_tokens": self.max_new_tokens >= 1,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is out of range")
+        if any(not s for s in self.stop):
+            raise ValueError("SamplingParams.stop must not contain an empty string")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature of the distribution whose logprobs are returned (1 when greedy)."""
+        return self.temperature if self.temperature > 0 else 1.0
+
+    def resolved_stop_token_ids(self, tokenizer) -> tuple[int, ...]:
+        if self.stop_token_ids is not None:
+            return self.stop_token_ids
+        eos = getattr(tokenizer, "eos_token_id", None)
+        return () if eos is None else (int(eos),)
+
+
+@dataclass
+class Completions:
+    """One call's output, N = B·n rows grouped by prompt (rows i·n .. i·n+n-1 answer prompt i).
+
+    Tensors are on the CPU. Padding positions hold `pad_token_id` in `response_ids`
+    and 0 in `response_mask` and `logprobs`.
+    """
+
+    prompt_ids: list[list[int]]
+    """N token lists: the prompt of each row, unpadded (as tokenized, BOS included)."""
+    prompt_index: torch.Tensor
+    """(N,) long: which input prompt each row answers (0,0,..,1,1,.. for n > 1)."""
+    response_ids: torch.Tensor
+    """(N, T_resp) long: generated tokens, right-padded with `pad_token_id`. A row that
+    finished on a stop token or stop string keeps that token as its last one."""
+    response_mask: torch.Tensor
+    """(N, T_resp) long: 1 on generated tokens (the stop token included), 0 on padding."""
+    logprobs: torch.Tensor | None
+    """(N, T_resp) float32: log softmax(logits / T)[token] of each generated token, with
+    T = temperature (1 when greedy), over the full vocabulary before top-k/top-p/min-p
+    filtering; 0 on padding. None when `SamplingParams.logprobs` is False."""
+    lengths: torch.Tensor
+    """(N,) long: generated tokens per row = response_mask.sum(-1)."""
+    finish_reason: list[str]
+    """N strings: "stop" (a stop token or stop string ended the row) or "length"
+    (max_new_tokens reached)."""
+    texts: list[str]
+    """N strings: the response decoded with special tokens skipped, without its final stop
+    token, and cut before the matched stop string (kept if include_stop_str_in_output)."""
+    pad_token_id: int = 0
+    """The id used to pad `response_ids`."""
+    meta: dict = field(default_factory=dict)
+    """Engine facts for logging, e.g. {"engine": "native", "decode_steps": 37}."""
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Generated tokens over all rows (what throughput counts)."""
+        return int(self.lengths.sum())
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the RL loop calls: `generate` for rollouts, `sync_weights` after each update."""
+
+    tokenizer: object
+
+    def generate(self, prompts: Prompts, params: SamplingParams) -> Completions:
+        """Sample `params.n` completions of every prompt (rows grouped by prompt)."""
+        ...
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Make the next `generate` sample from `model`'s current weights."""
+        ...
+
+
+def encode_prompts(tokenizer, prompts: Prompts) -> list[list[int]]:
+    """Strings -> token ids with the tokenizer's special tokens (BOS); id lists pass through."""
+    if isinstance(prompts, str):
+        raise TypeError("prompts must be a list of strings or of token-id lists, not one string")
+    out = []
+    for i, p in enumerate(prompts):
+        ids = tokenizer(p)["input_ids"] if isinstance(p, str) else [int(t) for t in p]
+        if not ids:
+            raise ValueError(f"prompt {i} is empty after tokenization")
+        out.append(ids)
+    return out
+
+
+def pad_id_of(tokenizer) -> int:
+    """The tokenizer's pad id, else its eos id, else 0."""
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if value is not None:
+            return int(value)
+    return 0
+
+
+def left_pad(
+    prompt_ids: list[list[int]], pad_id: int, device=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> ids (B, P) left-padded with pad_id and mask (B, P), 1 = real token."""
+    width = max(len(p) for p in prompt_ids)
+    ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
+    for row, p in enumerate(prompt_ids):
+        ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[row, width - len(p) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def resolve_seed(seed: int | None) -> int:
+    """The call's seed; None draws one from torch's global (CPU) RNG."""
+    if seed is not None:
+        return int(seed)
+    return int(torch.randint(0, 2**62, (1,)).item())
+
+
+# ---------------------------------------------------------------- sampling
+
+
+def filter_logits(
+    z: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+) -> torch.Tensor:
+    """Mask (to -inf) the tokens that top-k, then top-p, then min-p exclude.
+
+    z (N, V) temperature-scaled logits -> (N, V). The order and the rules are those of
+    transformers' warpers (TopK, TopP, MinP): top-k keeps ties with the k-th logit;
+    top-p drops a token when the mass of the less probable tokens including it is
+    <= 1 - top_p (so the most probable token always stays); min-p drops
+    p < min_p · max p.
+    """
+    vocab = z.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(z, top_k, dim=-1).values[:, -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_z, order = torch.sort(z, dim=-1)  # ascending
+        mass_below = sorted_z.softmax(-1).cumsum(-1)
+        drop = mass_below <= 1 - top_p
+        drop[:, -1] = False
+        z = z.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    if min_p > 0.0:
+        probs = z.softmax(-1)
+        z = z.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
+    return z
+
+
+def sample_next(
+    logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick the next token of every row and its logprob.
+
+    logits (N, V) (any float dtype; computed in float32); noise (N, V) i.i.d. Exp(1)
+    draws, required unless greedy. Returns tokens (N,) long and logp (N,) float32 =
+    log softmax(logits / T)[token] (T = 1 when greedy; unfiltered, see module docstring).
+
+    Sampling is the exponential race argmax_v p_v / E_v with E_v ~ Exp(1), which picks
+    v with probability p_v (the trick vLLM uses). The caller draws the noise, so the
+    sample of a row depends only on its own noise row, not on which other rows share
+    the batch.
+    """
+    z = logits.float()
+    if params.temperature > 0:
+        z = z / params.temperature
+    logp_all = torch.log_softmax(z, dim=-1)
+    if params.greedy:
+        tokens = z.argmax(-1)
+    else:
+        if noise is None:
+            raise ValueError("sample_next needs Exp(1) noise when temperature > 0")
+        probs = filter_logits(z, params.top_k, params.top_p, params.min_p).softmax(-1)
+        # A zero noise draw (probability ~2^-24 per element) must not make 0/0.
+        tokens = (probs / noise.clamp_min(1e-20)).argmax(-1)
+    return tokens, logp_all.gather(-1, tokens[:, None])[:, 0]
+
+
+# ---------------------------------------------------------------- stop handling
+
+
+class StopStrings:
+    """Detects, token by token, when a decoded response completes a stop string.
+
+    A stop string counts when it occurs in the decoded response (special tokens
+    skipped) and ends inside the characters the newest token added: the rule of
+    transformers' StopStringCriteria and of vLLM's detokenizer. Only a window of
+    recent tokens is decoded, long enough to hold the longest stop string even at
+    four byte-level tokens per character.
+    """
+
+    def __init__(self, tokenizer, stops: Sequence[str]):
+        self.tokenizer = tokenizer
+        self.stops = tuple(stops)
+        self.window = 4 * max((len(s) for s in self.stops), default=0) + 4
+
+    def __bool__(self) -> bool:
+        return bool(self.stops)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def completes(self, ids: Sequence[int]) -> bool:
+        """Does the last token of `ids` (a response so far) complete a stop string?"""
+        if not self.stops or not ids:
+            return False
+        tail = ids[-self.window :]
+        text, before = self._decode(tail), self._decode(tail[:-1])
+        new_from = _common_prefix_len(before, text)  # the newest token's characters start here
+        return any(text.find(s, max(0, new_from - len(s) + 1)) != -1 for s in self.stops)
+
+    def cut(self, text: str, keep: bool) -> str:
+        """`text` up to the first stop string (through it when keep); unchanged if none."""
+        hits = [(i, s) for s in self.stops if (i := text.find(s)) != -1]
+        if not hits:
+            return text
+        start, stop = min(hits)
+        return text[: start + len(stop)] if keep else text[:start]
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+# ---------------------------------------------------------------- assembling the output
+
+
+def build_completions(
+    prompt_ids: list[list[int]],
+    response_ids: torch.Tensor,
+    lengths: torch.Tensor,
+    stopped: torch.Tensor,
+    logprobs: torch.Tensor | None,
+    params: SamplingParams,
+    tokenizer,
+    pad_id: int,
+    meta: dict | None = None,
+) -> Completions:
+    """Assemble a Completions from per-row results of any engine.
+
+    prompt_ids: N prompts (already repeated n times); response_ids (N, W) long, valid
+    up to `lengths` (N,); stopped (N,) bool, True when a stop token or stop string ended
+    the row; logprobs (N, W) float or None. Everything past a row's length is reset to
+    padding, and the width is trimmed to the longest row.
+    """
+    response_ids, lengths = response_ids.cpu(), lengths.cpu().long()
+    width = int(lengths.max()) if len(lengths) else 0
+    mask = (torch.arange(width)[None, :] < lengths[:, None]).long()  # (N, T_resp)
+    response_ids = response_ids[:, :width].masked_fill(mask == 0, pad_id)
+    if logprobs is not None:
+        logprobs = logprobs.cpu().float()[:, :width].masked_fill(mask == 0, 0.0)
+    stop_ids = set(params.resolved_stop_token_ids(tokenizer))
+    stops = StopStrings(tokenizer, params.stop)
+    texts, reasons = [], []
+    for row in range(len(prompt_ids)):
+        ids = response_ids[row, : int(lengths[row])].tolist()
+        done = bool(stopped[row])
+        reasons.append("stop" if done else "length")
+        if done and ids and ids[-1] in stop_ids:
+            ids = ids[:-1]
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        texts.append(stops.cut(text, params.include_stop_str_in_output) if done else text)
+    n = params.n
+    return Completions(
+        prompt_ids=[list(p) for p in prompt_ids],
+        prompt_index=torch.arange(len(prompt_ids)) // n,
+        response_ids=response_ids,
+        response_mask=mask,
+        logprobs=logprobs if params.logprobs else None,
+        lengths=lengths,
+        finish_reason=reasons,
+        texts=texts,
+        pad_token_id=pad_id,
+        meta=dict(meta or {}),
+    )

@@ -1,0 +1,275 @@
+"""The native engine: batched KV-cache decoding of a BuiltinLM, in eager PyTorch.
+
+Notation: B prompts in a chunk, n samples per prompt, R = B·n rows, P the longest
+prompt, S = max_new_tokens, V vocab, D head dim.
+
+One `generate` chunk:
+  1. prefill: the B prompts, left-padded to P, in one forward into a KV cache sized
+     P + S; only the last position goes through lm_head. The cache rows are then
+     repeated n times (`cache.select`), so a prompt is prefilled once, not n times.
+  2. decode: one token per step for every row still in the batch. The step calls the
+     model's own modules (embedding, decoder layers, norm, lm_head) but skips the
+     per-call work of `BuiltinLM.forward`: the RoPE cos/sin table is computed once
+     for positions 0 .. P+S-1 and indexed per step, and the (R, 1, 1, P+S) key mask
+     is built once (prompt padding) and sliced per step.
+  3. compaction: finished rows keep costing a full decode step until they are
+     dropped with `cache.select` (a copy of the whole cache). The engine drops them
+     when at least `compact_fraction` of the rows in the batch have finished
+     (default 1/4; benchmarks/rollout.py measures the choice), and stops as soon as
+     every row has finished.
+
+Sampling noise is drawn for all R rows of the chunk every step from one
+torch.Generator seeded per call, and each row reads its own noise row, so a row's
+sample does not depend on compaction (tests check outputs are identical with and
+without it). They are the draws torch.multinomial makes, so on the CPU the native
+and hf engines sample the same tokens for the same seed (a test pins this). Greedy
+decoding matches transformers' `generate` token for token.
+
+Models: a BuiltinLM (also peft-wrapped), or a transformers LlamaForCausalLM whose
+features BuiltinLM implements, which is viewed as a BuiltinLM sharing the same
+parameter tensors (no copy).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from posttrain.models import BuiltinConfig, BuiltinLM
+from posttrain.models import llama_checkpoint as ckpt
+from posttrain.rollout.base import (
+    Completions,
+    Prompts,
+    SamplingParams,
+    StopStrings,
+    build_completions,
+    encode_prompts,
+    left_pad,
+    pad_id_of,
+    resolve_seed,
+    sample_next,
+)
+
+
+def as_builtin(model: nn.Module) -> BuiltinLM:
+    """The BuiltinLM that computes `model`'s logits, sharing its parameters.
+
+    BuiltinLM -> itself; peft model -> its (adapter-injected) base model; transformers
+    LlamaForCausalLM -> a BuiltinLM whose parameters are the HF model's tensors.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if isinstance(base, BuiltinLM):
+        return base
+    config = getattr(base, "config", None)
+    hf = config.to_dict() if hasattr(config, "to_dict") else None
+    problems = ["not a transformers model"] if hf is None else ckpt.unsupported_llama_features(hf)
+    if problems:
+        raise TypeError(
+            f"the native engine runs BuiltinLM and Llama models; {type(base).__name__} "
+            f"cannot be one ({'; '.join(problems)}). Use make_engine('hf', ...) instead."
+        )
+    with torch.device("meta"):
+        view = BuiltinLM(BuiltinConfig(**ckpt.builtin_fields(hf)))
+    state = dict(base.state_dict())
+    if view.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    view.load_state_dict(state, strict=False, assign=True)  # assign: share, do not copy
+    view.tie_weights()
+    view.model.rotary_emb.reset_inv_freq(view.device)
+    return view.eval()
+
+
+class NativeEngine:
+    """Batched KV-cache sampling from a BuiltinLM (module docstring)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        *,
+        compact_fraction: float | None = 0.25,
+        max_batch_size: int | None = None,
+    ):
+        """
+        Args:
+            model: BuiltinLM, peft-wrapped BuiltinLM, or transformers LlamaForCausalLM.
+            tokenizer: encodes string prompts, decodes texts, gives eos/pad ids.
+            compact_fraction: drop finished rows from the decode batch once this
+                fraction of its rows has finished; None never drops them (tests).
+            max_batch_size: most rows (prompts x n) decoded together; larger calls
+                run in chunks of whole prompts. None = all rows at once.
+        """
+        if compact_fraction is not None and not 0 <= compact_fraction <= 1:
+            raise ValueError(f"compact_fraction must be in [0, 1] or None, got {compact_fraction}")
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.tokenizer = tokenizer
+        self.compact_fraction = compact_fraction
+        self.max_batch_size = max_batch_size
+        self.sync_weights(model)
+
+    def sync_weights(self, model: nn.Module) -> None:
+        """Point the engine at `model` (weights are shared, so nothing is copied)."""
+        self.model = as_builtin(model)
+
+    def generate(self, prompts: Prompts, params: SamplingParams) -> Completions:
+        prompt_ids = encode_prompts(self.tokenizer, prompts)
+        pad_id = pad_id_of(self.tokenizer)
+        per_chunk = max(1, (self.max_batch_size or len(prompt_ids) * params.n) // params.n)
+        gen = torch.Generator(self.model.device).manual_seed(resolve_seed(params.seed))
+        was_training = self.model.training
+        self.model.eval()
+        start = time.perf_counter()
+        parts, steps, compactions = [], 0, 0
+        try:
+            with torch.inference_mode():
+                for first in range(0, len(prompt_ids), per_chunk):
+                    chunk = prompt_ids[first : first + per_chunk]
+                    part = self._generate_chunk(chunk, params, gen, pad_id)
+                    steps += part.pop("steps")
+                    compactions += part.pop("compactions")
+                    parts.append(part)
+        finally:
+            self.model.train(was_training)
+        return build_completions(
+            prompt_ids=[p for p in prompt_ids for _ in range(params.n)],
+            response_ids=torch.cat([p["tokens"] for p in parts]),  # (N, S) each chunk
+            lengths=torch.cat([p["lengths"] for p in parts]),
+            stopped=torch.cat([p["stopped"] for p in parts]),
+            logprobs=torch.cat([p["logprobs"] for p in parts]),
+            params=params,
+            tokenizer=self.tokenizer,
+            pad_id=pad_id,
+            meta={
+                "engine": "native",
+                "decode_steps": steps,
+                "compactions": compactions,
+                "seconds": time.perf_counter() - start,
+            },
+        )
+
+    def _prefill(self, prompt_ids: list[list[int]], n: int, max_new: int, pad_id: int):
+        """Prompts through the model once, cache rows repeated n times.
+
+        Returns the cache (R rows, room for P + S positions), next-token logits (R, V),
+        the key mask (R, 1, 1, P+S) bool (True = may attend; None without padding) and
+        the position of each row's first generated token (R,).
+        """
+        model, device = self.model, self.model.device
+        ids, mask = left_pad(prompt_ids, pad_id, device)  # (B, P)
+        width, total = ids.shape[1], ids.shape[1] + max_new
+        cache = model.new_cache(len(prompt_ids), total)
+        padded = not bool(mask.all())
+        hidden = model.hidden_states(ids, mask if padded else None, cache=cache)[:, -1]  # (B, H)
+        expand = torch.arange(len(prompt_ids), device=device).repeat_interleave(n)  # (R,)
+        if n > 1:
+            cache.select(expand)
+        key_mask = None
+        if padded:
+            key_mask = torch.ones(len(expand), 1, 1, total, dtype=torch.bool, device=device)
+            key_mask[:, 0, 0, :width] = mask[expand].bool()
+        return cache, model.lm_head(hidden)[expand], key_mask, mask.sum(-1)[expand]
+
+    def _generate_chunk(
+        self, prompt_ids: list[list[int]], params: SamplingParams, gen: torch.Generator, pad_id: int
+    ) -> dict:
+        """Sample n completions of each prompt: per-row tokens/logprobs (R, S), lengths, stopped."""
+        model, device = self.model, self.model.device
+        max_new, rows = params.max_new_tokens, len(prompt_ids) * params.n
+        cache, logits, key_mask, next_pos = self._prefill(prompt_ids, params.n, max_new, pad_id)
+        positions = torch.arange(cache.max_len, device=device)[None]  # RoPE table, once
+        cos_table, sin_table = (t[0] for t in model.model.rotary_emb(positions, model.dtype))
+        stop_ids = torch.tensor(
+            params.resolved_stop_token_ids(self.tokenizer), dtype=torch.long, device=device
+        )
+        stops = StopStrings(self.tokenizer, params.stop)
+        texts: list[list[int]] = [[] for _ in range(rows)]  # tokens so far, for stop strings
+
+        tokens = torch.full((rows, max_new), pad_id, dtype=torch.long, device=device)
+        logprobs = torch.zeros((rows, max_new), dtype=torch.float32, device=device)
+        lengths = torch.zeros(rows, dtype=torch.long, device=device)
+        stopped = torch.zeros(rows, dtype=torch.bool, device=device)
+        row_ids = torch.arange(rows, device=device)  # global row of each batch row
+        alive = torch.ones(rows, dtype=torch.bool, device=device)  # per batch row
+        step = compactions = 0
+        for step in range(max_new):
+            noise = None
+            if not params.greedy:  # drawn for all rows: a row's sample ignores compaction
+                noise = torch.empty(rows, logits.shape[-1], device=device).exponential_(
+                    generator=gen
+                )
+                noise = noise if len(row_ids) == rows else noise[row_ids]
+            tok, logp = sample_next(logits, params, noise)  # (R_cur,)
+            tokens[row_ids, step] = torch.where(alive, tok, pad_id)
+            logprobs[row_ids, step] = torch.where(alive, logp, 0.0)
+            lengths[row_ids] += alive
+            hit = alive & torch.isin(tok, stop_ids)
+            if stops:
+                hit |= _stop_string_hits(stops, texts, row_ids, alive, tok)
+            stopped[row_ids] |= hit
+            alive &= ~hit
+            alive_count = int(alive.sum())
+            if alive_count == 0 or step == max_new - 1:
+                break
+            finished = len(alive) - alive_count
+            frac = self.compact_fraction
+            if frac is not None and finished >= max(1, frac * len(alive)):
+                keep = alive.nonzero()[:, 0]
+                cache.select(keep)
+                compactions += 1
+                row_ids, alive, tok, next_pos = (
+                    row_ids[keep],
+                    alive[keep],
+                    tok[keep],
+                    next_pos[keep],
+                )
+                key_mask = None if key_mask is None else key_mask[keep]
+            pos = next_pos + step  # (R_cur,) position of the token fed now
+            step_mask = None if key_mask is None else key_mask[..., : cache.length + 1]
+            logits = _decode_step(
+                model, tok, cos_table[pos][:, None], sin_table[pos][:, None], step_mask, cache
+            )
+        return {
+            "tokens": tokens.cpu(),
+            "logprobs": logprobs.cpu(),
+            "lengths": lengths.cpu(),
+            "stopped": stopped.cpu(),
+            "steps": step + 1,
+            "compactions": compactions,
+        }
+
+
+def _stop_string_hits(
+    stops: StopStrings,
+    texts: list[list[int]],
+    row_ids: torch.Tensor,
+    alive: torch.Tensor,
+    tok: torch.Tensor,
+) -> torch.Tensor:
+    """(R_cur,) bool: rows whose newest token completes a stop string (appends it to texts)."""
+    hits = []
+    for row, live, t in zip(row_ids.tolist(), alive.tolist(), tok.tolist()):
+        if live:
+            texts[row].append(t)
+        hits.append(live and stops.completes(texts[row]))
+    return torch.tensor(hits, dtype=torch.bool, device=alive.device)
+
+
+def _decode_step(
+    model: BuiltinLM,
+    tok: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    mask: torch.Tensor | None,
+    cache,
+) -> torch.Tensor:
+    """One token per row through the model's modules: tok (R,), cos/sin (R, 1, D),
+    mask (R, 1, 1, T_kv) bool or None -> next-token logits (R, V). Advances the cache by 1."""
+    stack = model.model
+    x = stack.embed_tokens(tok[:, None])  # (R, 1, H)
+    for i, layer in enumerate(stack.layers):
+        x = layer(x, cos, sin, mask, False, cache, i)
+    cache.advance(1)
+    return model.lm_head(stack.norm(x[:, 0]))

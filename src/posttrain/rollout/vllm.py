@@ -1,0 +1,210 @@
+"""The vllm engine (optional extra, CUDA only): generation by a `vllm.LLM` built from
+the policy's weights, with in-place weight sync after each update.
+
+Notation: B prompts, n samples per prompt, N = B·n rows.
+
+- Construction: the policy is saved as a Hugging Face checkpoint (with the
+  tokenizer) to a temporary directory and vLLM loads it; pass `model_path` to load
+  an existing checkpoint directory instead (required for a peft model: the base
+  checkpoint, then the merged weights are synced). `VLLM_ENABLE_V1_MULTIPROCESSING=0` is
+  set (unless the caller set it) so the engine core runs in this process and
+  `sync_weights` hands tensors to it by reference instead of pickling them.
+- `sync_weights(model)`: `LLM.collective_rpc` runs `model_runner.model.load_weights`
+  on every worker with the policy's named tensors (vLLM >= 0.10), then the prefix
+  cache is reset: cached prompt KV computed by the old weights must not be reused.
+  A peft model is merged for the copy and unmerged after.
+- Rows: every prompt is sent n times as separate requests, so outputs arrive
+  grouped by prompt. With `SamplingParams.seed` each request gets the seed
+  seed + row (reproducible); without it vLLM's own RNG is used (per-request
+  generators cost vLLM a kernel launch per row and step).
+- Stop tokens: vLLM's implicit eos is switched off (`ignore_eos`) and
+  `stop_token_ids` is passed explicitly, so stopping means what it means in the
+  other engines (also `stop_token_ids=()`: never stop).
+- Logprobs: the engine is built with `logprobs_mode="processed_logprobs"`: the
+  log-softmax of the logits vLLM samples from, after temperature. That is our
+  definition (base.py) exactly when top_k, top_p and min_p are off; with a filter
+  on, vLLM renormalises over the kept tokens and the values differ (a warning says
+  so): recompute them with the trainer's forward in that case.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import warnings
+
+import torch
+from torch import nn
+
+from posttrain.rollout.base import (
+    Completions,
+    Prompts,
+    SamplingParams,
+    build_completions,
+    encode_prompts,
+    pad_id_of,
+)
+
+INSTALL_HINT = "pip install 'posttrain[vllm]' on a CUDA machine"
+
+
+def require_vllm():
+    """Import vllm, or raise ImportError saying how to get it (also when CUDA is absent)."""
+    try:
+        import vllm
+    except ImportError as err:
+        raise ImportError(f"the vllm rollout engine needs vLLM: {INSTALL_HINT}") from err
+    if not torch.cuda.is_available():
+        raise ImportError(
+            f"the vllm rollout engine needs a CUDA GPU (none is visible): {INSTALL_HINT}"
+        )
+    return vllm
+
+
+def named_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) in Hugging Face naming, the tied lm_head left out (vLLM ties it).
+
+    For a peft model the adapters must be merged first (`VLLMEngine.sync_weights`
+    does); the `base_layer.` infix and the `lora_` tensors are then dropped.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    tied = getattr(getattr(base, "config", None), "tie_word_embeddings", False)
+    out = []
+    for name, tensor in base.state_dict().items():
+        if "lora_" in name or (tied and name == "lm_head.weight"):
+            continue
+        out.append((name.replace(".base_layer.", "."), tensor))
+    return out
+
+
+def _load_weights_on_worker(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """Runs inside each vLLM worker (collective_rpc passes the worker first)."""
+    worker.model_runner.model.load_weights(weights=weights)
+
+
+class VLLMEngine:
+    """Sampling through vLLM (module docstring)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        *,
+        model_path: str | None = None,
+        dtype: str = "auto",
+        gpu_memory_utilization: float = 0.5,
+        seed: int = 0,
+        **llm_kwargs,
+    ):
+        """
+        Args:
+            model: the policy (BuiltinLM or transformers causal LM) whose weights vLLM serves.
+            tokenizer: its tokenizer (saved beside the weights for vLLM).
+            model_path: an existing checkpoint directory of the same weights, to skip the save.
+            dtype, gpu_memory_utilization, seed, **llm_kwargs: passed to `vllm.LLM`
+                (e.g. tensor_parallel_size, max_model_len, enforce_eager).
+        """
+        vllm = require_vllm()
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        self.in_process = os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+        self.tokenizer = tokenizer
+        self._tmp = None
+        is_peft = hasattr(model, "get_base_model")
+        if model_path is None and is_peft:
+            raise ValueError(
+                "vllm engine with a peft model: pass model_path= a checkpoint of the base model; "
+                "the merged adapter weights are then loaded with sync_weights"
+            )
+        if model_path is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="posttrain-vllm-")
+            model_path = self._tmp.name
+            model.save_pretrained(model_path)
+            tokenizer.save_pretrained(model_path)
+        self.llm = vllm.LLM(
+            model=model_path,
+            tokenizer=model_path,
+            dtype=dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            seed=seed,
+            logprobs_mode="processed_logprobs",
+            **llm_kwargs,
+        )
+        self._vllm = vllm
+        if is_peft:
+            self.sync_weights(model)
+
+    def sync_weights(self, model: nn.Module) -> None:
+        """Copy `model`'s current weights into the running engine and drop its prefix cache."""
+        merged = hasattr(model, "merge_adapter")
+        if merged:
+            model.merge_adapter()
+        try:
+            weights = named_weights(model)
+            if not self.in_process:  # crossing a process boundary: send host copies
+                weights = [(k, v.detach().cpu()) for k, v in weights]
+            self.llm.collective_rpc(_load_weights_on_worker, args=(weights,))
+        finally:
+            if merged:
+                model.unmerge_adapter()
+        self.llm.reset_prefix_cache()
+
+    def generate(self, prompts: Prompts, params: SamplingParams) -> Completions:
+        prompt_ids = encode_prompts(self.tokenizer, prompts)
+        pad_id = pad_id_of(self.tokenizer)
+        filtered = params.top_k > 0 or params.top_p < 1 or params.min_p > 0
+        if params.logprobs and filtered and not params.greedy:
+            warnings.warn(
+                "vllm engine: with top_k/top_p/min_p on, vLLM's logprobs are renormalised over "
+                "the kept tokens and differ from log softmax(logits / T); recompute old_logp "
+                "with the actor's forward.",
+                stacklevel=2,
+            )
+        stop_ids = list(params.resolved_stop_token_ids(self.tokenizer))
+        rows = [p for p in prompt_ids for _ in range(params.n)]
+        requests = [{"prompt_token_ids": p} for p in rows]
+        sampling = [self._sampling_params(params, stop_ids, row) for row in range(len(rows))]
+        start = time.perf_counter()
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        width = max(len(o.outputs[0].token_ids) for o in outputs)
+        response_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        logprobs = torch.zeros((len(rows), width), dtype=torch.float32)
+        lengths = torch.zeros(len(rows), dtype=torch.long)
+        stopped = torch.zeros(len(rows), dtype=torch.bool)
+        for r, out in enumerate(outputs):
+            sample = out.outputs[0]
+            ids = list(sample.token_ids)
+            response_ids[r, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            lengths[r], stopped[r] = len(ids), sample.finish_reason == "stop"
+            if params.logprobs and sample.logprobs is not None:
+                logprobs[r, : len(ids)] = torch.tensor(
+                    [step[tok].logprob for tok, step in zip(ids, sample.logprobs)]
+                )
+        return build_completions(
+            prompt_ids=rows,
+            response_ids=response_ids,
+            lengths=lengths,
+            stopped=stopped,
+            logprobs=logprobs,
+            params=params,
+            tokenizer=self.tokenizer,
+            pad_id=pad_id,
+            meta={"engine": "vllm", "seconds": seconds},
+        )
+
+    def _sampling_params(self, params: SamplingParams, stop_ids: list[int], row: int):
+        return self._vllm.SamplingParams(
+            n=1,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            min_p=params.min_p,
+            max_tokens=params.max_new_tokens,
+            stop=list(params.stop) or None,
+            stop_token_ids=stop_ids,
+            ignore_eos=True,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            seed=None if params.seed is None else params.seed + row,
+            logprobs=0 if params.logprobs else None,
+        )

@@ -1,0 +1,179 @@
+"""Shared pieces: SamplingParams checks, filters and sampling by hand, stop strings, assembly."""
+
+import math
+
+import pytest
+import torch
+
+from posttrain.rollout import SamplingParams, filter_logits, make_engine, sample_next
+from posttrain.rollout.base import StopStrings, build_completions
+
+NEG = float("-inf")
+
+
+class PieceTokenizer:
+    """Token i decodes to PIECES[i]: multi-character tokens for the stop-string rules."""
+
+    PIECES = [
+        "<eos>",
+        "st",
+        "op",
+        "opera",
+        "sto",
+        "pper",
+        "las",
+        "topper",
+        "s",
+        "to",
+        "pped",
+        "at",
+        "stop",
+    ]
+    eos_token_id, pad_token_id = 0, 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.PIECES[i] for i in ids if not (skip_special_tokens and i == 0))
+
+
+def ids(*pieces):
+    return [PieceTokenizer.PIECES.index(p) for p in pieces]
+
+
+def first_stop(tokens, stops):
+    """Index of the token that completes a stop string, fed one token at a time, or None."""
+    return next((t for t in range(len(tokens)) if stops.completes(tokens[: t + 1])), None)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(n=0),
+        dict(temperature=-1),
+        dict(top_p=0),
+        dict(top_p=1.5),
+        dict(top_k=-1),
+        dict(min_p=2),
+        dict(max_new_tokens=0),
+        dict(stop=[""]),
+    ],
+)
+def test_sampling_params_reject_out_of_range(bad):
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)
+
+
+def test_sampling_params_store_tuples_and_resolve_eos(tok):
+    p = SamplingParams(stop=["\n"], stop_token_ids=[5, 6])
+    assert p.stop == ("\n",) and p.stop_token_ids == (5, 6)
+    assert SamplingParams().resolved_stop_token_ids(tok) == (2,)  # the tokenizer's eos
+    assert SamplingParams(stop_token_ids=[]).resolved_stop_token_ids(tok) == ()
+    assert SamplingParams(temperature=0).logprob_temperature == 1.0
+
+
+def test_top_k_keeps_the_k_largest_and_ties():
+    z = torch.tensor([[1.0, 3.0, 2.0, 0.0], [1.0, 2.0, 2.0, 0.0]])
+    out = filter_logits(z, top_k=2)
+    assert torch.equal(out[0], torch.tensor([NEG, 3.0, 2.0, NEG]))
+    assert torch.equal(out[1], torch.tensor([NEG, 2.0, 2.0, NEG]))
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    # probs 0.5, 0.3, 0.2. top_p 0.6: the mass of {0.2} = 0.2 <= 0.4 -> dropped;
+    # of {0.2, 0.3} = 0.5 > 0.4 -> 0.3 kept. top_p 0.5: 0.5 <= 0.5 -> 0.3 dropped too.
+    z = torch.tensor([[0.5, 0.3, 0.2]]).log()
+    assert torch.isinf(filter_logits(z, top_p=0.6)).tolist() == [[False, False, True]]
+    assert torch.isinf(filter_logits(z, top_p=0.5)).tolist() == [[False, True, True]]
+    assert torch.isinf(filter_logits(z, top_p=1e-6)).tolist() == [
+        [False, True, True]
+    ]  # top token stays
+
+
+def test_min_p_is_relative_to_the_top_probability():
+    z = torch.tensor([[0.5, 0.3, 0.2]]).log()  # threshold 0.5 * 0.5 = 0.25 drops 0.2
+    assert torch.isinf(filter_logits(z, min_p=0.5)).tolist() == [[False, False, True]]
+
+
+def test_exponential_race_samples_the_softmax():
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    logits = probs.log().expand(40_000, 4)
+    gen = torch.Generator().manual_seed(0)
+    noise = torch.empty(40_000, 4).exponential_(generator=gen)
+    tokens, logp = sample_next(logits, SamplingParams(), noise)
+    freq = torch.bincount(tokens, minlength=4) / 40_000
+    assert torch.allclose(freq, probs, atol=0.01)  # 4 sigma is about 0.01
+    assert torch.allclose(logp, probs.log()[tokens], atol=1e-6)
+
+
+def test_logprobs_are_temperature_scaled_and_unfiltered():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    noise = torch.ones(1, 4)
+    tok, logp = sample_next(logits, SamplingParams(temperature=0.5, top_k=1), noise)
+    assert tok.item() == 0
+    z = logits[0] / 0.5  # log softmax over all four tokens, though top-k kept one
+    assert logp.item() == pytest.approx((z[0] - torch.logsumexp(z, 0)).item(), abs=1e-6)
+    tok, logp = sample_next(logits, SamplingParams(temperature=0))
+    assert tok.item() == 0
+    by_hand = 2.0 - math.log(sum(math.exp(v) for v in (2, 1, 0, -1)))
+    assert logp.item() == pytest.approx(by_hand, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "pieces, fires_at",
+    [
+        (["st", "op"], 1),
+        (["stop"], 0),
+        (["st", "opera"], 1),
+        (["sto", "pper"], 1),
+        (["las", "topper"], 1),
+        (["s", "to", "pped"], 2),
+        (["at", "st", "at"], None),
+    ],
+)
+def test_stop_string_fires_on_the_token_that_completes_it(pieces, fires_at):
+    stops = StopStrings(PieceTokenizer(), ["stop"])
+    assert first_stop(ids(*pieces), stops) == fires_at
+    # Later tokens never fire again for an occurrence already completed.
+    if fires_at is not None:
+        assert not stops.completes(ids(*pieces) + ids("at"))
+
+
+def test_cut_drops_or_keeps_the_first_stop_string():
+    stops = StopStrings(PieceTokenizer(), ["stop", "at"])
+    assert stops.cut("xxstopyyat", keep=False) == "xx"
+    assert stops.cut("xatstop", keep=True) == "xat"
+    stops = StopStrings(PieceTokenizer(), ["stop"])
+    assert stops.cut("xxstopyy", keep=False) == "xx"
+    assert stops.cut("xxstopyy", keep=True) == "xxstop"
+    assert stops.cut("none", keep=False) == "none"
+
+
+def test_build_completions_pads_masks_and_cuts_texts():
+    tok = PieceTokenizer()
+    params = SamplingParams(n=2, stop=["stop"])
+    out = build_completions(
+        prompt_ids=[[1], [1], [2], [2]],
+        response_ids=torch.tensor(
+            [
+                ids("at", "<eos>", "at"),
+                ids("las", "topper", "at"),
+                ids("at", "at", "at"),
+                ids("st", "at", "at"),
+            ]
+        ),
+        lengths=torch.tensor([2, 2, 3, 1]),
+        stopped=torch.tensor([True, True, False, False]),
+        logprobs=torch.full((4, 3), -1.0),
+        params=params,
+        tokenizer=tok,
+        pad_id=0,
+    )
+    assert out.response_mask.tolist() == [[1, 1, 0], [1, 1, 0], [1, 1, 1], [1, 0, 0]]
+    assert out.response_ids[0, 2] == 0 and out.logprobs[3].tolist() == [-1.0, 0.0, 0.0]
+    assert out.finish_reason == ["stop", "stop", "length", "length"]
+    assert out.texts == ["at", "la", "atatat", "st"]  # eos and stop string left out of the text
+    assert out.prompt_index.tolist() == [0, 0, 1, 1] and out.num_tokens == 8
+
+
+def test_make_engine_names_the_choices(model, tok):
+    with pytest.raises(ValueError, match="native"):
+        make_engine("sglang", model, tok)
