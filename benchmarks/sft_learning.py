@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from posttrain.config import SFTConfig, build_config
+from posttrain.config.core import parse_override
 from posttrain.data.tasks import make_task
 from posttrain.trainers.sft import run_sft
 
@@ -23,12 +24,15 @@ from posttrain.trainers.sft import run_sft
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/bench_sft")
-    p.add_argument("--n-train", type=int, default=20000)
+    p.add_argument("--n-train", type=int, default=8000)
+    p.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="arithmetic task option, e.g. difficulty=easy (default: the task's defaults)")
     p.add_argument("overrides", nargs="*", help="extra key=value overrides of the recipe")
     args = p.parse_args()
     out = Path(args.out)
     data = out / "data"
-    make_task("arithmetic", data, n_train=args.n_train, n_test=500, seed=0)
+    options = dict(parse_override(o) for o in args.task_option)
+    make_task("arithmetic", data, n_train=args.n_train, n_test=500, seed=0, **options)
     cfg = build_config(
         SFTConfig,
         "recipes/sft_arithmetic.yaml",

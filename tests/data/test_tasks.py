@@ -92,7 +92,7 @@ def _operands(prompt: str) -> list[int]:
 
 
 def test_arithmetic_rows_are_right_and_formatted():
-    rows = ArithmeticTask(difficulty="hard").generate(300, random.Random(0))
+    rows = ArithmeticTask(difficulty="harder").generate(300, random.Random(0))
     for row in rows:
         assert re.fullmatch(r"[0-9]+([-+*][0-9]+)+=", row["prompt"])
         assert int(row["answer"]) == eval(row["prompt"][:-1])  # our own digits-and-operators string
@@ -128,9 +128,9 @@ def test_arithmetic_options_change_the_output():
 
 
 def test_explicit_options_override_the_preset():
-    task = ArithmeticTask(difficulty="hard", digits=1)
+    task = ArithmeticTask(difficulty="harder", digits=1)
     assert task.options == {
-        "difficulty": "hard",
+        "difficulty": "harder",
         "digits": 1,
         "mul_digits": 2,
         "operators": "+-*",

@@ -59,7 +59,7 @@ def get_task(name: str, **options: Any) -> Task:
 def make_task(
     name: str,
     out_dir: str | Path,
-    n_train: int = 10_000,
+    n_train: int = 8_000,
     n_test: int = 500,
     seed: int = 0,
     **options: Any,
