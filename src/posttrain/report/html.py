@@ -1,0 +1,284 @@
+"""The report page: one self-contained HTML file (plots inlined as base64 PNG data URIs).
+
+Sections: notes (what was missing or skipped while reading), a summary table of each
+metric's last value, the plots, sample completions with their scores per eval step (from
+samples.jsonl), and each run's config.yaml (collapsible; with several runs, first a
+table of the keys whose values differ). Every piece of run text goes through `text()`
+(HTML-escaped, control characters shown as visible symbols), so a completion holding
+`<script>` is shown, never run.
+
+The page's only script counts the images that decoded once the page has loaded and
+writes `data-images-loaded="OK/TOTAL"` on `<body>`: a headless browser test reads it.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import yaml
+
+from posttrain.report.plots import EVAL, Plot
+from posttrain.report.runs import Run
+
+MAX_SAMPLE_ROWS = 40  # per run and step
+MAX_TEXT_CHARS = 4000  # per cell
+SUMMARY_ROWS_PER_TABLE, SUMMARY_MAX_TABLES = 22, 4  # the summary wraps into side-by-side tables
+TEXT_COLUMNS = ("split", "prompt", "completion", "chosen", "rejected", "answer")
+SCORE_COLUMNS = ("score", "reward", "correct")
+
+_CONTROL_PICTURES = {c: 0x2400 + c for c in range(32) if chr(c) not in "\n\t"} | {127: 0x2421}
+
+CSS = """
+body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; color: #1d2228;
+       margin: 0 auto; max-width: 1320px; padding: 16px 24px 48px; background: #fff; }
+h1 { font-size: 22px; margin: 4px 0; } h2 { font-size: 18px; margin: 28px 0 8px;
+     border-bottom: 1px solid #d8dde3; padding-bottom: 4px; } h3 { font-size: 15px; margin: 18px 0 6px; }
+nav a { margin-right: 14px; } .meta { color: #5b6570; font-size: 12px; }
+.notes { background: #fff8e1; border: 1px solid #f0d98c; padding: 6px 12px; border-radius: 4px; }
+table { border-collapse: collapse; font-size: 12.5px; margin: 6px 0; }
+th, td { border: 1px solid #d8dde3; padding: 3px 8px; text-align: left; vertical-align: top; }
+th { background: #f3f5f7; position: sticky; top: 0; } td.num { text-align: right;
+     font-variant-numeric: tabular-nums; white-space: nowrap; }
+td.pos { background: #e3f4e1; } td.zero { background: #fbe9e7; } .dim { color: #8a939c; font-size: 11px; }
+.warn { color: #b3261e; font-size: 11px; }
+.text { white-space: pre-wrap; word-break: break-word; font: 12px/1.35 ui-monospace, Menlo, Consolas, monospace;
+        max-height: 14em; overflow: auto; max-width: 560px; }
+.tables { display: flex; flex-wrap: wrap; gap: 0 18px; align-items: flex-start; }
+.figures { display: flex; flex-wrap: wrap; gap: 8px 16px; align-items: flex-start; }
+figure { margin: 6px 0 16px; max-width: 100%; } figure img { max-width: 100%; height: auto; border: 1px solid #eceff2; }
+figcaption { color: #5b6570; font-size: 12px; }
+details { margin: 4px 0; } summary { cursor: pointer; font-weight: 600; }
+pre.config { background: #f6f8fa; padding: 8px 12px; font-size: 12px; max-height: 40em; overflow: auto; }
+"""
+
+SCRIPT = """
+window.addEventListener("load", function () {
+  var imgs = document.images, ok = 0;
+  for (var i = 0; i < imgs.length; i++) if (imgs[i].complete && imgs[i].naturalWidth > 0) ok++;
+  document.body.setAttribute("data-images-loaded", ok + "/" + imgs.length);
+});
+"""
+
+
+def text(value: Any) -> str:
+    """`value` as HTML-safe text; control characters become visible symbols (U+2400...)."""
+    return html.escape(str(value).translate(_CONTROL_PICTURES), quote=True)
+
+
+def fmt(x: float) -> str:
+    """A number for a table cell: 4 significant digits, integers as integers."""
+    if x != x:
+        return "NaN"
+    if float(x).is_integer() and abs(x) < 1e15:
+        return str(int(x))
+    return f"{x:.4g}"
+
+
+def render_page(runs: Sequence[Run], plots: Sequence[Plot]) -> str:
+    """The whole report page for `runs` with `plots` (already written as PNG files)."""
+    labels = ", ".join(r.label for r in runs)
+    body = [
+        f"<h1>posttrain report: {text(labels)}</h1>",
+        _meta(runs),
+        '<nav><a href="#summary">Summary</a><a href="#plots">Plots</a>'
+        '<a href="#samples">Samples</a><a href="#config">Config</a></nav>',
+        _notes(runs),
+        '<h2 id="summary">Summary: last value of each metric</h2>',
+        _summary_table(runs, plots),
+        '<h2 id="plots">Plots</h2>',
+        _figures(plots),
+        '<h2 id="samples">Samples</h2>',
+        *(_samples(run, open_last=(i == 0), heading=len(runs) > 1) for i, run in enumerate(runs)),
+        '<h2 id="config">Config</h2>',
+        _config_diff(runs) if len(runs) > 1 else "",
+        *(_config(run) for run in runs),
+    ]
+    return (
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        f"<title>posttrain report: {text(labels)}</title><style>{CSS}</style>"
+        f"<script>{SCRIPT}</script></head>\n<body>\n" + "\n".join(b for b in body if b) + "\n</body></html>\n"
+    )
+
+
+def _meta(runs: Sequence[Run]) -> str:
+    rows = "".join(
+        f"<div>{text(r.label)}: <code>{text(r.path.resolve())}</code>, last step {text('-' if r.last_step is None else r.last_step)}</div>"
+        for r in runs
+    )
+    return f'<div class="meta">{rows}<div>written {time.strftime("%Y-%m-%d %H:%M:%S")}</div></div>'
+
+
+def _notes(runs: Sequence[Run]) -> str:
+    items = [f"<li>{text(r.label)}: {text(n)}</li>" for r in runs for n in r.notes]
+    return f'<div class="notes"><ul>{"".join(items)}</ul></div>' if items else ""
+
+
+def _summary_rows(runs: Sequence[Run], plots: Sequence[Plot]) -> list[str]:
+    """Metric names: those of the plots first (each with its eval twin), then the rest as logged."""
+    names: dict[str, None] = {}
+    for plot in plots:
+        for base in plot.metrics:
+            names.update({base: None, EVAL + base: None})
+    for run in runs:
+        names.update(dict.fromkeys(run.metrics))
+    return [n for n in names if any(n in r.metrics for r in runs)]
+
+
+def _summary_table(runs: Sequence[Run], plots: Sequence[Plot]) -> str:
+    head = "".join(f"<th>{text(r.label)}</th>" for r in runs)
+    last = "".join(f'<td class="num">{text(r.last_step)}</td>' for r in runs)
+    names = _summary_rows(runs, plots)
+    if not names:
+        return "<p>No metrics logged yet.</p>"
+    head = f"<tr><th>metric</th>{head}</tr>"
+    rows = [f"<tr><td><i>last step</i></td>{last}</tr>"]
+    for name in names:
+        cells = "".join(_summary_cell(r, name) for r in runs)
+        rows.append(f"<tr><td>{text(name)}</td>{cells}</tr>")
+    per_table = max(SUMMARY_ROWS_PER_TABLE, -(-len(rows) // SUMMARY_MAX_TABLES))
+    tables = [rows[i : i + per_table] for i in range(0, len(rows), per_table)]
+    return '<div class="tables">' + "".join(f"<table>{head}{''.join(t)}</table>" for t in tables) + "</div>"
+
+
+def _summary_cell(run: Run, name: str) -> str:
+    series = run.metrics.get(name)
+    if series is None:
+        return '<td class="num dim">-</td>'
+    last = series.last_finite()
+    value = "null" if last is None else fmt(last[1])
+    extra = ""
+    if last is not None and last[0] != run.last_step:
+        extra += f' <span class="dim">@{last[0]}</span>'
+    if series.n_nonfinite:
+        extra += f' <span class="warn" title="null, NaN or inf values">{series.n_nonfinite} non-finite</span>'
+    return f'<td class="num">{value}{extra}</td>'
+
+
+def _figures(plots: Sequence[Plot]) -> str:
+    if not plots:
+        return "<p>No metrics to plot yet.</p>"
+    return '<div class="figures">' + "".join(_figure(p) for p in plots) + "</div>"
+
+
+def _figure(plot: Plot) -> str:
+    data = base64.b64encode(plot.path.read_bytes()).decode("ascii")
+    note = f"<figcaption>{text(plot.note)}</figcaption>" if plot.note else ""
+    return (
+        f'<figure id="plot-{text(plot.path.stem)}"><img alt="{text(plot.title)}" '
+        f'src="data:image/png;base64,{data}">{note}</figure>'
+    )
+
+
+def _cell_text(value: Any) -> str:
+    """Sample text; a conversation (list of {role, content}) as `role: content` lines."""
+    if isinstance(value, list) and all(isinstance(m, dict) and "content" in m for m in value):
+        value = "\n".join(f"{m.get('role', '?')}: {m['content']}" for m in value)
+    elif not isinstance(value, str):
+        value = json.dumps(value, ensure_ascii=False)
+    if len(value) > MAX_TEXT_CHARS:
+        value = value[:MAX_TEXT_CHARS] + f"... ({len(value) - MAX_TEXT_CHARS} more characters)"
+    return f'<td><div class="text">{text(value)}</div></td>'
+
+
+def _cell(column: str, value: Any) -> str:
+    if value is None and column not in TEXT_COLUMNS:
+        return '<td class="num dim">null</td>'
+    if isinstance(value, (int, float)):
+        tint = ""
+        if column in SCORE_COLUMNS:
+            tint = " pos" if value > 0 else " zero"
+        return f'<td class="num{tint}">{fmt(float(value))}</td>'
+    return _cell_text("" if value is None else value)
+
+
+def _columns(rows: list[dict[str, Any]]) -> list[str]:
+    keys = list(dict.fromkeys(k for row in rows for k in row if k != "step"))
+    numeric = [k for k in keys if all(isinstance(r.get(k), (int, float, type(None))) for r in rows)]
+    known = [k for k in TEXT_COLUMNS if k in keys]
+    rest = [k for k in keys if k not in known and k not in numeric]
+    return known + [k for k in numeric if k not in known] + rest
+
+
+def _samples(run: Run, open_last: bool, heading: bool) -> str:
+    parts = [f"<h3>{text(run.label)}</h3>"] if heading else []
+    if not run.samples:
+        return "".join(parts) + "<p>No samples logged.</p>"
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for row in run.samples:
+        by_step.setdefault(row["step"], []).append(row)
+    steps = sorted(by_step)
+    for step in reversed(steps):
+        rows = by_step[step]
+        columns = _columns(rows)
+        head = "".join(f"<th>{text(c)}</th>" for c in columns)
+        body = "".join(
+            "<tr>" + "".join(_cell(c, row[c]) if c in row else "<td></td>" for c in columns) + "</tr>"
+            for row in rows[:MAX_SAMPLE_ROWS]
+        )
+        more = f'<p class="dim">{len(rows) - MAX_SAMPLE_ROWS} more not shown</p>' if len(rows) > MAX_SAMPLE_ROWS else ""
+        mean = _mean_scores(rows)
+        is_open = " open" if open_last and step == steps[-1] else ""
+        parts.append(
+            f"<details{is_open}><summary>step {step}: {len(rows)} samples{mean}</summary>"
+            f"<table><tr>{head}</tr>{body}</table>{more}</details>"
+        )
+    return "".join(parts)
+
+
+def _mean_scores(rows: list[dict[str, Any]]) -> str:
+    """The heading's suffix for a step's samples, e.g. `, mean score: eval 0.25, train 0.5`."""
+    column = next((c for c in SCORE_COLUMNS if any(isinstance(r.get(c), (int, float)) for r in rows)), None)
+    if column is None:
+        return ""
+    by_split: dict[str, list[float]] = {}
+    for row in rows:
+        if isinstance(row.get(column), (int, float)):
+            by_split.setdefault(str(row.get("split", "")), []).append(float(row[column]))
+    means = [f"{split} {fmt(sum(v) / len(v))}".strip() for split, v in by_split.items()]
+    return f", mean {text(column)}: {text(', '.join(means))}"
+
+
+def _config(run: Run) -> str:
+    if run.config_text is None:
+        return f"<p>{text(run.label)}: no config.yaml.</p>"
+    return (
+        f"<details><summary>config.yaml: {text(run.label)}</summary>"
+        f'<pre class="config">{text(run.config_text)}</pre></details>'
+    )
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix.rstrip("."): tree} if prefix else {}
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        flat.update(_flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return flat
+
+
+def _config_diff(runs: Sequence[Run]) -> str:
+    """A table of the config keys whose values differ between the runs."""
+    flats = []
+    for run in runs:
+        try:
+            flats.append(_flatten(yaml.safe_load(run.config_text or "") or {}))
+        except yaml.YAMLError:
+            flats.append({})
+    keys = list(dict.fromkeys(k for flat in flats for k in flat))
+    missing = object()
+    differ = [k for k in keys if len({json.dumps(f.get(k, missing), default=str) for f in flats}) > 1]
+    if not differ:
+        return "<p>The configs do not differ.</p>"
+    head = "".join(f"<th>{text(r.label)}</th>" for r in runs)
+    rows = "".join(
+        f"<tr><td>{text(k)}</td>"
+        + "".join(f"<td>{text(json.dumps(f[k], default=str)) if k in f else '-'}</td>" for f in flats)
+        + "</tr>"
+        for k in differ
+    )
+    return f"<h3>Differences</h3><table><tr><th>key</th>{head}</tr>{rows}</table>"
