@@ -1,0 +1,52 @@
+"""An OpenAI-compatible HTTP server for a local causal LM, with batched generation.
+
+    posttrain serve runs/sft/final --port 8000
+    curl 127.0.0.1:8000/v1/completions -d '{"prompt": "12+7=", "max_tokens": 8, "temperature": 0}'
+
+    with ServerThread("runs/sft/final") as srv:          # port 0: any free port
+        judge = llm_judge(base_url=srv.base_url, model=srv.model_name)
+
+Endpoints:
+  POST /v1/completions        prompt (string, list of strings, token ids, list of token-id
+                              lists) -> `text_completion` with choices[i].text
+  POST /v1/chat/completions   messages -> the tokenizer's chat template with the generation
+                              prompt -> `chat.completion` with choices[i].message
+  GET  /v1/models             the one served model
+  GET  /health                {"status": "ok", "model", "engine", "stats": batching counters}
+Parameters, defaults and what is refused: `protocol.py`. Responses follow OpenAI's schema
+(id, object, created, model, choices with index and finish_reason "stop" | "length", usage
+with prompt/completion/total tokens; completion tokens include a final EOS). Errors are
+OpenAI's error object with a 4xx status: 400 bad body or parameter, 404 unknown path or
+model, 405 wrong method, 411 chunked body, 413 body over `max_body_bytes`; 500 when
+generation itself fails, 503 while shutting down.
+
+`stream: true` answers with server-sent events, `data: {chunk}` ... `data: [DONE]`, but
+the chunks come when the whole batch is done: one per choice with its entire text
+(generation is batched, not incremental), which is enough for clients that always stream.
+
+Batching: one generation thread gathers concurrent requests for up to `batch_wait_ms`
+(or `max_batch_size` rows = prompts x n) and runs requests with the same sampling
+parameters in one `engine.generate` call; see `batcher.py` for the grouping rules (seeded
+sampled requests run alone so their seed reproduces them). The server has no
+authentication: it binds 127.0.0.1 unless told otherwise.
+
+Engines: `native` (the built-in model and Llama checkpoints it implements; the default for
+them) or `hf` (transformers' generate; the default for anything else).
+"""
+
+from posttrain.serve.batcher import Batcher, BatcherClosed, Generated
+from posttrain.serve.protocol import ModelInfo, RequestError
+from posttrain.serve.server import App, ModelServer, ServerThread, load_server, serve
+
+__all__ = [
+    "App",
+    "Batcher",
+    "BatcherClosed",
+    "Generated",
+    "ModelInfo",
+    "ModelServer",
+    "RequestError",
+    "ServerThread",
+    "load_server",
+    "serve",
+]
