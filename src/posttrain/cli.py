@@ -42,11 +42,25 @@ def _run_rl(cfg: Any) -> Any:
     return run_rl(cfg)
 
 
+def _run_rm(cfg: Any) -> Any:
+    from posttrain.trainers.reward import run_rm
+
+    return run_rm(cfg)
+
+
+def _run_dpo(cfg: Any) -> Any:
+    from posttrain.trainers.dpo import run_dpo
+
+    return run_dpo(cfg)
+
+
 def _train_commands() -> list[TrainCommand]:
-    from posttrain.config import GRPOConfig, PPOConfig, SFTConfig
+    from posttrain.config import DPOConfig, GRPOConfig, PPOConfig, RMConfig, SFTConfig
 
     return [
         TrainCommand("sft", "supervised fine-tuning (or pretraining the built-in model)", SFTConfig, _run_sft),
+        TrainCommand("rm", "reward model on preference pairs (Bradley-Terry)", RMConfig, _run_rm),
+        TrainCommand("dpo", "direct preference optimisation: DPO, IPO, hinge, robust (+ RPO)", DPOConfig, _run_dpo),
         TrainCommand("grpo", "online RL without a critic: GRPO, DAPO, GSPO, Dr.GRPO, RLOO, REINFORCE++", GRPOConfig, _run_rl),
         TrainCommand("ppo", "online RL with a critic: PPO (GAE)", PPOConfig, _run_rl),
     ]
@@ -100,7 +114,7 @@ def _add_data_commands(sub: Any) -> None:
     from posttrain.data.tasks import TASKS
 
     data = sub.add_parser("data", help="make bundled synthetic datasets")
-    data_sub = data.add_subparsers(dest="data_command", metavar="{make}", required=True)
+    data_sub = data.add_subparsers(dest="data_command", metavar="{make,make-preferences}", required=True)
     make = data_sub.add_parser(
         "make",
         help="write train/test JSONL for a bundled verifiable task",
@@ -114,11 +128,54 @@ def _add_data_commands(sub: Any) -> None:
     )
     make.add_argument("task", help="task name: " + ", ".join(sorted(TASKS)) + ", or rg:<name> (reasoning-gym)")
     make.add_argument("--out", required=True, help="output directory")
-    make.add_argument("--n-train", type=int, default=20000, help="training rows (default 20000)")
+    make.add_argument("--n-train", type=int, default=8000, help="training rows (default 8000)")
     make.add_argument("--n-test", type=int, default=500, help="held-out rows (default 500)")
     make.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     make.add_argument("options", nargs="*", metavar="key=value", help="task options, e.g. digits=2 difficulty=hard")
     make.set_defaults(handler=_handle_data_make)
+    _add_make_preferences(data_sub)
+
+
+def _add_make_preferences(data_sub: Any) -> None:
+    from posttrain.data.make_preferences import CORRUPTERS
+
+    p = data_sub.add_parser(
+        "make-preferences",
+        help="write prompt/chosen/rejected JSONL (a right and a wrong completion) for a bundled task",
+        description="Write OUT/train.jsonl and OUT/test.jsonl of preference pairs for `posttrain rm` and "
+        "`posttrain dpo`: chosen is a right completion, rejected a wrong one. Without --model the pairs are "
+        f"constructed ({', '.join(CORRUPTERS)}: the worked solution and a copy with one realistic mistake); "
+        "with --model, K completions per prompt are sampled at temperature 1 and scored by the task. "
+        "Deterministic for a given seed.",
+        epilog="examples: posttrain data make-preferences --task arithmetic --out data/arith_pref difficulty=easy"
+        "\n          posttrain data make-preferences --task arithmetic --out data/arith_dpo --model runs/sft/final",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--task", required=True, help="bundled task name, e.g. arithmetic")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--model", default=None, metavar="PATH", help="sample from this local model (default: construct)")
+    p.add_argument("--n-train", type=int, default=5000, help="training pairs (default 5000)")
+    p.add_argument("--n-test", type=int, default=500, help="held-out pairs (default 500)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--samples", type=int, default=8, metavar="K", help="samples per prompt with --model (default 8)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per sample with --model (default 64)")
+    p.add_argument("options", nargs="*", metavar="key=value", help="task options, e.g. difficulty=easy")
+    p.set_defaults(handler=_handle_make_preferences)
+
+
+def _handle_make_preferences(args: argparse.Namespace) -> int:
+    from posttrain.config.core import parse_override
+    from posttrain.data.make_preferences import make_preferences
+
+    options = dict(parse_override(o) for o in args.options)
+    info = make_preferences(
+        args.task, args.out, n_train=args.n_train, n_test=args.n_test, seed=args.seed, model=args.model,
+        samples=args.samples, max_new_tokens=args.max_new_tokens, **options,
+    )
+    print(f"wrote {info['n_train']} train and {info['n_test']} test pairs of {args.task} to {args.out}")
+    if "counts" in info:
+        print("sampled prompts: " + ", ".join(f"{k} {v}" for k, v in info["counts"].items()))
+    return 0
 
 
 def _handle_data_make(args: argparse.Namespace) -> int:
@@ -301,6 +358,117 @@ def _handle_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_report_command(sub: Any) -> None:
+    p = sub.add_parser(
+        "report",
+        help="plots and an HTML page of one run, or several runs overlaid",
+        description="Write report.html (self-contained: plots inlined, config, sample completions per eval "
+        "step, last value of each metric) and report-*.png for run directories. Only the metrics a run "
+        "logged are plotted; a run still in progress works too.",
+        epilog="output: one run -> RUN_DIR/report.html and RUN_DIR/report-*.png; several runs -> --out DIR, "
+        "by default compare-<name>-<name>... next to the first run.\n"
+        "examples: posttrain report runs/grpo\n          posttrain report runs/grpo runs/dapo --out runs/cmp",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (trainer.output_dir)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="output directory (default: RUN_DIR for one run, compare-<names> beside the first run)")
+    p.set_defaults(handler=_handle_report)
+
+
+def _handle_report(args: argparse.Namespace) -> int:
+    from posttrain.report import write_report
+
+    report = write_report(args.run_dirs, args.out)
+    for run in report.runs:
+        for note in run.notes:
+            print(f"note: {run.label}: {note}", file=sys.stderr)
+    print(f"wrote {report.html} ({len(report.plots)} plots)")
+    return 0
+
+
+def _add_export_command(sub: Any) -> None:
+    p = sub.add_parser(
+        "export",
+        help="write a checkpoint as a folder plain transformers and vLLM load (merging LoRA on request)",
+        description="Export CHECKPOINT to --out as a Hugging Face folder (config.json, model.safetensors, "
+        "generation_config.json, tokenizer) that transformers loads without posttrain. CHECKPOINT is a "
+        "checkpoint folder (RUN_DIR/checkpoints/step-N), a model folder, or a RUN_DIR (its final/, else its "
+        "newest complete checkpoint). Causal LMs export as *ForCausalLM; reward models and PPO critics (config "
+        "architectures *ForSequenceClassification) as *ForSequenceClassification. A LoRA checkpoint (adapter "
+        "only) is exported as a peft adapter, or merged into its base with --merge-lora.",
+        epilog="base of a LoRA adapter: --base, else adapter_config.json's base_model_name_or_path when it is a "
+        "local folder, else model.path in the run's config.yaml. Nothing is downloaded.\n"
+        "examples: posttrain export runs/sft --out exported/sft\n"
+        "          posttrain export runs/lora/checkpoints/step-50 --merge-lora --out exported/merged --dtype bfloat16\n"
+        "          posttrain export runs/ppo --critic --out exported/critic",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint folder, model folder or RUN_DIR")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder (must be empty or absent)")
+    p.add_argument("--merge-lora", action="store_true", help="merge a LoRA adapter into its base model")
+    p.add_argument("--base", default=None, metavar="PATH", help="base model folder of a LoRA adapter")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="weight dtype of the export (default: the checkpoint's)")
+    p.add_argument("--critic", action="store_true",
+                   help="export the PPO critic (the critic/ folder of the checkpoint or run's final/)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.set_defaults(handler=_handle_export)
+
+
+def _handle_export(args: argparse.Namespace) -> int:
+    from posttrain.export import export_model
+
+    result = export_model(args.checkpoint, args.out, merge_lora=args.merge_lora, base=args.base,
+                          dtype=args.dtype, critic=args.critic, overwrite=args.overwrite)
+    what = result.architecture or "peft LoRA adapter"
+    print(f"exported {result.source} ({result.kind}: {what}) to {result.out}")
+    for note in result.notes:
+        print(f"note: {note}")
+    return 0
+
+
+def _add_serve_command(sub: Any) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions) with batching",
+        description="Serve MODEL (a model folder or a RUN_DIR: its final/) over HTTP: POST /v1/completions, "
+        "POST /v1/chat/completions (the tokenizer's chat template), GET /v1/models, GET /health (with "
+        "batching counters). Concurrent requests are gathered for up to --batch-wait-ms (or --max-batch-size "
+        "rows) and those with the same sampling parameters run in one generate call. No authentication: "
+        "keep the default host 127.0.0.1 unless the network is trusted. Ctrl-C stops it.",
+        epilog="example: posttrain serve runs/sft/final --port 8000\n"
+        "         curl 127.0.0.1:8000/v1/completions -d '{\"prompt\": \"12+7=\", \"max_tokens\": 8, \"temperature\": 0}'",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model", help="local causal LM folder or RUN_DIR")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
+    p.add_argument("--engine", choices=["native", "hf"], default=None,
+                   help="generation engine (default: native for Llama checkpoints the built-in model runs, else hf)")
+    p.add_argument("--max-batch-size", type=int, default=32, metavar="B",
+                   help="most rows (prompts x n) per generate call (default 32)")
+    p.add_argument("--batch-wait-ms", type=float, default=10.0, metavar="W",
+                   help="how long the first waiting request waits for others to join its batch (default 10)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model id clients send and /v1/models lists (default: MODEL as given)")
+    p.add_argument("--default-max-tokens", type=int, default=256, metavar="N",
+                   help="max_tokens of chat requests that set none (default 256; completions default to 16)")
+    p.add_argument("--device", default="auto", metavar="DEV", help="auto (CUDA when available), cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weight dtype (default auto: bfloat16 on CUDA when supported, else float32)")
+    p.set_defaults(handler=_handle_serve)
+
+
+def _handle_serve(args: argparse.Namespace) -> int:
+    from posttrain.serve import serve
+
+    serve(args.model, args.host, args.port, engine=args.engine, max_batch_size=args.max_batch_size,
+          batch_wait_ms=args.batch_wait_ms, served_model_name=args.served_model_name,
+          default_max_tokens=args.default_max_tokens, device=args.device, dtype=args.dtype)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="posttrain",
@@ -316,6 +484,9 @@ def build_parser() -> argparse.ArgumentParser:
         _add_train_command(sub, cmd)
     _add_data_commands(sub)
     _add_eval_commands(sub)
+    _add_report_command(sub)
+    _add_export_command(sub)
+    _add_serve_command(sub)
     return parser
 
 

@@ -8,14 +8,21 @@ from posttrain.config.core import (
     save_config,
     to_dict,
 )
+from posttrain.config.preference import DPOConfig, RMConfig
+from posttrain.config.rl import GRPOConfig, PPOConfig, RLConfig
 from posttrain.config.sections import DataConfig, LoraConfig, ModelConfig, TrainerConfig
 from posttrain.config.sft import SFTConfig, SFTDataConfig, SFTEvalConfig
 
 __all__ = [
     "ConfigError",
+    "DPOConfig",
     "DataConfig",
+    "GRPOConfig",
     "LoraConfig",
     "ModelConfig",
+    "PPOConfig",
+    "RLConfig",
+    "RMConfig",
     "SFTConfig",
     "SFTDataConfig",
     "SFTEvalConfig",

@@ -1,0 +1,253 @@
+"""Synthetic preference pairs for a bundled task: a right completion as `chosen`, a wrong one as `rejected`.
+
+    make_preferences("arithmetic", "data/arith_pref", n_train=5000, seed=0)           # constructed
+    make_preferences("arithmetic", "data/arith_pref", model="runs/sft/final", samples=8)  # sampled
+
+Writes `train.jsonl` and `test.jsonl` (columns prompt, chosen, rejected, answer, task, source,
+and `error` for constructed pairs) and `preferences.json` (settings and counts). The same
+arguments give the same bytes. Test prompts are drawn first and never appear in train; with
+the same seed, options and n_test they are exactly `make_task`'s test prompts, so the problems
+an SFT run holds out stay held out from the pairs too.
+
+Two sources:
+- constructed (no model): chosen is the task's worked completion; rejected is the same
+  solution with one realistic mistake made by a seeded rng (`ERRORS`): a step result off by
+  one, a dropped or extra carry (±10), one wrong digit, the result of the wrong operator, or
+  a right working with a mistyped final answer. A mistake in a step is carried through the
+  later steps, as a person's would be, so the working stays self-consistent. Every rejected
+  completion scores 0 with the task's scorer (checked). Arithmetic only.
+- sampled (`model`): `samples` completions per prompt at temperature 1 from the model (native
+  engine for Llama checkpoints, else transformers' generate), scored with the task's scorer;
+  a prompt with at least one right and one wrong sample gives a pair (the first of each, a
+  wrong sample that stopped on its own preferred). The test split holds the pairs found among
+  the `n_test` held-out prompts (fewer than n_test pairs when some prompts are all right or all
+  wrong); training prompts are drawn in rounds until `n_train` pairs exist or
+  `max_prompts_factor` × n_train prompts were tried. The counts of prompts tried, all right and
+  all wrong are reported. Any task.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections.abc import Callable, Mapping
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from posttrain.data.tasks import _draw_unique, get_task
+from posttrain.data.tasks.base import Task, format_completion, write_jsonl
+
+_TOKEN = re.compile(r"\d+|[+\-*]")
+_APPLY: dict[str, Callable[[int, int], int]] = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+Mistake = Callable[[int, str, int, int, random.Random], int]
+"""(a, op, b, right result, rng) -> a wrong result of the step `a op b`."""
+
+
+def _off_by_one(a: int, op: str, b: int, value: int, rng: random.Random) -> int:
+    return value + rng.choice((-1, 1))
+
+
+def _carry(a: int, op: str, b: int, value: int, rng: random.Random) -> int:
+    return value + rng.choice((-10, 10))
+
+
+def _digit(a: int, op: str, b: int, value: int, rng: random.Random) -> int:
+    digits = list(str(abs(value)))
+    i = rng.randrange(len(digits))
+    digits[i] = rng.choice([d for d in "0123456789" if d != digits[i]])
+    return (-1 if value < 0 else 1) * int("".join(digits))
+
+
+def _operator(a: int, op: str, b: int, value: int, rng: random.Random) -> int:
+    return _APPLY[rng.choice([o for o in "+-*" if o != op])](a, b)
+
+
+ERRORS: dict[str, Mistake] = {
+    "off_by_one": _off_by_one,
+    "carry": _carry,
+    "digit": _digit,
+    "operator": _operator,
+}
+"""Mistakes made in one step of an arithmetic solution (or in its final answer: `answer_typo`)."""
+
+
+def solve_with_mistake(nums: list[int], ops: list[str], at: int | None = None,
+                       mistake: Callable[[int, str, int, int], int] | None = None) -> tuple[int, list[str]]:
+    """`arithmetic.solve` with step number `at` (0-based, in solving order) replaced by
+    `mistake(a, op, b, right)`; later steps use the wrong value. Returns (value, step lines)."""
+    steps, terms, signs, k = [], [nums[0]], [], 0
+
+    def step(a: int, op: str, b: int) -> int:
+        nonlocal k
+        value = _APPLY[op](a, b)
+        if k == at:
+            value = mistake(a, op, b, value)
+        k += 1
+        steps.append(f"{a}{op}{b}={value}")
+        return value
+
+    for op, x in zip(ops, nums[1:]):
+        if op == "*":
+            terms[-1] = step(terms[-1], op, x)
+        else:
+            terms.append(x)
+            signs.append(op)
+    acc = terms[0]
+    for op, x in zip(signs, terms[1:]):
+        acc = step(acc, op, x)
+    return acc, steps
+
+
+def corrupt_arithmetic(row: Mapping[str, Any], rng: random.Random) -> tuple[str, str]:
+    """A wrong worked solution of an arithmetic row, and the name of its mistake.
+
+    Draws a mistake (one of `ERRORS` at a random step, or `answer_typo`: right steps, a final
+    answer off by one) until the final answer differs from the right one.
+    """
+    tokens = _TOKEN.findall(row["prompt"])
+    nums, ops = [int(t) for t in tokens[::2]], tokens[1::2]
+    right = int(row["answer"])
+    show_steps = len(nums) >= 3  # as ArithmeticTask: two operands show the answer line only
+    kinds = [*ERRORS, "answer_typo"] if show_steps else list(ERRORS)
+    while True:
+        kind = rng.choice(kinds)
+        if kind == "answer_typo":
+            value, steps = solve_with_mistake(nums, ops)
+            value = _off_by_one(0, "+", 0, value, rng)
+        else:
+            at = rng.randrange(len(ops))
+            value, steps = solve_with_mistake(nums, ops, at, partial(ERRORS[kind], rng=rng))
+        if value != right:
+            return format_completion(steps if show_steps else [], value), kind
+
+
+CORRUPTERS: dict[str, Callable[[Mapping[str, Any], random.Random], tuple[str, str]]] = {
+    "arithmetic": corrupt_arithmetic,
+}
+"""Tasks whose rejected completions can be constructed without a model."""
+
+
+def _constructed(task: Task, rows: list[dict], rng: random.Random) -> list[dict]:
+    if task.name not in CORRUPTERS:
+        raise ValueError(
+            f"constructed pairs exist for {', '.join(CORRUPTERS)}; for {task.name!r} pass a model to sample from"
+        )
+    pairs = []
+    for row in rows:
+        rejected, kind = CORRUPTERS[task.name](row, rng)
+        if task.score(row["completion"], row["answer"]) != 1.0 or task.score(rejected, row["answer"]) != 0.0:
+            raise RuntimeError(f"constructed pair for {row['prompt']!r} is not right/wrong: {rejected!r}")
+        pairs.append(_pair(row, task, row["completion"], rejected, "constructed", error=kind))
+    return pairs
+
+
+def _pair(row: Mapping[str, Any], task: Task, chosen: str, rejected: str, source: str, **extra: Any) -> dict:
+    extras = {k: v for k, v in row.items() if k not in ("prompt", "completion", "answer")}
+    return {"prompt": row["prompt"], "chosen": chosen, "rejected": rejected, "answer": row["answer"],
+            **extras, "task": task.name, "source": source, **extra}
+
+
+class _Sampler:
+    """Samples K completions per prompt from a local model and turns prompts into pairs."""
+
+    def __init__(self, model_path: str, samples: int, max_new_tokens: int, batch_size: int, seed: int):
+        from posttrain.config import ModelConfig
+        from posttrain.evaluation import engine_kind_for
+        from posttrain.models.factory import build_model_and_tokenizer
+        from posttrain.rollout import make_engine
+
+        model, tokenizer = build_model_and_tokenizer(ModelConfig(path=model_path))
+        self.engine = make_engine(engine_kind_for(model.eval()), model, tokenizer)
+        self.samples, self.max_new_tokens, self.batch_size, self.seed = samples, max_new_tokens, batch_size, seed
+        self.calls = 0
+        self.counts = {"prompts": 0, "all_right": 0, "all_wrong": 0}
+
+    def pairs(self, task: Task, rows: list[dict]) -> list[dict]:
+        from posttrain.rollout import SamplingParams
+
+        out = []
+        for start in range(0, len(rows), self.batch_size):
+            chunk = rows[start : start + self.batch_size]
+            params = SamplingParams(n=self.samples, temperature=1.0, max_new_tokens=self.max_new_tokens,
+                                    seed=self.seed * 1_000_003 + self.calls)
+            self.calls += 1
+            gen = self.engine.generate([r["prompt"] for r in chunk], params)
+            k = self.samples
+            for i, row in enumerate(chunk):
+                texts, reasons = gen.texts[i * k : (i + 1) * k], gen.finish_reason[i * k : (i + 1) * k]
+                pair = self._pair(task, row, texts, reasons)
+                if pair is not None:
+                    out.append(pair)
+        return out
+
+    def _pair(self, task: Task, row: dict, texts: list[str], reasons: list[str]) -> dict | None:
+        extras = {k: v for k, v in row.items() if k not in ("prompt", "completion", "answer")}
+        right = [t for t in texts if task.score(t, row["answer"], **extras) == 1.0]
+        wrong = [(r != "stop", t) for t, r in zip(texts, reasons) if task.score(t, row["answer"], **extras) != 1.0]
+        self.counts["prompts"] += 1
+        self.counts["all_right"] += not wrong
+        self.counts["all_wrong"] += not right
+        if not right or not wrong:
+            return None
+        return _pair(row, task, right[0], min(wrong, key=lambda w: w[0])[1], "sampled")
+
+    def collect(self, task: Task, n: int, rng: random.Random, seen: set[str], factor: int) -> list[dict]:
+        """Draw fresh prompts in rounds until `n` pairs, or `factor · n` prompts were tried."""
+        pairs: list[dict] = []
+        tried = 0
+        while len(pairs) < n and tried < factor * n:
+            want = min(max(2 * (n - len(pairs)), self.batch_size), factor * n - tried)
+            rows = _draw_unique(task, want, rng, seen, want)
+            tried += len(rows)
+            pairs += self.pairs(task, rows)
+        return pairs[:n]
+
+
+def make_preferences(
+    task: str,
+    out_dir: str | Path,
+    n_train: int = 5000,
+    n_test: int = 500,
+    seed: int = 0,
+    model: str | None = None,
+    samples: int = 8,
+    max_new_tokens: int = 64,
+    batch_size: int = 64,
+    max_prompts_factor: int = 20,
+    **options: Any,
+) -> dict[str, Any]:
+    """Write preference pairs for `task` into `out_dir` (see the module doc).
+
+    `options` are the task's (e.g. difficulty="easy"). Returns {"train", "test", "meta": Path,
+    "n_train", "n_test": pairs written, and, when sampled, "counts"}.
+    """
+    if n_train < 0 or n_test < 0 or samples < 2:
+        raise ValueError(f"need n_train, n_test >= 0 and samples >= 2; got {n_train}, {n_test}, {samples}")
+    t = get_task(task, **options)
+    rng, seen = random.Random(seed), set()
+    sampler = _Sampler(model, samples, max_new_tokens, batch_size, seed) if model is not None else None
+    splits = {}
+    for split, n in (("test", n_test), ("train", n_train)):  # test first: it never depends on n_train
+        if sampler is None:
+            splits[split] = _constructed(t, _draw_unique(t, n, rng, seen, n_train + n_test), rng)
+        elif split == "test":  # exactly the held-out prompts, whatever the yield
+            splits[split] = sampler.pairs(t, _draw_unique(t, n, rng, seen, n_train + n_test))
+        else:
+            splits[split] = sampler.collect(t, n, rng, seen, max_prompts_factor)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"train": out / "train.jsonl", "test": out / "test.jsonl", "meta": out / "preferences.json"}
+    for split in ("train", "test"):
+        write_jsonl(paths[split], splits[split])
+    counts = {split: len(rows) for split, rows in splits.items()}
+    meta = {"task": task, "options": t.options, "seed": seed, "source": "sampled" if model else "constructed",
+            "model": model, "samples": samples if model else None, "counts": counts,
+            **({"sampling": sampler.counts} if sampler else {})}
+    paths["meta"].write_text(json.dumps(meta, sort_keys=True, indent=2) + "\n", encoding="utf-8")
+    result = {**paths, "n_train": counts["train"], "n_test": counts["test"]}
+    if sampler is not None:
+        result["counts"] = sampler.counts
+    return result

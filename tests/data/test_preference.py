@@ -1,0 +1,198 @@
+"""Preference pairs: tokenisation, truncation, the concatenated collator, errors, synthetic pairs."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from posttrain.cli import main
+from posttrain.data.collate import IGNORE_INDEX, tokenize_example
+from posttrain.data.formats import DataFormatError
+from posttrain.data.make_preferences import ERRORS, _Sampler, make_preferences, solve_with_mistake
+from posttrain.data.preference import encode_pair, load_pairs, pair_collate, tokenize_pairs
+from posttrain.data.sources import load_rows
+from posttrain.data.tasks import get_task, make_task
+from posttrain.data.tasks.arithmetic import solve
+from posttrain.data.tokenizer import build_tokenizer
+from posttrain.rewards.reward_model import encode_for_reward
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+def b(text):
+    """Ids of the built-in byte tokenizer: byte + 6."""
+    return [6 + c for c in text.encode()]
+
+
+def test_explicit_pair_tokens_by_hand(tok):
+    ex, outcome, cut = encode_pair({"prompt": "2+3=", "chosen": "5", "rejected": "6"}, tok, "preference", 64)
+    assert (outcome, cut) == ("kept", False)
+    assert ex == {"prompt_ids": [tok.bos_token_id, *b("2+3=")], "chosen_ids": [*b("5"), tok.eos_token_id],
+                  "rejected_ids": [*b("6"), tok.eos_token_id]}
+    # What the reward model is trained on is what `reward_model` scores at RL time.
+    assert ex["prompt_ids"] + ex["chosen_ids"] == encode_for_reward(tok, "2+3=", "5")
+
+
+def test_implicit_prompt_is_the_shared_prefix(tok):
+    explicit, _, _ = encode_pair({"prompt": "Q: 2+2? A:", "chosen": " 4", "rejected": " 5"}, tok, "preference", 64)
+    implicit, _, _ = encode_pair({"chosen": "Q: 2+2? A: 4", "rejected": "Q: 2+2? A: 5"}, tok, "implicit_preference", 64)
+    assert implicit == explicit
+
+
+def test_conversational_pair_uses_the_chat_template(tok):
+    prompt = [{"role": "user", "content": "2+3?"}]
+    row = {"prompt": prompt, "chosen": [{"role": "assistant", "content": "5"}],
+           "rejected": [{"role": "assistant", "content": "6"}]}
+    ex, _, _ = encode_pair(row, tok, "preference", 64)
+    full = tokenize_example({"prompt": prompt, "completion": row["chosen"]}, tok, "prompt_completion")
+    assert ex["prompt_ids"] + ex["chosen_ids"] == full["input_ids"]
+    assert ex["prompt_ids"] == tok.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert ex["prompt_ids"] + ex["chosen_ids"] == encode_for_reward(tok, prompt, row["chosen"])
+
+
+def test_truncation_is_counted(tok):
+    rows = [
+        {"prompt": "abcdefgh", "chosen": "x", "rejected": "y"},  # prompt 9 tokens → last 4
+        {"prompt": "ab", "chosen": "long answer", "rejected": "z"},  # 3 + 12 > 8 → cut
+        {"prompt": "ab", "chosen": "ok", "rejected": "no"},
+    ]
+    examples, stats = tokenize_pairs(rows, tok, "preference", max_length=8, max_prompt_length=4)
+    assert stats.as_dict() == {"n_rows": 3, "n_kept": 3, "n_truncated": 1, "n_dropped": 0, "n_dropped_too_long": 0,
+                               "n_dropped_no_loss": 0, "n_prompt_truncated": 1}
+    assert examples[0]["prompt_ids"] == b("efgh")  # TRL keeps the end of a long prompt
+    assert examples[1]["chosen_ids"] == b("long ")  # 8 − 3 prompt tokens
+    assert examples[1]["rejected_ids"] == [*b("z"), tok.eos_token_id]
+    examples, stats = tokenize_pairs(rows, tok, "preference", max_length=8, max_prompt_length=4, truncation="drop")
+    assert (len(examples), stats.n_dropped_too_long) == (2, 1)
+    # A prompt that fills max_length leaves no response token: that pair is dropped.
+    examples, stats = tokenize_pairs(rows, tok, "preference", max_length=9)
+    assert stats.n_dropped_no_loss == 1 and len(examples) == 2
+
+
+def test_pair_collate_puts_chosen_then_rejected(tok):
+    examples = [
+        {"prompt_ids": [1, 10], "chosen_ids": [11, 2], "rejected_ids": [12, 13, 2], "margin": 0.5, "ref_logps": [-1.0, -2.0]},
+        {"prompt_ids": [1], "chosen_ids": [14, 2], "rejected_ids": [15, 2], "margin": 1.0, "ref_logps": [-3.0, -4.0]},
+    ]
+    batch = pair_collate(examples, pad_token_id=0)
+    P = IGNORE_INDEX
+    assert batch["input_ids"].tolist() == [[1, 10, 11, 2, 0], [1, 14, 2, 0, 0], [1, 10, 12, 13, 2], [1, 15, 2, 0, 0]]
+    assert batch["labels"].tolist() == [[P, P, 11, 2, P], [P, 14, 2, P, P], [P, P, 12, 13, 2], [P, 15, 2, P, P]]
+    assert batch["attention_mask"].sum(-1).tolist() == [4, 3, 5, 3]
+    assert batch["margin"].tolist() == [0.5, 1.0]
+    assert batch["ref_logps"].tolist() == [-1.0, -3.0, -2.0, -4.0]
+
+
+def test_bad_rows_name_the_row(tmp_path, tok):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": "b"}\n')
+    with pytest.raises(DataFormatError, match=r"pairs\.jsonl:2: column 'rejected' is missing"):
+        load_pairs(path)
+    path.write_text('{"chosen": "same", "rejected": "x"}\n{"chosen": "same", "rejected": "same"}\n')
+    rows, fmt = load_pairs(path)
+    with pytest.raises(DataFormatError, match=r"pairs\.jsonl:2: .*identical"):
+        tokenize_pairs(rows, tok, fmt, 64)
+    path.write_text('{"prompt": "a", "chosen": "b", "rejected": "c", "margin": 1}\n'
+                    '{"prompt": "a", "chosen": "b", "rejected": "c", "margin": "big"}\n')
+    rows, fmt = load_pairs(path)
+    with pytest.raises(DataFormatError, match=r"pairs\.jsonl:2: column 'margin'"):
+        tokenize_pairs(rows, tok, fmt, 64)
+    path.write_text('{"prompt": "a", "completion": "b"}\n')
+    with pytest.raises(DataFormatError, match="prompt/chosen/rejected"):
+        load_pairs(path)
+
+
+# --- synthetic pairs ------------------------------------------------------------------
+
+
+def test_solve_with_mistake_carries_the_error():
+    nums, ops = [37, 85, 2, 4], ["+", "*", "-"]
+    assert solve_with_mistake(nums, ops) == solve(nums, ops)
+    # Step 0 is 85*2 (products first); off by +1 there flows into both sums.
+    value, steps = solve_with_mistake(nums, ops, 0, lambda a, op, c, v: v + 1)
+    assert steps == ["85*2=171", "37+171=208", "208-4=204"] and value == 204
+    rng = random.Random(0)
+    assert ERRORS["operator"](7, "*", 3, 21, rng) in (10, 4)
+    assert ERRORS["digit"](7, "+", 5, 12, rng) != 12
+
+
+def test_constructed_pairs_are_right_and_wrong_and_deterministic(tmp_path):
+    info = make_preferences("arithmetic", tmp_path / "a", n_train=300, n_test=50, seed=3)
+    make_preferences("arithmetic", tmp_path / "b", n_train=300, n_test=50, seed=3)
+    make_preferences("arithmetic", tmp_path / "c", n_train=10, n_test=50, seed=3)
+    for split in ("train", "test"):
+        assert (tmp_path / "a" / f"{split}.jsonl").read_bytes() == (tmp_path / "b" / f"{split}.jsonl").read_bytes()
+    assert (tmp_path / "a" / "test.jsonl").read_bytes() == (tmp_path / "c" / "test.jsonl").read_bytes()
+    make_preferences("arithmetic", tmp_path / "d", n_train=300, n_test=50, seed=4)
+    assert (tmp_path / "a" / "train.jsonl").read_bytes() != (tmp_path / "d" / "train.jsonl").read_bytes()
+    task = get_task("arithmetic")
+    train, test = load_rows(info["train"]), load_rows(info["test"])
+    assert (len(train), len(test)) == (300, 50)
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
+    for row in [*train, *test]:
+        assert task.score(row["chosen"], row["answer"]) == 1.0
+        assert task.score(row["rejected"], row["answer"]) == 0.0
+        assert row["task"] == "arithmetic" and row["source"] == "constructed"
+    assert {r["error"] for r in train} == {*ERRORS, "answer_typo"}
+    # Held out together with make_task's test split (same seed and n_test).
+    make_task("arithmetic", tmp_path / "sft", n_train=100, n_test=50, seed=3)
+    assert [r["prompt"] for r in load_rows(tmp_path / "sft" / "test.jsonl")] == [r["prompt"] for r in test]
+    assert load_pairs(info["train"])[1] == "preference"
+
+
+class _FakeEngine:
+    """Answers `2+3=` right on even samples, wrong on odd ones; `9-9=` always wrong."""
+
+    def generate(self, prompts, params):
+        from types import SimpleNamespace
+
+        texts, reasons = [], []
+        for p in prompts:
+            for i in range(params.n):
+                right = p == "2+3=" and i % 2 == 1
+                texts.append("Answer: 5" if right else "Answer: 7")
+                reasons.append("stop" if i != 0 else "length")
+        return SimpleNamespace(texts=texts, finish_reason=reasons)
+
+
+def test_sampled_pairs_need_a_right_and_a_wrong_sample():
+    sampler = _Sampler.__new__(_Sampler)
+    sampler.engine, sampler.samples, sampler.max_new_tokens, sampler.batch_size, sampler.seed = _FakeEngine(), 4, 8, 8, 0
+    sampler.calls, sampler.counts = 0, {"prompts": 0, "all_right": 0, "all_wrong": 0}
+    rows = [{"prompt": "2+3=", "answer": "5", "completion": "Answer: 5"}, {"prompt": "9-9=", "answer": "0", "completion": "Answer: 0"}]
+    pairs = sampler.pairs(get_task("arithmetic"), rows)
+    assert len(pairs) == 1 and sampler.counts == {"prompts": 2, "all_right": 0, "all_wrong": 1}
+    assert pairs[0]["chosen"] == "Answer: 5" and pairs[0]["rejected"] == "Answer: 7" and pairs[0]["source"] == "sampled"
+
+
+def test_sampling_from_a_saved_model_is_deterministic(tmp_path, tok):
+    from posttrain.models import BuiltinLM
+
+    torch.manual_seed(0)
+    model = BuiltinLM.from_preset("tiny", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=2, eos_token_id=tok.eos_token_id,
+                                  bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    infos = [make_preferences("arithmetic", tmp_path / o, n_train=2, n_test=2, seed=0, model=str(tmp_path / "m"),
+                              samples=2, max_new_tokens=4, max_prompts_factor=2) for o in ("a", "b")]
+    # A random model is never right: every prompt tried (2 test, 2 · 2 train) is all wrong, none kept.
+    assert infos[0]["counts"] == infos[1]["counts"] == {"prompts": 6, "all_right": 0, "all_wrong": 6}
+    assert infos[0]["n_train"] == 0
+    meta = json.loads((tmp_path / "a" / "preferences.json").read_text())
+    assert meta["source"] == "sampled" and meta["sampling"]["all_wrong"] == 6
+
+
+def test_cli_make_preferences(tmp_path, capsys):
+    out = tmp_path / "p"
+    assert main(["data", "make-preferences", "--task", "arithmetic", "--out", str(out), "--n-train", "20",
+                 "--n-test", "5", "difficulty=easy"]) == 0
+    assert "wrote 20 train and 5 test pairs" in capsys.readouterr().out
+    rows = load_rows(out / "train.jsonl")
+    assert {"prompt", "chosen", "rejected", "answer", "task"} <= rows[0].keys()
+    assert main(["data", "make-preferences", "--task", "countdown", "--out", str(out)]) == 1
+    assert "pass a model" in capsys.readouterr().err
