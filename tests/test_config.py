@@ -114,3 +114,16 @@ def test_cli_bad_key_exits_nonzero_before_loading():
     assert proc.returncode == 2
     assert "trainer.learning_rate" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_every_recipe_resolves_with_its_command_config():
+    from pathlib import Path
+
+    from posttrain.config import DPOConfig, GRPOConfig, PPOConfig, RMConfig
+
+    by_prefix = {"sft_": SFTConfig, "rm_": RMConfig, "dpo_": DPOConfig, "ppo": PPOConfig}
+    recipes = sorted(Path(__file__).parents[1].joinpath("recipes").glob("*.yaml"))
+    assert len(recipes) >= 10
+    for path in recipes:
+        cls = next((c for p, c in by_prefix.items() if path.name.startswith(p)), GRPOConfig)
+        build_config(cls, path)  # every key known, every value valid

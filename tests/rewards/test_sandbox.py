@@ -569,7 +569,17 @@ def test_tests_harness_under_each_tier(box):
 
 
 @pytest.mark.skipif(not ROOT, reason="switches to another uid to test the non-root path")
+def _skip_unless_reachable_by_others() -> None:
+    """The unprivileged helper must open the venv's interpreter and this checkout; a clone
+    under a private folder (e.g. `mktemp -d`, mode 0700) puts them out of its reach."""
+    for path in (Path(sys.executable), Path(sandbox.__file__)):
+        for parent in path.absolute().parents:
+            if not parent.stat().st_mode & 0o001:
+                pytest.skip(f"{parent} is not searchable by other users (mode {oct(parent.stat().st_mode & 0o777)})")
+
+
 def test_unprivileged_caller_gets_a_user_namespace():
+    _skip_unless_reachable_by_others()
     helper = Helper("auto", uid=UNPRIVILEGED_UID)
     try:
         info = helper.call("isolation")
@@ -608,6 +618,7 @@ def test_unprivileged_caller_gets_a_user_namespace():
 @pytest.mark.skipif(not ROOT, reason="switches to another uid to test the non-root path")
 def test_unprivileged_fallback_leaves_no_process_behind():
     # No namespaces and no per-run uid: only the init, a child subreaper, can clean up.
+    _skip_unless_reachable_by_others()
     helper = Helper("seccomp", uid=UNPRIVILEGED_UID)
     escape = (
         "import os, time\n"
