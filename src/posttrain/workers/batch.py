@@ -150,8 +150,14 @@ class BatchOps:
         return self.split(len(self) // n)
 
     def token_counts(self) -> torch.Tensor:
-        """(B,) tokens each row puts through a forward pass (for `chunk_by_tokens`)."""
-        raise NotImplementedError(f"{type(self).__name__} does not count tokens")
+        """(B,) tokens each row puts through a forward pass (for `chunk_by_tokens`).
+
+        Generic default: every row costs the padded width of the widest 2-D tensor field;
+        a container that knows its real lengths (RLBatch) overrides this.
+        """
+        widths = [v.shape[1] for _, kind, v in self._fields()
+                  if isinstance(v, torch.Tensor) and kind not in ("meta", "list", "columns") and v.dim() >= 2]
+        return torch.full((len(self),), max(widths, default=1), dtype=torch.long)
 
     def chunk_by_tokens(self: B, max_tokens: int) -> list[B]:
         """Consecutive micro-batches of at most `max_tokens` padded tokens (veRL dynamic
