@@ -306,3 +306,12 @@ def evaluate_task(
         for s in report.samples
     ]
     return metrics, samples
+
+
+def task_eval(model: torch.nn.Module, tokenizer: Any, rows: Sequence[Mapping[str, Any]], cfg: Any):
+    """Held-out task accuracy for a trainer's `eval` section (`task`, `num_examples`,
+    `max_new_tokens`, `batch_size`): metrics prefixed `eval/` and the samples."""
+    metrics, samples = evaluate_task(
+        model, tokenizer, rows[: cfg.num_examples], cfg.task, cfg.max_new_tokens, cfg.batch_size
+    )
+    return {f"eval/{k}": v for k, v in metrics.items()}, samples

@@ -53,18 +53,20 @@ import torch
 
 from posttrain.algos import dpo_loss, token_logprobs
 from posttrain.config import save_config, to_dict
-from posttrain.config.core import check, validate_tree
+from posttrain.config.core import check
 from posttrain.config.preference import DPOAlgorithmConfig, DPOConfig
 from posttrain.data.collate import IGNORE_INDEX
 from posttrain.data.preference import pair_collate, prepare_pairs
+from posttrain.evaluation import task_eval
 from posttrain.logging import get_logger
-from posttrain.models.factory import build_model, load_tokenizer
+from posttrain.models.factory import build_model
 from posttrain.models.loading import forward_logits
 from posttrain.models.lora import apply_lora, is_peft
 from posttrain.trainers.batches import EpochBatches
-from posttrain.trainers.core import autocast, set_seed
+from posttrain.trainers.core import autocast
 from posttrain.trainers.loop import FitResult, fit
 from posttrain.trainers.reward import pairwise_eval
+from posttrain.trainers.setup import prepare_run
 
 log = get_logger(__name__)
 
@@ -203,14 +205,9 @@ class DPOTrainer:
         processing_class: Any = None,
     ):
         self.args = args = args if args is not None else DPOConfig()
-        if isinstance(model, str):
-            args.model.path, args.model.init = model, None
-        validate_tree(args)
-        train_source = train_dataset if train_dataset is not None else args.data.train_files
-        check(bool(train_source), "data.train_files", "no training data: pass train_dataset or set data.train_files")
-        eval_source = eval_dataset if eval_dataset is not None else (args.data.eval_files or None)
-        set_seed(args.trainer.seed)
-        self.tokenizer = processing_class if processing_class is not None else load_tokenizer(args.model)
+        train_source, eval_source, self.tokenizer = prepare_run(
+            args, model, train_dataset, eval_dataset, processing_class
+        )
         _, self.train_examples, stats = prepare_pairs(train_source, self.tokenizer, args.data)
         self.data_stats = {f"data/{k}": float(v) for k, v in stats.as_dict().items()}
         self.eval_examples, self.eval_rows = [], None
@@ -276,13 +273,8 @@ class DPOTrainer:
             with torch.no_grad():
                 out.update(pairwise_eval(model, batches, self.loss_fn))
         if self.args.eval.task is not None:
-            from posttrain.evaluation import evaluate_task
-
-            e = self.args.eval
-            metrics, samples = evaluate_task(
-                model, self.tokenizer, self.eval_rows[: e.num_examples], e.task, e.max_new_tokens, e.batch_size
-            )
-            out.update({f"eval/{k}": v for k, v in metrics.items()})
+            metrics, samples = task_eval(model, self.tokenizer, self.eval_rows, self.args.eval)
+            out.update(metrics)
         return out, samples
 
     def train(self) -> FitResult:

@@ -44,18 +44,19 @@ import torch
 
 from posttrain.algos import bradley_terry_loss
 from posttrain.config import ConfigError, LoraConfig, ModelConfig, save_config, to_dict
-from posttrain.config.core import check, validate_tree
+from posttrain.config.core import check
 from posttrain.config.preference import RMConfig
 from posttrain.data.preference import pair_collate, prepare_pairs
 from posttrain.logging import get_logger
 from posttrain.models.builtin import BuiltinLM
-from posttrain.models.factory import build_model, load_tokenizer
+from posttrain.models.factory import build_model
 from posttrain.models.heads import ScalarHeadModel
 from posttrain.models.loading import resolve_device, resolve_dtype
 from posttrain.models.lora import LLAMA_LINEARS, is_peft
 from posttrain.trainers.batches import EpochBatches
-from posttrain.trainers.core import LossFn, merge_metrics, set_seed
+from posttrain.trainers.core import LossFn, merge_metrics
 from posttrain.trainers.loop import FitResult, fit
+from posttrain.trainers.setup import prepare_run
 
 log = get_logger(__name__)
 
@@ -159,14 +160,9 @@ class RewardTrainer:
         processing_class: Any = None,
     ):
         self.args = args = args if args is not None else RMConfig()
-        if isinstance(model, str):
-            args.model.path, args.model.init = model, None
-        validate_tree(args)
-        train_source = train_dataset if train_dataset is not None else args.data.train_files
-        check(bool(train_source), "data.train_files", "no training data: pass train_dataset or set data.train_files")
-        eval_source = eval_dataset if eval_dataset is not None else (args.data.eval_files or None)
-        set_seed(args.trainer.seed)
-        self.tokenizer = processing_class if processing_class is not None else load_tokenizer(args.model)
+        train_source, eval_source, self.tokenizer = prepare_run(
+            args, model, train_dataset, eval_dataset, processing_class
+        )
         _, self.train_examples, stats = prepare_pairs(train_source, self.tokenizer, args.data)
         self.data_stats = {f"data/{k}": float(v) for k, v in stats.as_dict().items()}
         self.eval_examples = prepare_pairs(eval_source, self.tokenizer, args.data)[1] if eval_source is not None else []

@@ -26,16 +26,17 @@ from typing import Any
 import torch
 
 from posttrain.config import ConfigError, SFTConfig, save_config, to_dict
-from posttrain.config.core import check, validate_tree
+from posttrain.config.core import check
 from posttrain.data.collate import causal_lm_loss_sum, pad_collate, tokenize_dataset
 from posttrain.data.packing import pack_collate, pack_examples, packing_efficiency
 from posttrain.data.sources import load_and_validate
+from posttrain.evaluation import task_eval
 from posttrain.logging import get_logger
-from posttrain.models.factory import build_model, load_tokenizer
+from posttrain.models.factory import build_model
 from posttrain.models.loading import forward_logits
 from posttrain.trainers.batches import EpochBatches
-from posttrain.trainers.core import set_seed
 from posttrain.trainers.loop import FitResult, fit
+from posttrain.trainers.setup import prepare_run
 
 log = get_logger(__name__)
 
@@ -70,14 +71,9 @@ class SFTTrainer:
         processing_class: Any = None,
     ):
         self.args = args = args if args is not None else SFTConfig()
-        if isinstance(model, str):
-            args.model.path, args.model.init = model, None
-        validate_tree(args)
-        train_source = train_dataset if train_dataset is not None else args.data.train_files
-        check(bool(train_source), "data.train_files", "no training data: pass train_dataset or set data.train_files")
-        eval_source = eval_dataset if eval_dataset is not None else (args.data.eval_files or None)
-        set_seed(args.trainer.seed)
-        self.tokenizer = processing_class if processing_class is not None else load_tokenizer(args.model)
+        train_source, eval_source, self.tokenizer = prepare_run(
+            args, model, train_dataset, eval_dataset, processing_class
+        )
         self.train_examples, self.data_stats = self._prepare(*self._load(train_source))
         self.eval_examples, self.eval_rows = None, None
         if eval_source is not None:
@@ -129,13 +125,8 @@ class SFTTrainer:
             out["eval/loss"] = total / max(count, 1)
             out["eval/perplexity"] = math.exp(min(out["eval/loss"], 50.0))
         if self.args.eval.task is not None:
-            from posttrain.evaluation import evaluate_task
-
-            e = self.args.eval
-            metrics, samples = evaluate_task(
-                model, self.tokenizer, self.eval_rows[: e.num_examples], e.task, e.max_new_tokens, e.batch_size
-            )
-            out.update({f"eval/{k}": v for k, v in metrics.items()})
+            metrics, samples = task_eval(model, self.tokenizer, self.eval_rows, self.args.eval)
+            out.update(metrics)
         return out, samples
 
     def train(self) -> FitResult:

@@ -1,0 +1,35 @@
+"""What every offline trainer (SFT, reward model, DPO) does before it loads data."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from posttrain.config.core import check, validate_tree
+from posttrain.models.factory import load_tokenizer
+from posttrain.trainers.core import set_seed
+
+
+def prepare_run(
+    args: Any,
+    model: torch.nn.Module | str | None,
+    train_dataset: Any,
+    eval_dataset: Any,
+    processing_class: Any,
+) -> tuple[Any, Any, Any]:
+    """Validate `args`, seed, and resolve the data sources and the tokenizer.
+
+    A string `model` is a local model directory (it becomes `model.path`). Datasets passed
+    in win over `data.train_files` / `data.eval_files`. Returns
+    (train_source, eval_source or None, tokenizer).
+    """
+    if isinstance(model, str):
+        args.model.path, args.model.init = model, None
+    validate_tree(args)
+    train_source = train_dataset if train_dataset is not None else args.data.train_files
+    check(bool(train_source), "data.train_files", "no training data: pass train_dataset or set data.train_files")
+    eval_source = eval_dataset if eval_dataset is not None else (args.data.eval_files or None)
+    set_seed(args.trainer.seed)
+    tokenizer = processing_class if processing_class is not None else load_tokenizer(args.model)
+    return train_source, eval_source, tokenizer
