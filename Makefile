@@ -33,10 +33,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 
 demo: $(STAMP)
-	$(BIN)/posttrain data make arithmetic --out $(DEMO_DIR)/data
-	$(BIN)/posttrain sft --config recipes/sft_arithmetic.yaml \
-		data.train_files=[$(DEMO_DIR)/data/train.jsonl] data.eval_files=[$(DEMO_DIR)/data/test.jsonl] \
-		trainer.output_dir=$(DEMO_DIR)/sft
+	$(BIN)/posttrain demo --out $(DEMO_DIR)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -25,6 +25,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/bench_sft")
     p.add_argument("--n-train", type=int, default=8000)
+    p.add_argument("--n-rl", type=int, default=0, help="also write DATA/rl.jsonl: fresh prompts for the RL benchmark")
     p.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE",
                    help="arithmetic task option, e.g. difficulty=easy (default: the task's defaults)")
     p.add_argument("overrides", nargs="*", help="extra key=value overrides of the recipe")
@@ -32,7 +33,7 @@ def main() -> None:
     out = Path(args.out)
     data = out / "data"
     options = dict(parse_override(o) for o in args.task_option)
-    make_task("arithmetic", data, n_train=args.n_train, n_test=500, seed=0, **options)
+    make_task("arithmetic", data, n_train=args.n_train, n_test=500, seed=0, n_rl=args.n_rl, **options)
     cfg = build_config(
         SFTConfig,
         "recipes/sft_arithmetic.yaml",

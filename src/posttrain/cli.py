@@ -118,8 +118,8 @@ def _add_data_commands(sub: Any) -> None:
     make = data_sub.add_parser(
         "make",
         help="write train/test JSONL for a bundled verifiable task",
-        description="Write OUT/train.jsonl and OUT/test.jsonl (prompt, answer, completion) for a task. "
-        "Deterministic for a given seed.",
+        description="Write OUT/train.jsonl and OUT/test.jsonl (prompt, answer, completion) for a task, "
+        "and OUT/rl.jsonl with --n-rl (prompts for online RL, disjoint from both). Deterministic for a given seed.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="tasks: " + ", ".join(sorted(TASKS)) + ", or rg:<name> for a reasoning-gym dataset "
         "(pip install 'posttrain[tasks]'; its config fields and answer_format=line|tag as options)"
@@ -130,6 +130,8 @@ def _add_data_commands(sub: Any) -> None:
     make.add_argument("--out", required=True, help="output directory")
     make.add_argument("--n-train", type=int, default=8000, help="training rows (default 8000)")
     make.add_argument("--n-test", type=int, default=500, help="held-out rows (default 500)")
+    make.add_argument("--n-rl", type=int, default=0,
+                      help="also write OUT/rl.jsonl: RL prompts in neither train nor test (default 0: none)")
     make.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     make.add_argument("options", nargs="*", metavar="key=value", help="task options, e.g. digits=2 difficulty=hard")
     make.set_defaults(handler=_handle_data_make)
@@ -187,8 +189,10 @@ def _handle_data_make(args: argparse.Namespace) -> int:
         from posttrain.data.tasks import make_task
 
     options = dict(parse_override(o) for o in args.options)
-    info = make_task(args.task, args.out, n_train=args.n_train, n_test=args.n_test, seed=args.seed, **options)
-    print(f"wrote {info['n_train']} train and {info['n_test']} test rows of {args.task} to {args.out}")
+    info = make_task(args.task, args.out, n_train=args.n_train, n_test=args.n_test, seed=args.seed,
+                     n_rl=args.n_rl, **options)
+    rl = f", {info['n_rl']} RL" if args.n_rl else ""
+    print(f"wrote {info['n_train']} train{rl} and {info['n_test']} test rows of {args.task} to {args.out}")
     return 0
 
 
@@ -469,6 +473,40 @@ def _handle_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_demo_command(sub: Any) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="the whole pipeline in minutes on a CPU: data, SFT from scratch, eval, RL, eval, report",
+        description=textwrap.fill(
+            "Make the arithmetic task's data, SFT the built-in tiny model from scratch, evaluate it on held-out "
+            "problems, improve it with online RL (a GRPO-family recipe: posttrain.demo.RL_OVERRIDES), evaluate "
+            "again on the same problems, print a before/after table (accuracy, mean length, reward) and write "
+            "an HTML report. Nothing is downloaded. About 10 minutes on 2 CPU cores (a GPU is used when "
+            "available); --quick runs every stage at a tiny size in under a minute (its numbers mean nothing).",
+            width=88,
+        ),
+        epilog=textwrap.fill(
+            "outputs under --out: data/ (train/test JSONL), sft/ and rl/ (run directories; the final model is "
+            "rl/final), eval_sft/ and eval_rl/ (eval.json + samples.jsonl), report.html, summary.json "
+            "(sft_accuracy, rl_accuracy, gain, wall_seconds, ...). A rerun replaces a previous demo's outputs; "
+            "a directory holding anything else is refused.",
+            width=88,
+        ) + "\n\nexamples: posttrain demo\n          posttrain demo --quick --out runs/demo_quick",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--out", default="runs/demo", metavar="DIR", help="output directory (default runs/demo)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, to check that every stage runs (under a minute)")
+    p.add_argument("--device", default="auto", metavar="DEV", help="auto (CUDA when available), cpu, cuda or cuda:N")
+    p.set_defaults(handler=_handle_demo)
+
+
+def _handle_demo(args: argparse.Namespace) -> int:
+    from posttrain.demo import run_demo
+
+    run_demo(args.out, quick=args.quick, device=args.device)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="posttrain",
@@ -487,6 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_report_command(sub)
     _add_export_command(sub)
     _add_serve_command(sub)
+    _add_demo_command(sub)
     return parser
 
 

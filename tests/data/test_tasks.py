@@ -337,6 +337,20 @@ def test_make_task_test_split_does_not_depend_on_n_train(tmp_path):
     assert small["test"].read_bytes() == big["test"].read_bytes()
 
 
+def test_make_task_rl_split_is_disjoint_and_keeps_test_fixed(tmp_path):
+    plain = make_task("arithmetic", tmp_path / "p", n_train=200, n_test=30, seed=2)
+    info = make_task("arithmetic", tmp_path / "r", n_train=200, n_test=30, seed=2, n_rl=50)
+    assert info["test"].read_bytes() == plain["test"].read_bytes()
+    assert "rl" not in plain and not (tmp_path / "p" / "rl.jsonl").exists()
+    splits = {k: _read_jsonl(info[k]) for k in ("train", "test", "rl")}
+    assert {k: len(v) for k, v in splits.items()} == {"train": 200, "test": 30, "rl": 50} == {
+        k: info[f"n_{k}"] for k in splits}
+    prompts = [r["prompt"] for rows in splits.values() for r in rows]
+    assert len(set(prompts)) == len(prompts) == 280
+    assert all(r["task"] == "arithmetic" and r["answer"] for r in splits["rl"])
+    assert json.loads(info["task"].read_text())["counts"] == {"test": 30, "rl": 50, "train": 200}
+
+
 def test_make_task_options_reach_the_files(tmp_path):
     paths = make_task("arithmetic", tmp_path, n_train=50, n_test=10, digits=1, operators="+")
     rows = _read_jsonl(paths["train"])

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import difflib
 import inspect
-import json
 import random
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from posttrain.data.tasks.arithmetic import ArithmeticTask
-from posttrain.data.tasks.base import Task, extract_answer, write_jsonl
+from posttrain.data.tasks.base import Task, extract_answer, write_splits
 from posttrain.data.tasks.countdown import CountdownTask
 
 TASKS: dict[str, type[Task]] = {cls.name: cls for cls in (ArithmeticTask, CountdownTask)}
@@ -62,40 +61,38 @@ def make_task(
     n_train: int = 8_000,
     n_test: int = 500,
     seed: int = 0,
+    n_rl: int = 0,
     **options: Any,
 ) -> dict[str, Any]:
-    """Write `train.jsonl`, `test.jsonl` and `task.json` for a task into `out_dir`.
+    """Write `train.jsonl`, `test.jsonl` and `task.json` for a task into `out_dir`, and
+    `rl.jsonl` when `n_rl` > 0: prompts for online RL that neither the SFT rows (train)
+    nor the held-out rows (test) contain, as a pipeline that fine-tunes on one set and
+    runs RL on fresh prompts wants.
 
-    Each row also gets a `task` column with the task's name. Prompts are unique across both files. The test split is drawn first, so it depends
-    only on (name, options, seed, n_test): growing `n_train` never changes it.
+    Each row also gets a `task` column with the task's name. Prompts are unique across all
+    files. The test split is drawn first, then the RL split, then train: test depends only
+    on (name, options, seed, n_test), and growing `n_train` never changes test or RL.
 
     Returns:
-        {"train": Path, "test": Path, "task": Path, "n_train": int, "n_test": int}
+        {"train": Path, "test": Path, "task": Path, "n_train": int, "n_test": int}, plus
+        "rl" and "n_rl" when n_rl > 0.
     Raises:
         ValueError: unknown task or option, or a problem space too small for
-            `n_train + n_test` distinct prompts (the message names the options to change).
+            `n_train + n_test + n_rl` distinct prompts (the message names the options to change).
     """
-    if n_train < 0 or n_test < 0:
-        raise ValueError(f"n_train and n_test must be >= 0, got {n_train} and {n_test}")
+    if min(n_train, n_test, n_rl) < 0:
+        raise ValueError(f"n_train, n_test and n_rl must be >= 0, got {n_train}, {n_test} and {n_rl}")
     task = get_task(name, **options)
-    rng, seen = random.Random(seed), set()
-    test = _draw_unique(task, n_test, rng, seen, n_train + n_test)
-    train = _draw_unique(task, n_train, rng, seen, n_train + n_test)
-    for row in (*test, *train):  # lets `task_reward` and `posttrain eval` find the scorer
-        row["task"] = name
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"train": out / "train.jsonl", "test": out / "test.jsonl", "task": out / "task.json"}
-    write_jsonl(paths["train"], train)
-    write_jsonl(paths["test"], test)
-    meta = {
-        "name": name,
-        "options": task.options,
-        "seed": seed,
-        "counts": {"train": n_train, "test": n_test},
-    }
-    paths["task"].write_text(json.dumps(meta, sort_keys=True, indent=2) + "\n", encoding="utf-8")
-    return {**paths, "n_train": n_train, "n_test": n_test}
+    rng, seen, requested = random.Random(seed), set(), n_train + n_test + n_rl
+    splits = {"test": _draw_unique(task, n_test, rng, seen, requested)}
+    if n_rl:
+        splits["rl"] = _draw_unique(task, n_rl, rng, seen, requested)
+    splits["train"] = _draw_unique(task, n_train, rng, seen, requested)
+    for rows in splits.values():
+        for row in rows:  # lets `task_reward` and `posttrain eval` find the scorer
+            row["task"] = name
+    meta = {"name": name, "options": task.options, "seed": seed, "counts": {k: len(v) for k, v in splits.items()}}
+    return write_splits(out_dir, splits, meta)
 
 
 def _draw_unique(

@@ -112,3 +112,18 @@ def write_jsonl(path: str | Path, rows: Iterable[Mapping[str, Any]]) -> None:
     with open(path, "w", encoding="utf-8", newline="\n") as f:
         for row in rows:
             f.write(json.dumps(row, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+def write_splits(out_dir: str | Path, splits: dict[str, list[dict]], meta: dict[str, Any]) -> dict[str, Any]:
+    """OUT/<split>.jsonl for each split and OUT/task.json; returns their paths and counts
+    ({"train": Path, "n_train": int, ..., "task": Path})."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    info: dict[str, Any] = {}
+    for split, rows in splits.items():
+        info[split] = out / f"{split}.jsonl"
+        info[f"n_{split}"] = len(rows)
+        write_jsonl(info[split], rows)
+    info["task"] = out / "task.json"
+    info["task"].write_text(json.dumps(meta, sort_keys=True, indent=2) + "\n", encoding="utf-8")
+    return info

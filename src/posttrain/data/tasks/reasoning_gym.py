@@ -36,7 +36,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from posttrain.data.tasks.base import ANSWER_PREFIX, write_jsonl
+from posttrain.data.tasks.base import ANSWER_PREFIX, write_splits
 
 PREFIX = "rg:"
 INSTALL_HINT = "pip install 'posttrain[tasks]'"
@@ -150,40 +150,41 @@ def make_rg_task(
     n_train: int = 10_000,
     n_test: int = 500,
     seed: int = 0,
+    n_rl: int = 0,
     answer_format: str = "line",
     **options: Any,
 ) -> dict[str, Any]:
-    """Write `train.jsonl`, `test.jsonl` and `task.json` for `rg:<name>` into `out_dir`.
+    """Write `train.jsonl`, `test.jsonl` (and `rl.jsonl` when n_rl > 0) and `task.json` for
+    `rg:<name>` into `out_dir`.
 
     Same contract as `posttrain.data.tasks.make_task` (which this mirrors for reasoning-gym):
-    deterministic for a seed, questions distinct across both files, test drawn first.
+    deterministic for a seed, questions distinct across the files, test drawn first, then RL.
 
     Returns:
-        {"train": Path, "test": Path, "task": Path, "n_train": int, "n_test": int}
+        {"train": Path, "test": Path, "task": Path, "n_train": int, "n_test": int}, plus
+        "rl" and "n_rl" when n_rl > 0.
     Raises:
         ImportError: reasoning-gym is not installed.
         ValueError: unknown dataset (the message lists close names) or option, an answer
             `answer_format=line` cannot hold, or too few distinct questions.
     """
-    if n_train < 0 or n_test < 0:
-        raise ValueError(f"n_train and n_test must be >= 0, got {n_train} and {n_test}")
+    if min(n_train, n_test, n_rl) < 0:
+        raise ValueError(f"n_train, n_test and n_rl must be >= 0, got {n_train}, {n_test} and {n_rl}")
     if answer_format not in ANSWER_FORMATS:
         raise ValueError(f"answer_format must be one of {', '.join(ANSWER_FORMATS)}, got {answer_format!r}")
     name = dataset_name(task)
     task = PREFIX + name
-    entries = distinct_entries(name, n_test + n_train, seed, options)
+    entries = distinct_entries(name, n_test + n_rl + n_train, seed, options)
     rows = [to_row(task, entry, answer_format) for entry in entries]
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"train": out / "train.jsonl", "test": out / "test.jsonl", "task": out / "task.json"}
-    write_jsonl(paths["test"], rows[:n_test])
-    write_jsonl(paths["train"], rows[n_test:])
+    splits = {"test": rows[:n_test]}
+    if n_rl:
+        splits["rl"] = rows[n_test : n_test + n_rl]
+    splits["train"] = rows[n_test + n_rl :]
     meta = {
         "name": task,
         "options": {"answer_format": answer_format, **options},
         "seed": seed,
-        "counts": {"train": n_train, "test": n_test},
+        "counts": {k: len(v) for k, v in splits.items()},
         "source": f"reasoning-gym {importlib.metadata.version('reasoning-gym')}",
     }
-    paths["task"].write_text(json.dumps(meta, sort_keys=True, indent=2) + "\n", encoding="utf-8")
-    return {**paths, "n_train": n_train, "n_test": n_test}
+    return write_splits(out_dir, splits, meta)
