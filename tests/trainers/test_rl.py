@@ -21,6 +21,7 @@ from posttrain.config import LoraConfig, build_config
 from posttrain.data.tasks import make_task
 from posttrain.models import BuiltinLM
 from posttrain.models.lora import apply_lora
+from posttrain.trainers.rl import RLTrainer
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 WORDS = "a b c d e f g h".split()
@@ -120,7 +121,7 @@ def test_every_estimator_reaches_the_optimum(tmp_path, name):
 
 def test_every_metric_every_step_and_eval_samples(tmp_path):
     cfg = config(tmp_path, "gae", **{"trainer.max_steps": 2, "trainer.eval_steps": 2, "eval.num_examples": 5,
-                                     "rollout.use_rollout_logprobs": "true"})
+                                     "rollout.use_rollout_logprobs": "true", "actor.ppo_epochs": 2})
     trainer_for(cfg, eval_dataset=PROMPTS[:5]).train()
     lines = metric_lines(tmp_path)
     assert [m["step"] for m in lines] == [1, 2]
@@ -133,6 +134,19 @@ def test_every_metric_every_step_and_eval_samples(tmp_path):
     samples = [json.loads(s) for s in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert {s["split"] for s in samples} == {"eval", "train"} and all(s["step"] == 2 for s in samples)
     assert (tmp_path / "final" / "config.json").is_file() and (tmp_path / "final" / "critic" / "config.json").is_file()
+
+
+def test_an_on_policy_update_skips_the_old_logprob_pass_exactly(tmp_path, monkeypatch):
+    overrides = {"trainer.max_steps": 2, "trainer.learning_rate": 1e-2, "actor.micro_batch_size": 16}
+    skipped = trainer_for(config(tmp_path / "a", **overrides))
+    skipped.train()
+    monkeypatch.setattr(RLTrainer, "on_policy_update", property(lambda self: False))
+    recomputed = trainer_for(config(tmp_path / "b", **overrides))
+    recomputed.train()
+    assert_same_weights(weights(skipped.model), weights(recomputed.model), atol=1e-6)
+    a, b = metric_lines(tmp_path / "a"), metric_lines(tmp_path / "b")
+    assert all(x["timing/old_logprob"] < y["timing/old_logprob"] / 10 for x, y in zip(a, b))
+    assert all(m["ratio/mean"] == 1.0 for m in a)
 
 
 @pytest.mark.parametrize("variant", ["micro", "tokens"])

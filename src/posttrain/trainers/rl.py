@@ -40,6 +40,10 @@ Departures from the papers, TRL and veRL, and why:
   batch is cut to exactly data.train_batch_size groups, as veRL's DAPO recipe.
 - Old log-probs are recomputed by the actor (veRL), unless rollout.use_rollout_logprobs
   and a one-time check on the first batch finds the engine within 1e-3 of the actor.
+  With one optimizer step per rollout (ppo_epochs 1, ppo_mini_batch_size = the batch) and
+  no KL in the reward, there is no recompute at all: the loss uses its own log-probs,
+  detached, which are exactly the behaviour policy's (TRL does the same when
+  num_iterations = 1); the ratio is 1 and timing/old_logprob is 0.
 - A separate critic starts from the policy's weights with a zero value head (all values
   0 at first); TRL/veRL start from a reward model or a random head. critic.model_path
   overrides. With LoRA the reference is the base model with adapters disabled.
@@ -151,9 +155,21 @@ class RLTrainer:
     def next_prompts(self) -> RLBatch:
         return self.stream.next_step()[0]
 
+    @property
+    def on_policy_update(self) -> bool:
+        """One optimizer step per rollout (one epoch, one mini-batch) and no KL in the reward:
+        the update's own log-probs, detached, are the behaviour policy's, exactly (TRL with
+        num_iterations=1), so the old-log-prob pass is skipped."""
+        cfg = self.args
+        single = cfg.actor.ppo_epochs == 1 and cfg.mini_batch_prompts == cfg.data.train_batch_size
+        return single and not cfg.algorithm.kl.in_reward
+
     def old_logprobs(self, batch: RLBatch) -> tuple[RLBatch, dict[str, float]]:
-        """The behaviour policy's log-probs: recomputed by the actor, or the engine's once a
+        """The behaviour policy's log-probs: none when the update is on-policy (the actor
+        uses its own, detached), else recomputed by the actor, or the engine's once a
         first-batch comparison found them within ROLLOUT_LOGPROB_TOL."""
+        if self.on_policy_update:
+            return batch, {}
         wanted = self.args.rollout.use_rollout_logprobs and batch.rollout_logp is not None
         if wanted and self.rollout_logp_ok:
             return batch.replace(old_logp=batch.rollout_logp), {}

@@ -13,7 +13,8 @@ Notation: B rows, Tr response tokens, V vocab. One `update(batch)`:
 Loss of a micro-batch (each term reduced with the same `loss_agg_mode`, which is what
 makes the weighted combination exact):
     L = policy_loss(logp, old_logp, adv) − entropy_coeff · H + β · KL(logp, ref_logp)
-with the KL term only when `algorithm.kl.in_loss`. The policy runs in whatever mode it
+(old_logp = sg[logp] when the batch has none: a single on-policy step), with the KL
+term only when `algorithm.kl.in_loss`. The policy runs in whatever mode it
 is in (train); RL models should have no dropout, or the first ratio is not exactly 1.
 """
 
@@ -140,8 +141,9 @@ class Actor:
         else:
             logits, extra, extra_metrics = self.joint(model, mb)
         logp = token_logprobs(logits, mb.response_ids, s.temperature)
+        old_logp = mb.old_logp if mb.old_logp is not None else logp.detach()  # on-policy: ratio 1
         loss, metrics = policy_loss(
-            logp, mb.old_logp, mb.advantages, mask, s.loss.clip_low, s.loss.clip_high,
+            logp, old_logp, mb.advantages, mask, s.loss.clip_low, s.loss.clip_high,
             s.loss.dual_clip, s.loss.level, agg, s.max_len,
         )
         metrics["policy_loss"] = loss.detach()
