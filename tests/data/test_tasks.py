@@ -135,6 +135,7 @@ def test_explicit_options_override_the_preset():
         "mul_digits": 2,
         "operators": "+-*",
         "num_operands": [3, 4],
+        "worked": 1.0,
     }
     assert task.mul_digits == 1  # capped at digits
     assert ArithmeticTask(operators="*+").options["operators"] == "+*"
@@ -349,6 +350,25 @@ def test_make_task_rl_split_is_disjoint_and_keeps_test_fixed(tmp_path):
     assert len(set(prompts)) == len(prompts) == 280
     assert all(r["task"] == "arithmetic" and r["answer"] for r in splits["rl"])
     assert json.loads(info["task"].read_text())["counts"] == {"test": 30, "rl": 50, "train": 200}
+
+
+@pytest.mark.parametrize("worked", [0.0, 0.5, 1.0])
+def test_worked_mixes_demonstrations_with_and_without_steps(worked):
+    rows = ArithmeticTask(difficulty="medium", worked=worked).generate(400, random.Random(0))
+    shown = sum("\n" in r["completion"] for r in rows) / len(rows)
+    assert abs(shown - worked) < 0.08
+    task = ArithmeticTask()
+    assert all(task.score(r["completion"], r["answer"]) == 1.0 for r in rows)
+    assert all(r["completion"] == f"Answer: {r['answer']}" for r in rows if "\n" not in r["completion"])
+
+
+def test_worked_zero_and_one_draw_the_same_problems():
+    a = ArithmeticTask(worked=1).generate(50, random.Random(3))
+    b = ArithmeticTask(worked=0).generate(50, random.Random(3))
+    assert [r["prompt"] for r in a] == [r["prompt"] for r in b]
+    assert all("\n" in r["completion"] for r in a) and not any("\n" in r["completion"] for r in b)
+    with pytest.raises(ValueError, match="worked must be a number in"):
+        ArithmeticTask(worked=1.5)
 
 
 def test_make_task_options_reach_the_files(tmp_path):

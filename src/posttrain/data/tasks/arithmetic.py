@@ -7,6 +7,8 @@
 The worked solution has one line per binary operation, in the order precedence dictates:
 products left to right, then sums and differences left to right. With two operands that
 single line would only repeat the prompt, so the completion is just the answer line.
+`worked` < 1 makes the demonstrations mixed: that fraction of the completions show the
+steps, the others only the answer line (a demonstrator that sometimes skips its work).
 Operands are non-negative; answers can be negative.
 
 The scorer accepts any integer-valued spelling of the answer (`207`, `+207`, `207.0`) and
@@ -41,17 +43,23 @@ class ArithmeticTask(Task):
         operators: the operators drawn from, a non-empty subset of "+-*".
         num_operands: operands per expression, an int or an inclusive (min, max) range
             within 2..4.
+        worked: the fraction of completions (of 3+ operands) that show the worked steps;
+            the rest are the answer line alone. Scoring reads only the answer, so a model
+            may answer either way: RL can learn which way pays.
     """
 
     name = "arithmetic"
     # `medium` is calibrated so that SFT of the built-in tiny model for 5 CPU minutes lands
     # in 40-75% held-out accuracy, leaving room for RL (benchmarks/README.md). It has
-    # 9,300 distinct prompts: `make_task`'s defaults (8,000 train + 500 test) fit.
+    # 9,000 distinct prompts: `make_task`'s defaults (8,000 train + 500 test) fit. Its
+    # prompts all have 3 operands: 1-digit sums of 2 have only 300 distinct prompts, which
+    # the test split (drawn first) would mostly take, leaving train almost none of them
+    # (a test set unlike the training set).
     presets = {
-        "easy": {"digits": 1, "mul_digits": 1, "operators": "+-", "num_operands": (2, 3)},
-        "medium": {"digits": 1, "mul_digits": 1, "operators": "+-*", "num_operands": (2, 3)},
-        "hard": {"digits": 2, "mul_digits": 1, "operators": "+-*", "num_operands": (2, 3)},
-        "harder": {"digits": 3, "mul_digits": 2, "operators": "+-*", "num_operands": (3, 4)},
+        "easy": {"digits": 1, "mul_digits": 1, "operators": "+-", "num_operands": (2, 3), "worked": 1.0},
+        "medium": {"digits": 1, "mul_digits": 1, "operators": "+-*", "num_operands": 3, "worked": 0.5},
+        "hard": {"digits": 2, "mul_digits": 1, "operators": "+-*", "num_operands": 3, "worked": 1.0},
+        "harder": {"digits": 3, "mul_digits": 2, "operators": "+-*", "num_operands": (3, 4), "worked": 1.0},
     }
     grow_hint = "raise `digits`, `mul_digits` or `num_operands`, add `operators`, or pick a harder `difficulty`"
 
@@ -63,6 +71,7 @@ class ArithmeticTask(Task):
         mul_digits: int | None = None,
         operators: str | None = None,
         num_operands: int | tuple[int, int] | None = None,
+        worked: float | None = None,
     ) -> None:
         options = resolve_options(
             self.presets,
@@ -71,6 +80,7 @@ class ArithmeticTask(Task):
             mul_digits=mul_digits,
             operators=operators,
             num_operands=num_operands,
+            worked=worked,
         )
         super().__init__(options)
         for key in ("digits", "mul_digits"):
@@ -83,9 +93,12 @@ class ArithmeticTask(Task):
             raise ValueError(f"operators must be a non-empty subset of '+-*', got {ops!r}")
         self.operators = self.options["operators"] = "".join(sorted(set(ops), key="+-*".index))
         self.num_operands = int_range(options["num_operands"], "num_operands", 2, 4)
+        self.worked = options["worked"]
+        if isinstance(self.worked, bool) or not (isinstance(self.worked, (int, float)) and 0 <= self.worked <= 1):
+            raise ValueError(f"worked must be a number in [0, 1], got {self.worked!r}")
 
     def generate(self, n: int, rng: random.Random) -> list[dict[str, Any]]:
-        return [self._row(*self._sample(rng)) for _ in range(n)]
+        return [self._row(*self._sample(rng), rng) for _ in range(n)]
 
     def _sample(self, rng: random.Random) -> tuple[list[int], list[str]]:
         k = rng.randint(*self.num_operands)
@@ -96,10 +109,12 @@ class ArithmeticTask(Task):
             nums.append(rng.randrange(10 ** (self.mul_digits if is_factor else self.digits)))
         return nums, ops
 
-    def _row(self, nums: list[int], ops: list[str]) -> dict[str, Any]:
+    def _row(self, nums: list[int], ops: list[str], rng: random.Random) -> dict[str, Any]:
         prompt = str(nums[0]) + "".join(f"{op}{x}" for op, x in zip(ops, nums[1:])) + "="
         value, steps = solve(nums, ops)
-        shown = steps if len(nums) >= 3 else []
+        # A draw only when the demonstrations are mixed, so worked=1 keeps the same problems.
+        show = len(nums) >= 3 and (self.worked >= 1 or (self.worked > 0 and rng.random() < self.worked))
+        shown = steps if show else []
         return {
             "prompt": prompt,
             "answer": str(value),
