@@ -161,6 +161,25 @@ def test_micro_batching_does_not_change_the_run(tmp_path, variant):
     assert_same_weights(weights(a.model), weights(b.model))
 
 
+def test_skipping_zero_advantage_rows_and_grouping_by_length_do_not_change_the_run(tmp_path, monkeypatch):
+    """The actor's two shortcuts (no forward for rows of all-equal groups; micro-batches of
+    rows of similar length) against the plain update: every row, micro-batches in order."""
+    from posttrain.workers import Actor, forward
+
+    overrides = {"trainer.max_steps": 3, "trainer.learning_rate": 1e-3, "actor.micro_batch_size": 4,
+                 "rollout.max_new_tokens": 5, "actor.ppo_mini_batch_size": 4}
+    fast = trainer_for(config(tmp_path / "fast", **overrides))
+    fast.train()
+    monkeypatch.setattr(Actor, "update_parts", lambda self, mini: forward.micro_batches(
+        mini, self.s.micro_batch_size, self.s.max_tokens_per_micro_batch, self.device))
+    plain = trainer_for(config(tmp_path / "plain", **overrides))
+    plain.train()
+    assert_same_weights(weights(fast.model), weights(plain.model))
+    a, b = metric_lines(tmp_path / "fast"), metric_lines(tmp_path / "plain")
+    assert [m["reward/mean"] for m in a] == [m["reward/mean"] for m in b]
+    assert [m["policy_loss"] for m in a] == pytest.approx([m["policy_loss"] for m in b], abs=1e-6)
+
+
 @pytest.mark.parametrize("estimator,extra", [
     ("grpo", {"algorithm.kl.in_loss": "true", "algorithm.kl.adaptive": "true", "algorithm.kl.target": 0.01}),
     ("gae", {"critic.warmup_steps": 1, "algorithm.kl.in_reward": "true"}),

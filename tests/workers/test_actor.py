@@ -1,6 +1,7 @@
 """Actor and reference: first-step ratio and gradient, micro-batch invariance, padding, KL."""
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -10,12 +11,16 @@ from posttrain.config import LoraConfig
 from posttrain.config.rl import PolicyLossConfig
 from posttrain.config.sections import TrainerConfig
 from posttrain.models.lora import apply_lora
-from posttrain.workers import Actor, ActorSettings, Reference
+from posttrain.trainers.core import train_step
+from posttrain.workers import Actor, ActorSettings, Reference, forward
+from posttrain.workers import actor as actor_module
 from posttrain.workers.forward import response_logits
 
 from .conftest import rollout
 
 AGGS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+RATIO_METRICS = ["policy_loss", "clip_frac", "clip_frac/low", "clip_frac/high", "clip_frac/dual", "approx_kl",
+                 "ratio/mean"]
 
 
 def make_actor(model, micro=4, max_tokens=0, agg="token-mean", level="token", kl_in_loss=False, lr=1e-3, **loss):
@@ -76,6 +81,28 @@ def test_micro_batch_size_does_not_change_the_update(model, tok, agg):
             torch.testing.assert_close(other[k], weights[0][k], atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("agg", AGGS)
+def test_length_grouped_micro_batches_do_not_change_the_update(model, tok, agg, monkeypatch):
+    batch = training_batch(model, tok)
+    plain = forward.micro_batches
+    updates = []
+    for by_length in (True, False):
+        if not by_length:  # micro-batches cut in the shuffled order
+            monkeypatch.setattr(actor_module, "micro_batches",
+                                lambda *a, by_length: plain(*a, by_length=False))
+        m = copy.deepcopy(model)
+        actor = make_actor(m, micro=3, agg=agg, kl_in_loss=True)
+        actor.optimizer = torch.optim.SGD(m.parameters(), lr=1.0)  # the update is the gradient itself
+        actor.scheduler = torch.optim.lr_scheduler.LambdaLR(actor.optimizer, lambda step: 1.0)
+        widths = [mb.input_ids.numel() for mb in actor.micro_batches(batch)]
+        actor.update(batch, mini_batch_rows=12, epochs=1, kl_coef=0.1, seed=0)
+        updates.append((sum(widths), {k: v.clone() for k, v in m.state_dict().items()}))
+    (sorted_tokens, grouped), (plain_tokens, plain_update) = updates
+    assert sorted_tokens < plain_tokens  # less padding to run
+    for k in grouped:
+        torch.testing.assert_close(grouped[k], plain_update[k], atol=1e-6, rtol=1e-5)
+
+
 def test_padding_content_changes_nothing(model, tok):
     batch = training_batch(model, tok)
     pad = batch.response_mask == 0
@@ -123,3 +150,45 @@ def test_lora_reference_is_the_base_model_with_adapters_off(model, tok):
                 p.normal_(0, 0.5)  # as if trained
     assert not torch.allclose(make_actor(lora).compute_logprobs(batch), base_logp)
     torch.testing.assert_close(ref.compute_logprobs(batch), base_logp, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("agg", AGGS)
+@pytest.mark.parametrize("on_policy", [True, False])
+def test_rows_with_zero_advantage_skip_the_forward_but_not_the_update(model, tok, agg, on_policy, monkeypatch):
+    batch = training_batch(model, tok)  # 3 prompts × 4 rows
+    adv = batch.advantages.clone()
+    adv[4:8] = 0.0  # one group whose rewards were all equal
+    assert adv[:4].abs().sum() > 0 and adv[8:].abs().sum() > 0
+    batch = batch.replace(advantages=adv, old_logp=None if on_policy else batch.old_logp)
+    idle = batch.replace(advantages=torch.zeros_like(adv))  # every group equal
+    forwarded = []
+    counted = actor_module.response_logits
+    monkeypatch.setattr(actor_module, "response_logits", lambda m, mb: forwarded.append(len(mb)) or counted(m, mb))
+    results = []
+    for skip in (True, False):
+        m = copy.deepcopy(model)
+        actor = make_actor(m, micro=5, agg=agg)
+        # SGD with momentum: the update is the gradient (no Adam amplification of rounding
+        # in near-zero gradients), and the idle step still moves every weight through the
+        # momentum, but only if every parameter has a (zero) gradient: a None one is skipped.
+        actor.optimizer = torch.optim.SGD(m.parameters(), lr=1.0, momentum=0.9)
+        actor.scheduler = torch.optim.lr_scheduler.LambdaLR(actor.optimizer, lambda step: 1.0)
+        losses = []
+        for b, rows_run in ((batch, 8), (idle, 0 if on_policy else 12)):
+            forwarded.clear()
+            if skip:
+                metrics = actor.update(b, mini_batch_rows=12, epochs=1, kl_coef=0.0, seed=0)
+                assert sum(forwarded) == rows_run
+            else:  # the reference: one step over every row
+                metrics = train_step(m, actor.micro_batches(b), functools.partial(actor.loss, kl_coef=0.0),
+                                     actor.optimizer, actor.scheduler, 0.0).metrics
+            losses.append({k: metrics[k] for k in RATIO_METRICS if k in metrics})
+        results.append(({k: v.clone() for k, v in m.state_dict().items()}, losses))
+    (skipped, skipped_metrics), (full, full_metrics) = results
+    assert max(float((full[k] - v).abs().max()) for k, v in model.state_dict().items()) > 1e-4
+    for k in full:
+        torch.testing.assert_close(skipped[k], full[k], atol=1e-6, rtol=1e-5)
+    assert skipped_metrics[0]["policy_loss"] == pytest.approx(full_metrics[0]["policy_loss"], abs=1e-6)
+    if on_policy:  # the ratio metrics are those of every row
+        for a, b in zip(skipped_metrics, full_metrics):
+            assert a.keys() == b.keys() and a == pytest.approx(b, abs=1e-6)

@@ -93,6 +93,15 @@ def test_chunk_by_tokens_keeps_order_and_budget():
     assert [len(p) for p in parts] == [2, 2, 1]  # the 11-token row goes alone
 
 
+def test_by_length_sorts_rows_stably_and_cuts_padding():
+    b = make_batch([2, 2, 2, 2], [5, 1, 5, 1])  # costs 7, 3, 7, 3
+    s = b.by_length()
+    assert s.token_counts().tolist() == [3, 3, 7, 7]
+    assert rows_of(s) == [rows_of(b)[i] for i in (1, 3, 0, 2)]  # ties keep their order
+    padded = [p.trimmed().input_ids.numel() for p in b.split(2)]
+    assert sum(p.trimmed().input_ids.numel() for p in s.split(2)) < sum(padded)
+
+
 def test_trimmed_drops_only_shared_padding_and_to_moves():
     b = make_batch([2, 3], [1, 2]).select([0])  # widths stay 3 and 2
     t = b.trimmed()

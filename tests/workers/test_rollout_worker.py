@@ -3,7 +3,8 @@
 import torch
 
 from posttrain.algos import token_logprobs
-from posttrain.rollout import SamplingParams, make_engine
+from posttrain.models import BuiltinLM
+from posttrain.rollout import SamplingParams, make_engine, native
 from posttrain.workers import Rollout
 from posttrain.workers.forward import response_logits
 
@@ -38,3 +39,20 @@ def test_chat_prompts_get_message_completions(model, tok):
 
 def test_same_seed_same_samples(model, tok):
     assert torch.equal(rollout(model, tok, seed=5).response_ids, rollout(model, tok, seed=5).response_ids)
+
+
+def test_fused_decode_step_equals_the_decoder_layers(model, tok, monkeypatch):
+    """The native engine's decode step on `DecodeWeights` (fused, (in, out) matrices; RoPE on q and k at once)
+    samples what the model's own layers sample, with and without grouped KV heads."""
+    torch.manual_seed(1)
+    gqa = BuiltinLM.from_preset("tiny", vocab_size=len(tok), num_hidden_layers=2, hidden_size=64,
+                                intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    params = SamplingParams(n=3, max_new_tokens=8, temperature=1.0, seed=3)
+    for m in (model, gqa):
+        fused = make_engine("native", m, tok).generate(["a b", "c", "d e f g"], params)
+        assert native.DecodeWeights.of(native.as_builtin(m)) is not None
+        with monkeypatch.context() as patch:
+            patch.setattr(native.DecodeWeights, "of", classmethod(lambda cls, model: None))  # the layers as modules
+            layers = make_engine("native", m, tok).generate(["a b", "c", "d e f g"], params)
+        assert torch.equal(fused.response_ids, layers.response_ids)
+        torch.testing.assert_close(fused.logprobs, layers.logprobs, atol=1e-6, rtol=1e-6)

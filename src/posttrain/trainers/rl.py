@@ -44,6 +44,11 @@ Departures from the papers, TRL and veRL, and why:
   no KL in the reward, there is no recompute at all: the loss uses its own log-probs,
   detached, which are exactly the behaviour policy's (TRL does the same when
   num_iterations = 1); the ratio is 1 and timing/old_logprob is 0.
+- Rows whose advantage is 0 on every token (a GRPO group whose rewards are all equal) get
+  no forward/backward when the loss is the clipped surrogate alone (no entropy bonus, no
+  KL in the loss, no shared value head): their loss and gradient are exactly 0, and they
+  still count in the aggregation's denominator, so the update is unchanged
+  (`workers/actor.py`). `entropy` and the ratio metrics are then means over the rows that ran.
 - A separate critic starts from the policy's weights with a zero value head (all values
   0 at first); TRL/veRL start from a reward model or a random head. critic.model_path
   overrides. With LoRA the reference is the base model with adapters disabled.

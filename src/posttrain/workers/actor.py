@@ -7,7 +7,9 @@ Notation: B rows, Tr response tokens, V vocab. One `update(batch)`:
         for each mini-batch: ONE optimizer step (`trainers.core.train_step`) whose gradient
             accumulates over micro-batches; micro-batch k contributes w_k · L_k with
             w_k = aggregation_weight(mask_k) and train_step divides by Σ w_k, so the step
-            equals one pass over the whole mini-batch whatever the micro-batch size.
+            equals one pass over the whole mini-batch whatever the micro-batch size and
+            whichever rows go together: micro-batches are cut from the mini-batch's rows
+            sorted by length, so each is trimmed of more padding.
     scheduler.step()  (the learning-rate schedule counts RL steps, as veRL's)
 
 Loss of a micro-batch (each term reduced with the same `loss_agg_mode`, which is what
@@ -16,6 +18,20 @@ makes the weighted combination exact):
 (old_logp = sg[logp] when the batch has none: a single on-policy step), with the KL
 term only when `algorithm.kl.in_loss`. The policy runs in whatever mode it
 is in (train); RL models should have no dropout, or the first ratio is not exactly 1.
+
+Rows that cannot move the policy get no forward pass. When the loss is the clipped
+surrogate alone (entropy_coeff 0, no KL in the loss, no shared value head), a row whose
+advantage is 0 on every valid token has ℓ_t = max(−0·r, −0·clip(r)) = 0 and a gradient of
+exactly 0, whatever its ratio: a GRPO group whose rewards are all equal is such a group
+(often most of a batch). Those rows go into one `ZeroAdvantageRows` part of the step that
+contributes its aggregation weight w (the denominator) and a loss of 0, so the optimizer
+step is the one of the whole mini-batch. When no other row is left, 0 · Σθ gives every
+parameter its exact gradient, 0, and AdamW steps on its moments as it would. Only metrics
+differ: `entropy` is a mean over the rows that ran (a step that ran none logs the value of
+a stage that did not run, `rl_steps.NOT_RUN`), and so are the ratio metrics (clip_frac*,
+approx_kl, ratio/mean) off-policy; on-policy the skipped rows' ratio is 1, which they
+report. An off-policy mini-batch with no row to run runs them all, since only a forward
+gives its ratio metrics.
 """
 
 from __future__ import annotations
@@ -54,6 +70,17 @@ from posttrain.workers.forward import (
     per_token_pass,
     response_logits,
 )
+
+
+@dataclass
+class ZeroAdvantageRows:
+    """Rows of a mini-batch whose advantage is 0 on every valid token: part of the optimizer
+    step through their aggregation weight only (module docstring); no forward pass."""
+
+    batch: RLBatch
+    only_part: bool
+    """Nothing else runs in the step: the loss then gives every parameter a zero gradient."""
+
 
 JointForward = Callable[[nn.Module, RLBatch], tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]
 """`joint(policy, micro_batch) -> (logits (b, tr, V), loss term, metrics)`: replaces the
@@ -117,7 +144,25 @@ class Actor:
         return float(self.optimizer.param_groups[0]["lr"])
 
     def micro_batches(self, batch: RLBatch) -> list[RLBatch]:
-        return micro_batches(batch, self.s.micro_batch_size, self.s.max_tokens_per_micro_batch, self.device)
+        """The update's micro-batches: rows of similar length together (less padding)."""
+        return micro_batches(batch, self.s.micro_batch_size, self.s.max_tokens_per_micro_batch, self.device,
+                             by_length=True)
+
+    @property
+    def loss_is_surrogate_only(self) -> bool:
+        """No entropy, KL or value term: a row with zero advantages has zero loss and gradient."""
+        return self.s.entropy_coeff == 0 and not self.s.kl_in_loss and self.joint is None
+
+    def update_parts(self, mini: RLBatch) -> list[RLBatch | ZeroAdvantageRows]:
+        """The parts of one optimizer step over `mini`: micro-batches of the rows that move
+        the policy, then the others as one `ZeroAdvantageRows` (when the loss allows it)."""
+        if not self.loss_is_surrogate_only:
+            return self.micro_batches(mini)
+        moves = ((mini.advantages != 0) & mini.response_mask.bool()).any(-1)  # (B,)
+        if bool(moves.all()) or (not bool(moves.any()) and mini.old_logp is not None):
+            return self.micro_batches(mini)
+        parts = self.micro_batches(mini.select(moves)) if bool(moves.any()) else []
+        return [*parts, ZeroAdvantageRows(mini.select(~moves), only_part=not parts)]
 
     def compute_logprobs(self, batch: RLBatch) -> torch.Tensor:
         """(B, Tr) log softmax(logits / T)[y_t] of the current policy, 0 on padding (CPU)."""
@@ -130,10 +175,12 @@ class Actor:
         return out
 
     def loss(
-        self, model: nn.Module, mb: RLBatch, kl_coef: float
+        self, model: nn.Module, mb: RLBatch | ZeroAdvantageRows, kl_coef: float
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         """The `train_step` contract: (w · L, w, metrics) with w = aggregation_weight(mask)."""
         s, agg = self.s, self.s.loss.loss_agg_mode
+        if isinstance(mb, ZeroAdvantageRows):
+            return self.zero_advantage_loss(model, mb)
         mask = mb.response_mask
         extra, extra_metrics = None, {}
         if self.joint is None:
@@ -164,6 +211,23 @@ class Actor:
         weight = aggregation_weight(mask, agg)
         return loss * weight, weight, metrics
 
+    def zero_advantage_loss(
+        self, model: nn.Module, part: ZeroAdvantageRows
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """`loss` of rows with zero advantages, without the model: (0, w, metrics). On-policy
+        the metrics are `policy_loss`'s own at ratio 1 (logp = old_logp, here both 0)."""
+        s, mask = self.s, part.batch.response_mask.to(self.device)
+        metrics: dict[str, Any] = {}
+        if part.batch.old_logp is None:
+            z = torch.zeros(mask.shape, device=self.device)
+            _, metrics = policy_loss(z, z, z, mask, s.loss.clip_low, s.loss.clip_high, s.loss.dual_clip,
+                                     s.loss.level, s.loss.loss_agg_mode, s.max_len)
+        zero = torch.zeros((), device=self.device)
+        if part.only_part:  # d(0 · Σθ)/dθ = 0 for every θ: AdamW steps as on the whole mini-batch
+            zero = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
+        metrics["policy_loss"] = zero.detach()
+        return zero, aggregation_weight(mask, s.loss.loss_agg_mode), metrics
+
     def update(self, batch: RLBatch, mini_batch_rows: int, epochs: int, kl_coef: float, seed: int) -> dict[str, float]:
         """`epochs` passes of shuffled mini-batches, one optimizer step each; then one
         scheduler step. Returns the metrics averaged over the optimizer steps."""
@@ -173,7 +237,7 @@ class Actor:
             order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(seed + epoch))
             for mini in batch.select(order).split(mini_batch_rows):
                 result = train_step(
-                    self.model, self.micro_batches(mini), partial(self.loss, kl_coef=kl_coef),
+                    self.model, self.update_parts(mini), partial(self.loss, kl_coef=kl_coef),
                     self.optimizer, None, self.s.max_grad_norm, self.s.precision,
                 )
                 self.guard.update(result, self.steps)

@@ -180,6 +180,12 @@ class BatchOps:
             bounds.append((start, len(self)))
         return [self.select(range(a, b)) for a, b in bounds]
 
+    def by_length(self: B) -> B:
+        """The rows in increasing `token_counts()` order (stable), so that consecutive rows
+        have similar lengths and a micro-batch cut from them pads little: the update's
+        micro-batches combine exactly in any order (`algos.aggregation_weight`)."""
+        return self.select(torch.argsort(self.token_counts(), stable=True))
+
     def repeat(self: B, n: int) -> B:
         """Each row n times in a row: [r0, r0, …, r1, r1, …] (a GRPO group per prompt)."""
         return self.select(torch.arange(len(self)).repeat_interleave(n))

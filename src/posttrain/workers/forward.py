@@ -32,14 +32,16 @@ def builtin_of(model: nn.Module) -> BuiltinLM | None:
 def response_logits(model: nn.Module, batch: RLBatch) -> torch.Tensor:
     """Logits (B, Tr, V) whose row t scores response token t.
 
-    Only the Tr + 1 last positions go through the output head (`logits_to_keep` for
-    transformers models), never the prompt's.
+    Only response positions go through the output head (`logits_to_keep` for
+    transformers models), never the prompt's. A BuiltinLM reads `cat(prompt, response)`
+    without its last column: no logit predicts past the response, and causal attention
+    makes the other columns independent of it.
     """
     ids, mask = batch.input_ids, batch.attention_mask
     tp, tr = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
     builtin = builtin_of(model)
     if builtin is not None:
-        hidden = builtin.hidden_states(ids, mask, position_ids(mask))[:, tp - 1 : tp - 1 + tr]
+        hidden = builtin.hidden_states(ids[:, :-1], mask[:, :-1], position_ids(mask)[:, :-1])[:, tp - 1 :]
         return builtin.lm_head(hidden)
     out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
                 use_cache=False, logits_to_keep=tr + 1)
@@ -47,10 +49,17 @@ def response_logits(model: nn.Module, batch: RLBatch) -> torch.Tensor:
 
 
 def micro_batches(
-    batch: RLBatch, rows: int, max_tokens: int = 0, device: torch.device | str | None = None
+    batch: RLBatch,
+    rows: int,
+    max_tokens: int = 0,
+    device: torch.device | str | None = None,
+    by_length: bool = False,
 ) -> list[RLBatch]:
     """Micro-batches of `rows` rows, or of at most `max_tokens` padded tokens when > 0,
-    each trimmed of the padding its rows share and moved to `device`."""
+    each trimmed of the padding its rows share and moved to `device`. by_length: cut
+    them from the rows sorted by length (`RLBatch.by_length`), so they pad less; their
+    order is then not the batch's."""
+    batch = batch.by_length() if by_length else batch
     parts = batch.chunk_by_tokens(max_tokens) if max_tokens else batch.split(rows)
     return [p.trimmed() if device is None else p.trimmed().to(device) for p in parts]
 
