@@ -79,11 +79,11 @@ RL_OVERRIDES = [
     "algorithm.kl.in_loss=true",
     "algorithm.kl.kind=k3",
     "algorithm.kl.coef=0.04",
-    "trainer.learning_rate=1.0e-4",
+    "trainer.learning_rate=5.0e-5",  # half the recipe's: steadier from this SFT model (benchmarks/README.md, "Demo")
     "trainer.lr_scheduler=constant",
     "eval.task=arithmetic",
 ]
-RL_STEPS = 160
+RL_STEPS = 560
 QUICK_RL_STEPS = 3
 # --quick: 4 prompts x 4 samples of at most 32 tokens per step.
 QUICK_RL_OVERRIDES = [
