@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.config import GRPOConfig, ModelConfig, SFTConfig, build_config
+from posttrain.logging import Progress
 
 TASK = "arithmetic"
 SEED = 0
@@ -139,7 +140,9 @@ def run_demo(out: str | Path = "runs/demo", quick: bool = False, device: str | N
 
     stage(1, f"data: {size.n_train} training and {size.n_test} held-out arithmetic problems", out / "data")
     with timed(seconds, "data"):
-        make_data(out / "data", size)
+        with Progress(1, "data") as bar:  # seconds; a bar so every stage reports the same way
+            make_data(out / "data", size)
+            bar.update(1)
 
     stage(2, f"SFT: the built-in tiny model from scratch, {size.sft_steps} steps", out / "sft")
     with timed(seconds, "sft"):
@@ -163,7 +166,9 @@ def run_demo(out: str | Path = "runs/demo", quick: bool = False, device: str | N
 
     stage(7, "report: the SFT and RL runs on one page", out / "report.html")
     with timed(seconds, "report"):
-        report = write_demo_report([out / "sft", out / "rl"], out)
+        with Progress(1, "report") as bar:
+            report = write_demo_report([out / "sft", out / "rl"], out)
+            bar.update(1)
 
     summary = make_summary(before, after, seconds, time.perf_counter() - started, size, quick, device, {
         "data": out / "data", "sft_run": out / "sft", "rl_run": out / "rl", "model": rl_model,
