@@ -80,7 +80,7 @@ RL_OVERRIDES = [
     "algorithm.kl.in_loss=true",
     "algorithm.kl.kind=k3",
     "algorithm.kl.coef=0.04",
-    "trainer.learning_rate=5.0e-5",  # half the recipe's: steadier from this SFT model (benchmarks/README.md, "Demo")
+    "trainer.learning_rate=5.0e-5",
     "trainer.lr_scheduler=constant",
     "eval.task=arithmetic",
 ]
