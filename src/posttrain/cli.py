@@ -139,14 +139,14 @@ def _add_data_commands(sub: Any) -> None:
 
 
 def _add_make_preferences(data_sub: Any) -> None:
-    from posttrain.data.make_preferences import CORRUPTERS
+    from posttrain.data.make_preferences import PAIR_MAKERS
 
     p = data_sub.add_parser(
         "make-preferences",
         help="write prompt/chosen/rejected JSONL (a right and a wrong completion) for a bundled task",
         description="Write OUT/train.jsonl and OUT/test.jsonl of preference pairs for `posttrain rm` and "
         "`posttrain dpo`: chosen is a right completion, rejected a wrong one. Without --model the pairs are "
-        f"constructed ({', '.join(CORRUPTERS)}: the worked solution and a copy with one realistic mistake); "
+        f"constructed ({', '.join(PAIR_MAKERS)}: the worked solution and a copy with one realistic mistake); "
         "with --model, K completions per prompt are sampled at temperature 1 and scored by the task. "
         "Deterministic for a given seed.",
         epilog="examples: posttrain data make-preferences --task arithmetic --out data/arith_pref difficulty=easy"

@@ -144,6 +144,19 @@ def test_constructed_pairs_are_right_and_wrong_and_deterministic(tmp_path):
     assert load_pairs(info["train"])[1] == "preference"
 
 
+def test_constructed_pairs_show_steps_on_both_sides_whatever_worked_is(tmp_path):
+    # `medium` shows the steps in half of its demonstrations (worked=0.5) and worked=0.0 in none:
+    # a pair whose chosen skipped them would differ from its rejected in form, not only in the
+    # arithmetic, and a reward model could rank by length alone.
+    for worked in (0.0, 0.5):
+        info = make_preferences("arithmetic", tmp_path / str(worked), n_train=200, n_test=0, seed=0, worked=worked)
+        for row in load_rows(info["train"]):
+            chosen, rejected = row["chosen"].splitlines(), row["rejected"].splitlines()
+            assert len(chosen) == len(rejected) == 3, row  # two steps and the answer line (3 operands)
+            if row["error"] == "answer_typo":
+                assert chosen[:2] == rejected[:2]
+
+
 class _FakeEngine:
     """Answers `2+3=` right on even samples, wrong on odd ones; `9-9=` always wrong."""
 

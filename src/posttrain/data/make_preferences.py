@@ -101,46 +101,54 @@ def solve_with_mistake(nums: list[int], ops: list[str], at: int | None = None,
     return acc, steps
 
 
-def corrupt_arithmetic(row: Mapping[str, Any], rng: random.Random) -> tuple[str, str]:
-    """A wrong worked solution of an arithmetic row, and the name of its mistake.
+def arithmetic_pair(row: Mapping[str, Any], rng: random.Random) -> tuple[str, str, str]:
+    """(chosen, rejected, mistake) for an arithmetic row: its worked solution, and the same
+    solution with one mistake.
 
-    Draws a mistake (one of `ERRORS` at a random step, or `answer_typo`: right steps, a final
-    answer off by one) until the final answer differs from the right one.
+    Both show their steps (three or more operands; two-operand problems show the answer line
+    only, as `ArithmeticTask`), whatever share of the task's demonstrations skip them
+    (`worked` < 1): a rejected solution that shows steps against a chosen one that does not
+    would let a reward model prefer the shorter text without checking any arithmetic. Draws a
+    mistake (one of `ERRORS` at a random step, or `answer_typo`: right steps, a final answer
+    off by one) until the final answer differs from the right one.
     """
     tokens = _TOKEN.findall(row["prompt"])
     nums, ops = [int(t) for t in tokens[::2]], tokens[1::2]
-    right = int(row["answer"])
-    show_steps = len(nums) >= 3  # as ArithmeticTask: two operands show the answer line only
+    right, right_steps = solve_with_mistake(nums, ops)
+    if right != int(row["answer"]):
+        raise ValueError(f"arithmetic row {row['prompt']!r}: answer {row['answer']!r}, but the steps give {right}")
+    show_steps = len(nums) >= 3
     kinds = [*ERRORS, "answer_typo"] if show_steps else list(ERRORS)
     while True:
         kind = rng.choice(kinds)
         if kind == "answer_typo":
-            value, steps = solve_with_mistake(nums, ops)
+            value, steps = right, right_steps
             value = _off_by_one(0, "+", 0, value, rng)
         else:
             at = rng.randrange(len(ops))
             value, steps = solve_with_mistake(nums, ops, at, partial(ERRORS[kind], rng=rng))
         if value != right:
-            return format_completion(steps if show_steps else [], value), kind
+            chosen = format_completion(right_steps if show_steps else [], right)
+            return chosen, format_completion(steps if show_steps else [], value), kind
 
 
-CORRUPTERS: dict[str, Callable[[Mapping[str, Any], random.Random], tuple[str, str]]] = {
-    "arithmetic": corrupt_arithmetic,
+PAIR_MAKERS: dict[str, Callable[[Mapping[str, Any], random.Random], tuple[str, str, str]]] = {
+    "arithmetic": arithmetic_pair,
 }
-"""Tasks whose rejected completions can be constructed without a model."""
+"""Tasks whose pairs can be constructed without a model: row, rng -> (chosen, rejected, mistake)."""
 
 
 def _constructed(task: Task, rows: list[dict], rng: random.Random) -> list[dict]:
-    if task.name not in CORRUPTERS:
+    if task.name not in PAIR_MAKERS:
         raise ValueError(
-            f"constructed pairs exist for {', '.join(CORRUPTERS)}; for {task.name!r} pass a model to sample from"
+            f"constructed pairs exist for {', '.join(PAIR_MAKERS)}; for {task.name!r} pass a model to sample from"
         )
     pairs = []
     for row in rows:
-        rejected, kind = CORRUPTERS[task.name](row, rng)
-        if task.score(row["completion"], row["answer"]) != 1.0 or task.score(rejected, row["answer"]) != 0.0:
-            raise RuntimeError(f"constructed pair for {row['prompt']!r} is not right/wrong: {rejected!r}")
-        pairs.append(_pair(row, task, row["completion"], rejected, "constructed", error=kind))
+        chosen, rejected, kind = PAIR_MAKERS[task.name](row, rng)
+        if task.score(chosen, row["answer"]) != 1.0 or task.score(rejected, row["answer"]) != 0.0:
+            raise RuntimeError(f"constructed pair for {row['prompt']!r} is not right/wrong: {chosen!r} / {rejected!r}")
+        pairs.append(_pair(row, task, chosen, rejected, "constructed", error=kind))
     return pairs
 
 
