@@ -18,7 +18,7 @@ and dpo, which always train):
           fit its pairs without generalising?)
 
     python benchmarks/preference.py --out runs/bench_pref [--task-options key=value ...] \\
-        [--stages data,sft,sample,rm,dpo] [--sampled-pairs 2000] [--dpo-pairs sampled] \\
+        [--stages data,sft,sample,rm,dpo] [--pairs-per-prompt 1] [--sampled-pairs 2000] [--dpo-pairs sampled] \\
         [--rm key=value ...] [--dpo key=value ...] [--sft-overrides key=value ...]
 
 Writes OUT/preference.json: settings, accuracies and wall seconds per stage.
@@ -46,7 +46,8 @@ def stage_data(out: Path, a: argparse.Namespace) -> dict[str, Any]:
     if not (out / "data" / "sft" / "train.jsonl").exists():
         make_task("arithmetic", out / "data" / "sft", n_train=a.n_sft, n_test=N_TEST, seed=0, **a.task_options)
     if not (out / "data" / "pref" / "train.jsonl").exists():
-        make_preferences("arithmetic", out / "data" / "pref", n_train=a.n_pairs, n_test=N_TEST, seed=0, **a.task_options)
+        make_preferences("arithmetic", out / "data" / "pref", n_train=a.n_pairs, n_test=N_TEST, seed=0,
+                         pairs_per_prompt=a.pairs_per_prompt, **a.task_options)
     return {}
 
 
@@ -164,6 +165,8 @@ def main() -> None:
     p.add_argument("--sft", default=None, help="an existing SFT checkpoint (the sft stage is then skipped)")
     p.add_argument("--n-sft", type=int, default=8000, help="SFT rows")
     p.add_argument("--n-pairs", type=int, default=8000, help="constructed training pairs")
+    p.add_argument("--pairs-per-prompt", type=int, default=1,
+                   help="constructed training pairs per prompt, each with a different mistake")
     p.add_argument("--sampled-pairs", type=int, default=2000, help="sampled training pairs (sample stage)")
     p.add_argument("--dpo-pairs", default="pref", choices=["pref", "sampled"],
                    help="DPO training pairs: constructed (pref) or sampled from the SFT model")

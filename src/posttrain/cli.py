@@ -161,6 +161,9 @@ def _add_make_preferences(data_sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--samples", type=int, default=8, metavar="K", help="samples per prompt with --model (default 8)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per sample with --model (default 64)")
+    p.add_argument("--pairs-per-prompt", type=int, default=1, metavar="K",
+                   help="constructed training pairs per prompt, each with a different mistake (default 1); "
+                   "more distinct pairs than the task has prompts. Test pairs stay one per prompt")
     p.add_argument("options", nargs="*", metavar="key=value", help="task options, e.g. difficulty=easy")
     p.set_defaults(handler=_handle_make_preferences)
 
@@ -172,7 +175,7 @@ def _handle_make_preferences(args: argparse.Namespace) -> int:
     options = dict(parse_override(o) for o in args.options)
     info = make_preferences(
         args.task, args.out, n_train=args.n_train, n_test=args.n_test, seed=args.seed, model=args.model,
-        samples=args.samples, max_new_tokens=args.max_new_tokens, **options,
+        samples=args.samples, max_new_tokens=args.max_new_tokens, pairs_per_prompt=args.pairs_per_prompt, **options,
     )
     print(f"wrote {info['n_train']} train and {info['n_test']} test pairs of {args.task} to {args.out}")
     if "counts" in info:

@@ -144,6 +144,24 @@ def test_constructed_pairs_are_right_and_wrong_and_deterministic(tmp_path):
     assert load_pairs(info["train"])[1] == "preference"
 
 
+def test_pairs_per_prompt_gives_different_mistakes_and_keeps_the_test_split(tmp_path):
+    one = make_preferences("arithmetic", tmp_path / "one", n_train=300, n_test=50, seed=3)
+    four = make_preferences("arithmetic", tmp_path / "four", n_train=300, n_test=50, seed=3, pairs_per_prompt=4)
+    assert (tmp_path / "one" / "test.jsonl").read_bytes() == (tmp_path / "four" / "test.jsonl").read_bytes()
+    train = load_rows(four["train"])
+    assert four["n_train"] == len(train) == 300
+    by_prompt: dict[str, list[dict]] = {}
+    for row in train:
+        by_prompt.setdefault(row["prompt"], []).append(row)
+    assert len(by_prompt) == 75  # 300 pairs / 4 per prompt
+    for rows in by_prompt.values():
+        assert len({r["rejected"] for r in rows}) == len(rows) == 4
+        assert len({r["chosen"] for r in rows}) == 1
+    assert not set(by_prompt) & {r["prompt"] for r in load_rows(one["test"])}
+    with pytest.raises(ValueError, match="pairs_per_prompt"):
+        make_preferences("arithmetic", tmp_path / "x", n_train=4, n_test=0, pairs_per_prompt=0)
+
+
 def test_constructed_pairs_show_steps_on_both_sides_whatever_worked_is(tmp_path):
     # `medium` shows the steps in half of its demonstrations (worked=0.5) and worked=0.0 in none:
     # a pair whose chosen skipped them would differ from its rejected in form, not only in the
@@ -207,5 +225,8 @@ def test_cli_make_preferences(tmp_path, capsys):
     assert "wrote 20 train and 5 test pairs" in capsys.readouterr().out
     rows = load_rows(out / "train.jsonl")
     assert {"prompt", "chosen", "rejected", "answer", "task"} <= rows[0].keys()
+    assert main(["data", "make-preferences", "--task", "arithmetic", "--out", str(tmp_path / "k"), "--n-train", "20",
+                 "--n-test", "5", "--pairs-per-prompt", "2"]) == 0
+    assert len({r["prompt"] for r in load_rows(tmp_path / "k" / "train.jsonl")}) == 10
     assert main(["data", "make-preferences", "--task", "countdown", "--out", str(out)]) == 1
     assert "pass a model" in capsys.readouterr().err

@@ -138,17 +138,28 @@ PAIR_MAKERS: dict[str, Callable[[Mapping[str, Any], random.Random], tuple[str, s
 """Tasks whose pairs can be constructed without a model: row, rng -> (chosen, rejected, mistake)."""
 
 
-def _constructed(task: Task, rows: list[dict], rng: random.Random) -> list[dict]:
+def _constructed(task: Task, rows: list[dict], rng: random.Random, per_prompt: int = 1) -> list[dict]:
+    """`per_prompt` pairs of each row: its right completion against that many different
+    wrong ones (fewer when the task's mistakes run out: 20 draws per pair at most)."""
     if task.name not in PAIR_MAKERS:
         raise ValueError(
             f"constructed pairs exist for {', '.join(PAIR_MAKERS)}; for {task.name!r} pass a model to sample from"
         )
     pairs = []
     for row in rows:
-        chosen, rejected, kind = PAIR_MAKERS[task.name](row, rng)
-        if task.score(chosen, row["answer"]) != 1.0 or task.score(rejected, row["answer"]) != 0.0:
-            raise RuntimeError(f"constructed pair for {row['prompt']!r} is not right/wrong: {chosen!r} / {rejected!r}")
-        pairs.append(_pair(row, task, chosen, rejected, "constructed", error=kind))
+        seen: set[str] = set()
+        for _ in range(20 * per_prompt):
+            chosen, rejected, kind = PAIR_MAKERS[task.name](row, rng)
+            if rejected in seen:
+                continue
+            if task.score(chosen, row["answer"]) != 1.0 or task.score(rejected, row["answer"]) != 0.0:
+                raise RuntimeError(
+                    f"constructed pair for {row['prompt']!r} is not right/wrong: {chosen!r} / {rejected!r}"
+                )
+            seen.add(rejected)
+            pairs.append(_pair(row, task, chosen, rejected, "constructed", error=kind))
+            if len(seen) == per_prompt:
+                break
     return pairs
 
 
@@ -225,22 +236,33 @@ def make_preferences(
     max_new_tokens: int = 64,
     batch_size: int = 64,
     max_prompts_factor: int = 20,
+    pairs_per_prompt: int = 1,
     **options: Any,
 ) -> dict[str, Any]:
     """Write preference pairs for `task` into `out_dir` (see the module doc).
 
-    `options` are the task's (e.g. difficulty="easy"). Returns {"train", "test", "meta": Path,
-    "n_train", "n_test": pairs written, and, when sampled, "counts"}.
+    `options` are the task's (e.g. difficulty="easy"). `pairs_per_prompt` > 1 (constructed
+    pairs only) gives each training prompt that many different wrong completions against its
+    right one, so n_train pairs come from n_train / pairs_per_prompt prompts: more distinct
+    pairs than a task has prompts. The test split keeps one pair per prompt, so held-out
+    figures do not depend on it. Returns {"train", "test", "meta": Path, "n_train",
+    "n_test": pairs written, and, when sampled, "counts"}.
     """
-    if n_train < 0 or n_test < 0 or samples < 2:
-        raise ValueError(f"need n_train, n_test >= 0 and samples >= 2; got {n_train}, {n_test}, {samples}")
+    if n_train < 0 or n_test < 0 or samples < 2 or pairs_per_prompt < 1:
+        raise ValueError(f"need n_train, n_test >= 0, samples >= 2 and pairs_per_prompt >= 1; "
+                         f"got {n_train}, {n_test}, {samples}, {pairs_per_prompt}")
+    if model is not None and pairs_per_prompt != 1:
+        raise ValueError("pairs_per_prompt > 1 is for constructed pairs; sampled pairs are one per prompt "
+                         "(drop the model, or pairs_per_prompt)")
     t = get_task(task, **options)
     rng, seen = random.Random(seed), set()
     sampler = _Sampler(model, samples, max_new_tokens, batch_size, seed) if model is not None else None
     splits = {}
     for split, n in (("test", n_test), ("train", n_train)):  # test first: it never depends on n_train
         if sampler is None:
-            splits[split] = _constructed(t, _draw_unique(t, n, rng, seen, n_train + n_test), rng)
+            k = pairs_per_prompt if split == "train" else 1
+            prompts = _draw_unique(t, -(-n // k), rng, seen, -(-n_train // pairs_per_prompt) + n_test)
+            splits[split] = _constructed(t, prompts, rng, k)[:n]
         elif split == "test":  # exactly the held-out prompts, whatever the yield
             splits[split] = sampler.pairs(t, _draw_unique(t, n, rng, seen, n_train + n_test))
         else:
@@ -253,6 +275,7 @@ def make_preferences(
     counts = {split: len(rows) for split, rows in splits.items()}
     meta = {"task": task, "options": t.options, "seed": seed, "source": "sampled" if model else "constructed",
             "model": model, "samples": samples if model else None, "counts": counts,
+            "pairs_per_prompt": pairs_per_prompt,
             **({"sampling": sampler.counts} if sampler else {})}
     paths["meta"].write_text(json.dumps(meta, sort_keys=True, indent=2) + "\n", encoding="utf-8")
     result = {**paths, "n_train": counts["train"], "n_test": counts["test"]}
