@@ -41,12 +41,14 @@ def _overrides(arith, run_dir, **extra):
     return [f"{k}={json.dumps(v) if isinstance(v, list) else v}" for k, v in base.items()]
 
 
-def test_sft_learns_and_writes_the_run_directory(arith, tmp_path):
+def test_sft_learns_and_writes_the_run_directory(arith, tmp_path, caplog):
     run = tmp_path / "run"
     cfg = build_config(
         SFTConfig, None, _overrides(arith, run, **{"trainer.max_steps": 30, "data.eval_files": [str(arith / "test.jsonl")]})
     )
-    result = SFTTrainer(args=cfg).train()
+    with caplog.at_level("INFO", logger="posttrain.trainers.sft"):
+        result = SFTTrainer(args=cfg).train()
+    assert "SFT: 300 examples, 30 steps of 8, " in "\n".join(caplog.messages)  # dataset rows (packing off)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) == 30

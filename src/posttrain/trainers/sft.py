@@ -137,9 +137,11 @@ class SFTTrainer:
             self._collate, seed=a.trainer.seed, shuffle=a.data.shuffle,
         )
         has_eval = bool(self.eval_examples) or a.eval.task is not None
+        rows = int(self.data_stats["data/n_kept"])
+        packed = f" packed into {len(self.train_examples)} rows of {a.data.max_length} tokens" if a.data.packing else ""
         log.info(
-            "SFT: %d examples, %d steps of %d, %s parameters",
-            len(self.train_examples), a.trainer.max_steps, a.data.train_batch_size,
+            "SFT: %d examples%s, %d steps of %d, %s parameters",
+            rows, packed, a.trainer.max_steps, a.data.train_batch_size,
             f"{sum(p.numel() for p in self.model.parameters()):,}",
         )
         return fit(
