@@ -18,7 +18,7 @@ and dpo, which always train):
           fit its pairs without generalising?)
 
     python benchmarks/preference.py --out runs/bench_pref [--task-options key=value ...] \\
-        [--stages data,sft,sample,rm,dpo] [--pairs-per-prompt 1] [--sampled-pairs 2000] [--dpo-pairs sampled] \\
+        [--stages data,sft,sample,rm,dpo] [--n-pairs 32000] [--pairs-per-prompt 4] [--sampled-pairs 2000] [--dpo-pairs sampled] \\
         [--rm key=value ...] [--dpo key=value ...] [--sft-overrides key=value ...]
 
 Writes OUT/preference.json: settings, accuracies and wall seconds per stage.
@@ -164,8 +164,8 @@ def main() -> None:
                    help="arithmetic task options (default: the medium preset, 1-digit operands)")
     p.add_argument("--sft", default=None, help="an existing SFT checkpoint (the sft stage is then skipped)")
     p.add_argument("--n-sft", type=int, default=8000, help="SFT rows")
-    p.add_argument("--n-pairs", type=int, default=8000, help="constructed training pairs")
-    p.add_argument("--pairs-per-prompt", type=int, default=1,
+    p.add_argument("--n-pairs", type=int, default=32000, help="constructed training pairs")
+    p.add_argument("--pairs-per-prompt", type=int, default=4,
                    help="constructed training pairs per prompt, each with a different mistake")
     p.add_argument("--sampled-pairs", type=int, default=2000, help="sampled training pairs (sample stage)")
     p.add_argument("--dpo-pairs", default="pref", choices=["pref", "sampled"],

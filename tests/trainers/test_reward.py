@@ -166,3 +166,33 @@ def test_bad_config_is_named_before_loading(tmp_path):
         build_config(RMConfig, None, ["algorithm.center_rewards_coefficient=-1"])
     with pytest.raises(ValueError, match="data.max_prompt_length"):
         build_config(RMConfig, None, ["data.max_length=64", "data.max_prompt_length=64"])
+
+
+def test_ppo_trains_against_the_saved_reward_model(tmp_path, tok):
+    """The RM's final/ as PPO's reward (`reward.model_path`) and as its critic's start
+    (`critic.model_path`, veRL's usual setup): the run scores every response with it, with no
+    errors, and the policy raises the score."""
+    from posttrain import PPOConfig, PPOTrainer
+
+    torch.set_num_threads(1)
+    cfg = args(tmp_path / "rm", **{"data.train_batch_size": 16, "trainer.micro_batch_size": 16,
+                                   "trainer.max_steps": 40, "trainer.learning_rate": 3e-3, "data.shuffle": True})
+    rm_dir = RewardTrainer(tiny_rm(tok), args=cfg, train_dataset=case_pairs(320, seed=0), processing_class=tok).train().final_dir
+    torch.manual_seed(0)
+    policy = BuiltinLM.from_preset(
+        "tiny", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id,
+    )
+    over = {"reward.functions": [], "reward.model_path": str(rm_dir), "critic.model_path": str(rm_dir),
+            "rollout.n": 1, "rollout.max_new_tokens": 4, "data.train_batch_size": 32, "actor.micro_batch_size": 32,
+            "trainer.max_steps": 20, "trainer.learning_rate": 1e-2, "trainer.lr_scheduler": "constant",
+            "trainer.report_to": [], "trainer.progress": False, "trainer.output_dir": str(tmp_path / "ppo")}
+    ppo_cfg = build_config(PPOConfig, None, [f"{k}={json.dumps(v) if isinstance(v, list) else v}" for k, v in over.items()])
+    prompts = [{"prompt": r["prompt"]} for r in case_pairs(64, seed=2)]
+    PPOTrainer(policy, args=ppo_cfg, train_dataset=prompts, processing_class=tok).train()
+    lines = [r for r in metrics(tmp_path / "ppo") if "reward/reward_model/mean" in r]
+    assert len(lines) == 20
+    assert all(r["reward/reward_model/errors"] == 0 for r in lines)
+    scores = [r["reward/reward_model/mean"] for r in lines]
+    assert sum(scores[-5:]) / 5 > sum(scores[:5]) / 5 + 0.5, scores
