@@ -127,3 +127,20 @@ def test_every_recipe_resolves_with_its_command_config():
     for path in recipes:
         cls = next((c for p, c in by_prefix.items() if path.name.startswith(p)), GRPOConfig)
         build_config(cls, path)  # every key known, every value valid
+
+
+def test_a_shipped_recipe_resolves_by_name_from_any_directory(tmp_path, monkeypatch):
+    from posttrain.config import GRPOConfig
+    from posttrain.config.core import RECIPES, recipe_names, resolve_config_file
+
+    monkeypatch.chdir(tmp_path)  # no recipes/ folder here, as after `pip install`
+    assert {"grpo", "dapo", "ppo", "sft_arithmetic"} <= set(recipe_names())
+    for name in ("dapo", "dapo.yaml", "recipes/dapo.yaml"):
+        assert resolve_config_file(name) == RECIPES / "dapo.yaml"
+    assert build_config(GRPOConfig, "dapo").algorithm.filter_groups is True
+    own = tmp_path / "recipes" / "dapo.yaml"  # a file of the user's own wins
+    own.parent.mkdir()
+    own.write_text("trainer: {max_steps: 7}\n")
+    assert build_config(GRPOConfig, "recipes/dapo.yaml").trainer.max_steps == 7
+    with pytest.raises(ConfigError, match="shipped recipes are .*grpo"):
+        build_config(GRPOConfig, "nope")

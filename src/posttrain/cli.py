@@ -91,7 +91,9 @@ def _add_train_command(sub: Any, cmd: TrainCommand) -> None:
         epilog=options_help(cmd.config_cls),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", metavar="YAML", help="a preset from recipes/ (or your own); overrides win over it")
+    p.add_argument("--config", metavar="YAML",
+                   help="a YAML preset: your own file, or a shipped recipe by name (grpo, dapo, ppo, "
+                   "sft_arithmetic, ...; recipes/NAME.yaml works from any directory); overrides win over it")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. trainer.max_steps=100")
     p.set_defaults(handler=lambda args: _handle_train(cmd, args))
@@ -481,8 +483,8 @@ def _add_demo_command(sub: Any) -> None:
         "demo",
         help="the whole pipeline in minutes on a CPU: data, SFT from scratch, eval, RL, eval, report",
         description=textwrap.fill(
-            "Make the arithmetic task's data, SFT the built-in tiny model from scratch, evaluate it on held-out "
-            "problems, improve it with online RL (a GRPO-family recipe: posttrain.demo.RL_OVERRIDES), evaluate "
+            "Make the arithmetic task's data, SFT the built-in tiny model from scratch (recipe sft_arithmetic), "
+            "evaluate it on held-out problems, improve it with online RL (recipe grpo), evaluate "
             "again on the same problems, print a before/after table (accuracy, mean length, reward) and write "
             "an HTML report. Nothing is downloaded. About 10 minutes on 2 CPU cores (a GPU is used when "
             "available); --quick runs every stage at a tiny size in under a minute (its numbers mean nothing).",

@@ -16,9 +16,9 @@
 Both evaluations are greedy, on the same held-out problems, with the RL reward functions
 and the RL run's token budget, so the two rows of the table differ only by the RL stage.
 
-The configs are built here, not read from `recipes/` (an installed package has no
-recipes folder): the SFT settings mirror `recipes/sft_arithmetic.yaml`, the RL settings
-`recipes/grpo.yaml` (see `RL_OVERRIDES`). `--quick` runs the same stages at a size that
+The configs are the recipes shipped in the package, `sft_arithmetic` and `grpo`
+(`posttrain.config.core.RECIPES`, the repository's `recipes/`), with the demo's paths,
+step counts and evaluation sizes as overrides. `--quick` runs the same stages at a size that
 only proves they work (the test suite runs it); its numbers mean nothing.
 """
 
@@ -39,51 +39,17 @@ from posttrain.logging import Progress
 TASK = "arithmetic"
 SEED = 0
 
-# SFT of the built-in model from scratch: recipes/sft_arithmetic.yaml (benchmarks/README.md,
-# "SFT learning"). The run's own eval (see FULL) is smaller than the recipe's: the demo
-# evaluates the final model on every held-out problem itself.
-SFT_OVERRIDES = [
-    "model.init=tiny",
-    "data.max_length=128",
-    "data.packing=true",
-    "data.train_batch_size=16",
-    "trainer.learning_rate=3.0e-3",
-    "trainer.lr_scheduler=cosine",
-    "trainer.warmup_steps=30",
-    "trainer.min_lr_ratio=0.1",
-    "trainer.weight_decay=0.01",
-    "trainer.micro_batch_size=16",
-    "eval.task=arithmetic",
-    "eval.max_new_tokens=48",
-]
+# SFT of the built-in model from scratch: the shipped recipes/sft_arithmetic.yaml (benchmarks/
+# README.md, "SFT learning"). The run's own eval (see FULL) is smaller than the recipe's: the
+# demo evaluates the final model on every held-out problem itself.
+SFT_RECIPE = "sft_arithmetic"
 SFT_STEPS = 1000
 QUICK_SFT_STEPS = 40
 
-# RL from the SFT model: recipes/grpo.yaml (group-normalised advantages, clip 0.2,
-# seq-mean-token-mean, k3 KL in the loss with β = 0.04), as `posttrain grpo` overrides; in
-# the RL benchmark it held the best gain of the recipes (benchmarks/README.md, "RL learning").
-# reward.functions also scores both evaluations (a sample is correct when its total is >= 1).
-RL_OVERRIDES = [
-    "data.train_batch_size=16",
-    "data.max_prompt_length=64",
-    "rollout.n=8",
-    "rollout.max_new_tokens=64",
-    "rollout.temperature=1.0",
-    "actor.micro_batch_size=32",
-    "actor.ppo_epochs=1",
-    "actor.policy_loss.clip_low=0.2",
-    "actor.policy_loss.clip_high=0.2",
-    "actor.policy_loss.loss_agg_mode=seq-mean-token-mean",
-    "reward.functions=[{name: task_reward, task: arithmetic}]",
-    "algorithm.adv_estimator=grpo",
-    "algorithm.norm_adv_by_std=group",
-    "algorithm.kl.in_loss=true",
-    "algorithm.kl.kind=k3",
-    "algorithm.kl.coef=0.04",
-    "trainer.learning_rate=5.0e-5",
-    "trainer.lr_scheduler=constant",
-    "eval.task=arithmetic",
-]
+# RL from the SFT model: the shipped recipes/grpo.yaml (group-normalised advantages, clip
+# 0.2, seq-mean-token-mean, k3 KL in the loss with β = 0.04, lr 5e-5). Its reward.functions
+# also score both evaluations (a sample is correct when its total is >= 1).
+RL_RECIPE = "grpo"
 RL_STEPS = 560
 QUICK_RL_STEPS = 3
 # --quick: 4 prompts x 4 samples of at most 32 tokens per step.
@@ -93,6 +59,8 @@ QUICK_RL_OVERRIDES = [
     "rollout.max_new_tokens=32",
     "actor.micro_batch_size=16",
 ]
+# The recipes' checkpoint cadence is for long runs; the demo keeps final/ only.
+NO_CHECKPOINTS = ["trainer.save_steps=0"]
 
 
 @dataclass(frozen=True)
@@ -102,9 +70,9 @@ class DemoSize:
     n_train: int  # training problems (SFT examples and RL prompts)
     n_test: int  # held-out problems, all evaluated before and after RL
     sft_steps: int
-    sft_extra: tuple[str, ...]  # overrides on top of SFT_OVERRIDES (e.g. the run's own eval)
+    sft_extra: tuple[str, ...]  # overrides of the SFT recipe (e.g. the run's own eval)
     rl_steps: int
-    rl_extra: tuple[str, ...]  # overrides on top of RL_OVERRIDES
+    rl_extra: tuple[str, ...]  # overrides of the RL recipe
 
 
 FULL = DemoSize(
@@ -114,8 +82,8 @@ FULL = DemoSize(
 )
 QUICK = DemoSize(
     n_train=500, n_test=50,
-    sft_steps=QUICK_SFT_STEPS, sft_extra=("trainer.warmup_steps=5", "eval.num_examples=10"),
-    rl_steps=QUICK_RL_STEPS, rl_extra=(*QUICK_RL_OVERRIDES, "eval.num_examples=10"),
+    sft_steps=QUICK_SFT_STEPS, sft_extra=("trainer.warmup_steps=5", "trainer.eval_steps=0", "eval.num_examples=10"),
+    rl_steps=QUICK_RL_STEPS, rl_extra=(*QUICK_RL_OVERRIDES, "trainer.eval_steps=0", "eval.num_examples=10"),
 )
 
 # What the demo writes directly under OUT; a rerun replaces exactly these.
@@ -192,16 +160,16 @@ def make_data(out: Path, size: DemoSize) -> None:
 
 
 def sft_config(data: dict[str, Path], run_dir: Path, size: DemoSize, shared: Sequence[str]) -> SFTConfig:
-    return build_config(SFTConfig, None, [
-        *SFT_OVERRIDES, *shared, *size.sft_extra,
+    return build_config(SFTConfig, SFT_RECIPE, [
+        *NO_CHECKPOINTS, *shared, *size.sft_extra,
         f"trainer.max_steps={size.sft_steps}",
         *_paths(data, run_dir),
     ])
 
 
 def rl_config(data: dict[str, Path], model: Path, run_dir: Path, size: DemoSize, shared: Sequence[str]) -> GRPOConfig:
-    return build_config(GRPOConfig, None, [
-        *RL_OVERRIDES, *shared, *size.rl_extra,
+    return build_config(GRPOConfig, RL_RECIPE, [
+        *NO_CHECKPOINTS, *shared, *size.rl_extra,
         f"trainer.max_steps={size.rl_steps}",
         f"model.path={json.dumps(str(model))}",
         *_paths(data, run_dir),

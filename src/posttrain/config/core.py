@@ -280,15 +280,42 @@ def validate_tree(cfg: Any) -> None:
         cfg.validate()
 
 
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+"""The recipes shipped inside the package (the repository's `recipes/` links here)."""
+
+
+def recipe_names() -> list[str]:
+    """Names of the shipped recipes, e.g. ["dapo", "grpo", ...]."""
+    return sorted(p.stem for p in RECIPES.glob("*.yaml"))
+
+
+def resolve_config_file(path: str | Path) -> Path:
+    """A YAML file, or a shipped recipe: `dapo`, `dapo.yaml` or `recipes/dapo.yaml` name
+    `RECIPES/dapo.yaml` when no such file exists from here (an installed package has no
+    recipes/ folder in the working directory). An existing file always wins."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    if str(p.parent) in (".", "recipes"):
+        shipped = RECIPES / (p.name if p.suffix else f"{p.name}.yaml")
+        if shipped.is_file():
+            return shipped
+    raise ConfigError(
+        f"config file {path} does not exist; the shipped recipes are {', '.join(recipe_names())} "
+        "(e.g. --config dapo)"
+    )
+
+
 def build_config(
     cls: type[T],
     config_file: str | Path | None = None,
     overrides: typing.Sequence[str] = (),
 ) -> T:
-    """Defaults ← YAML file ← `key=value` overrides; then check keys, types and combinations."""
+    """Defaults ← YAML file (or shipped recipe name, `resolve_config_file`) ← `key=value`
+    overrides; then check keys, types and combinations."""
     data: dict[str, Any] = {}
     if config_file is not None:
-        data = load_yaml(config_file)
+        data = load_yaml(resolve_config_file(config_file))
     flat = dict(parse_override(o) for o in overrides)
     data = merge(data, nest(flat))
     cfg = from_dict(cls, data)
