@@ -8,9 +8,9 @@ The SFT checkpoint and the data are those of `benchmarks/sft_learning.py`:
     python benchmarks/rl_learning.py --recipe recipes/dapo.yaml --out runs/bench_dapo
     python benchmarks/rl_learning.py --recipe recipes/ppo.yaml --out runs/bench_ppo --command ppo
 
-The step count comes from the recipe (or an override); `--minutes` stops the run early
-at the first step boundary past the budget (counting training, evaluation and
-checkpointing), then evaluates. The base accuracy is measured here with the same
+The step count comes from the recipe (or an override); `--minutes` sets
+`trainer.max_time_s`: the run stops at the first step boundary past the budget
+(counting training, evaluation and checkpointing), then evaluates. The base accuracy is measured here with the same
 evaluation (greedy, the task's scorer, the same 500 problems). Writes
 OUT/rl_learning.json (curve of step, seconds, eval/accuracy) and OUT/rl_learning.png.
 """
@@ -26,7 +26,6 @@ from posttrain.config import GRPOConfig, PPOConfig, build_config
 from posttrain.data.sources import load_rows
 from posttrain.evaluation import evaluate_task
 from posttrain.models.factory import build_model_and_tokenizer
-from posttrain.trainers import rl
 from posttrain.trainers.rl import GRPOTrainer, PPOTrainer, fit
 
 
@@ -57,6 +56,7 @@ def main() -> None:
         f"trainer.output_dir={out / 'rl'}",
         "trainer.resume=never",
         "eval.num_examples=500",
+        *([f"trainer.max_time_s={args.minutes * 60}"] if args.minutes else []),
         *args.overrides,
     ])
     rows = list(load_rows(str(data / "test.jsonl")))[: cfg.eval.num_examples]
@@ -64,8 +64,6 @@ def main() -> None:
     print(f"base accuracy {base:.3f} on {len(rows)} held-out problems")
 
     trainer = (PPOTrainer if args.command == "ppo" else GRPOTrainer)(args=cfg)
-    if args.minutes:
-        stop_after(trainer, args.minutes * 60)
     t0 = time.perf_counter()
     result = fit(trainer)
     wall = time.perf_counter() - t0
@@ -85,23 +83,6 @@ def main() -> None:
     (out / "rl_learning.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))
     plot(curve, out / "rl_learning.png", f"{Path(args.recipe).stem} from the SFT checkpoint")
-
-
-def stop_after(trainer, seconds: float) -> None:
-    """End the run at the first step that starts past `seconds` of wall time: max_steps
-    becomes the current step, so `fit` evaluates, saves and returns as at a normal end."""
-    started = time.perf_counter()
-    cfg = trainer.args.trainer
-    original = rl.rl_step
-
-    def timed_step(tr, step):
-        out = original(tr, step)
-        if time.perf_counter() - started > seconds and step < cfg.max_steps:
-            print(f"time budget of {seconds:.0f} s reached at step {step}")
-            cfg.max_steps = step
-        return out
-
-    rl.rl_step = timed_step
 
 
 def plot(curve: list[dict], path: Path, title: str) -> None:

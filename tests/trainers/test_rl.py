@@ -291,6 +291,17 @@ def test_cli_runs_a_recipe_on_a_tiny_model(arith, tmp_path, command, recipe, ext
     assert (run / "final" / "critic" / "config.json").is_file() == (command == "ppo")
 
 
+def test_max_time_s_ends_the_run_like_max_steps(tmp_path):
+    run = tmp_path / "run"
+    cfg = config(run, **{"trainer.max_time_s": 1e-6, "trainer.save_steps": 0})
+    result = trainer_for(cfg, eval_dataset=PROMPTS[:8]).train()
+    assert result.step == 1
+    lines = metric_lines(run)
+    assert [m["step"] for m in lines if "reward/mean" in m] == [1] and "eval/accuracy" in lines[-1]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-1"]
+    assert (run / "final" / "config.json").is_file()
+
+
 def test_prompt_loading_follows_the_truncation_rule():
     from posttrain.config import ConfigError
     from posttrain.trainers.rl_steps import load_prompts

@@ -144,3 +144,20 @@ def test_diverging_run_stops_cleanly_and_keeps_the_last_good_checkpoint(arith, t
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["nonfinite_steps"] >= 1  # skipped steps are counted in the metrics
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-1"]  # none from bad steps
+
+
+def test_max_time_s_ends_the_run_like_max_steps(arith, tmp_path):
+    # A budget that is spent by the first step: the run stops there, and still evaluates,
+    # checkpoints and writes final/, as at max_steps.
+    run = tmp_path / "run"
+    cfg = build_config(SFTConfig, None, _overrides(arith, run, **{
+        "trainer.max_steps": 50, "trainer.max_time_s": 1e-6, "data.eval_files": [str(arith / "test.jsonl")],
+    }))
+    result = SFTTrainer(args=cfg).train()
+    assert result.step == 1
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1] and "eval/loss" in rows[-1]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-1"]
+    assert (run / "final" / "config.json").is_file()
+    with pytest.raises(Exception, match="trainer.max_time_s"):
+        build_config(SFTConfig, None, ["trainer.max_time_s=0"])

@@ -107,6 +107,11 @@ class TrainerConfig:
     """Run directory: config.yaml, metrics.jsonl, checkpoints/, final/ are written here."""
     max_steps: int = 100
     """Number of optimizer steps."""
+    max_time_s: float | None = None
+    """Wall-clock budget of this process's training loop, in seconds: the run ends at the
+    first step that finishes past it (training, evaluation and checkpoints count), then
+    evaluates, checkpoints and writes final/ as at max_steps. The lr schedule still spans
+    max_steps. null = no budget. A resumed run gets the budget afresh."""
     learning_rate: float = 1e-4
     """Peak learning rate (AdamW)."""
     lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
@@ -148,6 +153,8 @@ class TrainerConfig:
 
     def validate(self) -> None:
         check(self.max_steps > 0, "trainer.max_steps", f"must be > 0, got {self.max_steps}")
+        check(self.max_time_s is None or self.max_time_s > 0, "trainer.max_time_s",
+              f"must be > 0 seconds (or null for no budget), got {self.max_time_s}")
         check(self.learning_rate > 0, "trainer.learning_rate", f"must be > 0, got {self.learning_rate}")
         check(self.micro_batch_size > 0, "trainer.micro_batch_size", "must be > 0")
         check(self.warmup_steps >= 0, "trainer.warmup_steps", f"must be >= 0, got {self.warmup_steps}")

@@ -54,6 +54,20 @@ class FitResult:
     """The last step's metrics and the last evaluation's."""
 
 
+class Budget:
+    """`trainer.max_time_s`: wall-clock seconds since this object was made (the loop's
+    start), checked at the end of each step; None never runs out."""
+
+    def __init__(self, seconds: float | None):
+        self.seconds, self.started = seconds, time.perf_counter()
+
+    def spent(self, step: int) -> bool:
+        if self.seconds is None or time.perf_counter() - self.started < self.seconds:
+            return False
+        log.info("trainer.max_time_s=%g reached at step %d: evaluating, saving and stopping", self.seconds, step)
+        return True
+
+
 def fit(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -87,6 +101,7 @@ def fit(
     metrics: dict[str, float] = dict(start_metrics or {})
     last_eval: dict[str, float] = {}
     evaluated_at = None
+    budget = Budget(cfg.max_time_s)
     with sink, Progress(cfg.max_steps, desc, initial=step, enabled=cfg.progress) as progress:
         while step < cfg.max_steps:
             t0 = time.perf_counter()
@@ -104,16 +119,19 @@ def fit(
                 last_eval = _timed_eval(evaluate, model, step, sink)
                 metrics.update(last_eval)
                 evaluated_at = step
-            if step % cfg.logging_steps == 0 or evaluated_at == step or step == cfg.max_steps:
+            last = step == cfg.max_steps or budget.spent(step)
+            if step % cfg.logging_steps == 0 or evaluated_at == step or last:
                 sink.log(step, metrics)
             progress.update(1, loss=result.loss, lr=result.lr, **_eval_view(last_eval))
-            due = cfg.save_steps and step % cfg.save_steps == 0 or step == cfg.max_steps
+            due = cfg.save_steps and step % cfg.save_steps == 0 or last
             if due and not result.nonfinite:  # a checkpoint is only ever a good state
                 last_ckpt = save_checkpoint(
                     run_dir, step, model, tokenizer, optimizer, scheduler,
                     batches.state_dict(), cfg.save_total_limit, metrics,
                 )
             metrics = {}
+            if last:
+                break
         if evaluate is not None and evaluated_at != step:
             last_eval = _timed_eval(evaluate, model, step, sink)
             sink.log(step, last_eval)

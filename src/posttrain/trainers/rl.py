@@ -73,7 +73,7 @@ from posttrain.config.rl import GRPOConfig, PPOConfig, RLConfig
 from posttrain.logging import MetricsLogger, Progress, get_logger
 from posttrain.models.lora import is_peft, merged_for_export
 from posttrain.trainers.batches import EpochBatches
-from posttrain.trainers.loop import SAMPLES_PER_EVAL, FitResult
+from posttrain.trainers.loop import SAMPLES_PER_EVAL, Budget, FitResult
 from posttrain.trainers.rl_build import build_roles, check_reward_source, evaluate_policy
 from posttrain.trainers.rl_steps import (
     NOT_RUN,
@@ -261,6 +261,7 @@ def fit(trainer: RLTrainer) -> FitResult:
     has_eval = trainer.eval_examples is not None
     metrics: dict[str, float] = dict(trainer.data_stats) if step == 0 else {}
     batch, evaluated_at = None, None
+    budget = Budget(cfg.max_time_s)
     with sink, Progress(cfg.max_steps, "rl", initial=step, enabled=cfg.progress) as progress:
         while step < cfg.max_steps:
             step += 1
@@ -269,12 +270,15 @@ def fit(trainer: RLTrainer) -> FitResult:
             if has_eval and cfg.eval_steps and step % cfg.eval_steps == 0:
                 metrics.update(trainer.evaluate(step, sink, batch))
                 evaluated_at = step
-            if step % cfg.logging_steps == 0 or evaluated_at == step or step == cfg.max_steps:
+            last = step == cfg.max_steps or budget.spent(step)
+            if step % cfg.logging_steps == 0 or evaluated_at == step or last:
                 sink.log(step, metrics)
             progress.update(1, reward=metrics["reward/mean"], acc=metrics["accuracy"], kl=metrics["kl"])
-            if cfg.save_steps and step % cfg.save_steps == 0 or step == cfg.max_steps:
+            if cfg.save_steps and step % cfg.save_steps == 0 or last:
                 trainer.save(step, metrics)
             metrics = {}
+            if last:
+                break
         if has_eval and evaluated_at != step:
             metrics = trainer.evaluate(step, sink, batch)
             sink.log(step, metrics)
