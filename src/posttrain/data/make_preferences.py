@@ -118,17 +118,16 @@ def arithmetic_pair(row: Mapping[str, Any], rng: random.Random) -> tuple[str, st
     if right != int(row["answer"]):
         raise ValueError(f"arithmetic row {row['prompt']!r}: answer {row['answer']!r}, but the steps give {right}")
     show_steps = len(nums) >= 3
+    chosen = format_completion(right_steps if show_steps else [], right)
     kinds = [*ERRORS, "answer_typo"] if show_steps else list(ERRORS)
     while True:
         kind = rng.choice(kinds)
         if kind == "answer_typo":
-            value, steps = right, right_steps
-            value = _off_by_one(0, "+", 0, value, rng)
+            value, steps = _off_by_one(0, "+", 0, right, rng), right_steps
         else:
             at = rng.randrange(len(ops))
             value, steps = solve_with_mistake(nums, ops, at, partial(ERRORS[kind], rng=rng))
         if value != right:
-            chosen = format_completion(right_steps if show_steps else [], right)
             return chosen, format_completion(steps if show_steps else [], value), kind
 
 
@@ -256,15 +255,16 @@ def make_preferences(
                          "(drop the model, or pairs_per_prompt)")
     t = get_task(task, **options)
     rng, seen = random.Random(seed), set()
+    n_prompts = -(-n_train // pairs_per_prompt) + n_test  # ceil: what the splits ask of the task
     sampler = _Sampler(model, samples, max_new_tokens, batch_size, seed) if model is not None else None
     splits = {}
     for split, n in (("test", n_test), ("train", n_train)):  # test first: it never depends on n_train
         if sampler is None:
             k = pairs_per_prompt if split == "train" else 1
-            prompts = _draw_unique(t, -(-n // k), rng, seen, -(-n_train // pairs_per_prompt) + n_test)
+            prompts = _draw_unique(t, -(-n // k), rng, seen, n_prompts)
             splits[split] = _constructed(t, prompts, rng, k)[:n]
         elif split == "test":  # exactly the held-out prompts, whatever the yield
-            splits[split] = sampler.pairs(t, _draw_unique(t, n, rng, seen, n_train + n_test))
+            splits[split] = sampler.pairs(t, _draw_unique(t, n, rng, seen, n_prompts))
         else:
             splits[split] = sampler.collect(t, n, rng, seen, max_prompts_factor)
     out = Path(out_dir)
