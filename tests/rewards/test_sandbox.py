@@ -59,7 +59,7 @@ if os.geteuid() == 0:
         os.setgid(uid)
         os.setuid(uid)
 if plan != "auto":
-    sandbox._plan = sandbox._Plan(False, plan)
+    sandbox._plan = sandbox.Plan(False, plan)
 print("ready", flush=True)
 for line in sys.stdin:
     name, args, kwargs = json.loads(line)
