@@ -13,158 +13,30 @@ no Python wrapper): no site-packages are on the path. It becomes three processes
              exit makes the kernel SIGKILL everything left in the namespace.
     program  sets the rlimits, switches to the per-run uid, drops every capability, sets
              no_new_privs, installs the seccomp socket filter (fallback only), then runs the
-             untrusted code in this same interpreter: `main.py` as `__main__`, or (tests
-             mode) `solution.py` followed by the tests read from stdin, each outcome
-             written to fd 3 behind a per-run nonce.
+             untrusted code in this same interpreter (`_sandbox_program._run`): `main.py`
+             as `__main__`, or (tests mode) `solution.py` followed by the tests read from
+             stdin, each outcome written to fd 3 behind a per-run nonce.
 
 Without namespaces (the fallback) the same three processes run, minus the namespace steps.
 Every failure before the untrusted code starts is written to the control pipe as
 `setup-error <message>`; the parent turns it into `SandboxError`.
+
+This file holds the setup; the program's last step, running the untrusted code, lives in
+`_sandbox_program` (standard library only as well). It is imported at the top of this file,
+from the directory the boot line puts on sys.path for this import alone: by the time the
+program runs it (after the chroot and the switch to the per-run uid) that directory may be
+out of reach.
 """
 
 import os
 import sys
 
-# ---------------------------------------------------------------------------------------
-# Inside the sandbox: running the untrusted code (the program, after setup).
-# ---------------------------------------------------------------------------------------
-
-RESULT_FD = 3
-
-
-def _block_python_sockets() -> None:
-    """The weakest network fallback: make socket creation in this interpreter raise.
-
-    Code can get around it (ctypes, a subprocess that is not Python); it is used only where
-    neither a network namespace nor seccomp is available.
-    """
-    import _socket
-    import socket
-
-    def refuse(*args, **kwargs):
-        raise PermissionError("network access is disabled in the sandbox")
-
-    for module in (socket, _socket):
-        for name in (
-            "socket",
-            "SocketType",
-            "create_connection",
-            "create_server",
-            "fromfd",
-            "socketpair",
-            "getaddrinfo",
-            "gethostbyname",
-            "gethostbyname_ex",
-        ):
-            if hasattr(module, name):
-                setattr(module, name, refuse)
-
-
-def _fresh_module(name: str, filename: str):
-    import builtins
-
-    module = type(sys)(name)
-    module.__file__ = filename
-    module.__builtins__ = builtins
-    sys.modules[name] = module
-    return module
-
-
-def _run_script() -> None:
-    """Run `main.py` as `__main__`, with tracebacks that show only the user's frames."""
-    sys.argv[:] = ["main.py"]
-    with open("main.py", "rb") as f:
-        source = f.read()
-    try:
-        code = compile(source, "main.py", "exec")
-    except SyntaxError as exc:
-        sys.excepthook(type(exc), exc, None)
-        sys.exit(1)
-    module = _fresh_module("__main__", "main.py")
-    try:
-        exec(code, module.__dict__)
-    except SystemExit:
-        raise
-    except BaseException as exc:
-        exc.__traceback__ = exc.__traceback__.tb_next  # drop this frame
-        sys.excepthook(type(exc), exc, exc.__traceback__)
-        sys.exit(1)
-
-
-def _describe(exc: BaseException) -> str:
-    """`Type: message` on one line, short, never raising (the exception is untrusted)."""
-    try:
-        message = str(exc)
-        text = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
-    except BaseException:
-        text = "exception (unprintable)"
-    return text.replace("\r", " ").replace("\n", " ")[:300]
-
-
-def _run_tests() -> None:
-    """Run `solution.py`, then each test from stdin; write one record per test to fd 3.
-
-    Records are `<nonce> start`, `<nonce> code <error>`, `<nonce> <i> pass`,
-    `<nonce> <i> fail <error>` and `<nonce> done`. The nonce is drawn here and announced by
-    the first line on fd 3, both before any untrusted code runs, so the untrusted code writing to fd 3 or stdout cannot forge a record
-    without first digging the nonce out of this frame (see docs/sandbox.md, threat model).
-    Every name used after the untrusted code starts is bound here first, so rebinding
-    builtins or module attributes cannot change what this function does.
-    """
-    import builtins
-    import marshal
-
-    write, compile_, exec_, describe = os.write, compile, exec, _describe
-    settrace, setprofile, base_exception = sys.settrace, sys.setprofile, BaseException
-    nonce = os.urandom(16).hex()
-
-    def report(record: str) -> None:
-        write(RESULT_FD, f"{nonce} {record}\n".encode())
-
-    report("start")
-    sources = marshal.loads(sys.stdin.buffer.read())
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.close(devnull)
-    tests = [(i, compile_(src, f"<test {i}>", "exec")) for i, src in enumerate(sources)]
-    del sources
-    pristine_builtins = dict(builtins.__dict__)
-    module = _fresh_module("solution", "solution.py")
-    try:
-        with open("solution.py", "rb") as f:
-            exec_(compile_(f.read(), "solution.py", "exec"), module.__dict__)
-    except base_exception as exc:
-        report(f"code {describe(exc)}")
-    # The tests see the solution's names, but never its replacements for builtins.
-    namespace = {k: v for k, v in module.__dict__.items() if k not in pristine_builtins}
-    namespace["__builtins__"] = pristine_builtins
-    for i, code in tests:
-        settrace(None)
-        setprofile(None)
-        try:
-            exec_(code, namespace)
-        except base_exception as exc:
-            report(f"{i} fail {describe(exc)}")
-        else:
-            report(f"{i} pass")
-    report("done")
-
-
-def _run(mode: str, block_sockets: bool) -> None:
-    import builtins
-
-    # -S skips `site`, which is what normally defines exit() and quit().
-    builtins.exit = builtins.quit = sys.exit
-    if block_sockets:
-        _block_python_sockets()
-    if mode == "tests":
-        _run_tests()
-    else:
-        _run_script()
-
+# Imported here, while the boot line still has this directory on sys.path: the program runs
+# it only after setup (chroot, per-run uid), when this directory may be out of reach.
+from _sandbox_program import RESULT_FD, _run
 
 # ---------------------------------------------------------------------------------------
-# Outside: wrapper, init and program (setup, as the parent's user).
+# Setup: wrapper, init and program (as the parent's user).
 # ---------------------------------------------------------------------------------------
 
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
@@ -473,7 +345,8 @@ def _drop_capabilities() -> None:
 
 
 def _program(setup: _Setup, ctl: int) -> None:
-    """Limits, then privileges, then run the code in this same interpreter; never returns.
+    """Limits, then privileges, then run the code in this same interpreter (`_run`, from
+    `_sandbox_program`); never returns.
 
     Reusing the wrapper's interpreter (fork, no exec) saves a second Python startup; the
     code gets a fresh `__main__` and nothing here is secret.

@@ -68,7 +68,8 @@ __all__ = [
 ]
 
 # The wrapper imports the child module (rather than running it as a script) so that its
-# bytecode is cached, and takes its directory off sys.path again at once.
+# bytecode is cached, and takes its directory off sys.path again at once. The child imports
+# `_sandbox_program` from that directory at its top, before any setup.
 _BOOT = (
     f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
     "import _sandbox_child; del sys.path[0]; _sandbox_child.main(sys.argv)"
