@@ -39,6 +39,8 @@ def test_resolve_device_and_dtype():
     assert resolve_device("auto").type == expected
     assert resolve_device("cpu") == torch.device("cpu")
     assert resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_dtype("auto", "cpu", trained=True) == torch.float32
+    assert resolve_dtype("bfloat16", "cpu", trained=True) == torch.bfloat16  # explicit wins
     assert resolve_dtype("bfloat16") == torch.bfloat16
     assert resolve_dtype(torch.float16) == torch.float16
     with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
@@ -85,3 +87,29 @@ def test_bad_paths_and_impls_are_named(tmp_path, llama_dir):
         load_causal_lm(tmp_path)
     with pytest.raises(ValueError, match="unknown impl 'vllm'"):
         load_causal_lm(llama_dir, impl="vllm")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_auto_dtype_on_cuda_keeps_trained_weights_in_float32():
+    half = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    assert resolve_dtype("auto", "cuda") == half  # run only: bf16
+    assert resolve_dtype("auto", "cuda", trained=True) == torch.float32  # master copy
+
+
+def test_build_model_for_training_keeps_float32_weights_and_warns_on_16_bit(caplog):
+    from posttrain.config import ModelConfig
+    from posttrain.data.tokenizer import build_tokenizer
+    from posttrain.models.factory import build_model
+
+    tok = build_tokenizer()
+    model = build_model(ModelConfig(init="tiny", device="cpu"), tok, train=True)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert "master copy" not in caplog.text
+    with caplog.at_level("WARNING", logger="posttrain.models.factory"):
+        model = build_model(ModelConfig(init="tiny", device="cpu", dtype="bfloat16"), tok, train=True)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert "model.dtype=bfloat16" in caplog.text and "trainer.precision=bf16" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="posttrain.models.factory"):
+        build_model(ModelConfig(init="tiny", device="cpu", dtype="bfloat16"), tok)  # run, not trained
+    assert caplog.text == ""

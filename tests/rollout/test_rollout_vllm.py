@@ -25,6 +25,15 @@ def test_missing_vllm_or_cuda_says_how_to_install(model, tok):
         make_engine("vllm", model, tok)
 
 
+def test_auto_dtype_serves_a_float32_policy_in_16_bits():
+    from posttrain.rollout.vllm import serving_dtype
+
+    assert serving_dtype(torch.float32, bf16_supported=True) == "bfloat16"
+    assert serving_dtype(torch.float32, bf16_supported=False) == "float16"
+    assert serving_dtype(torch.bfloat16, bf16_supported=True) == "bfloat16"
+    assert serving_dtype(torch.float16, bf16_supported=True) == "float16"
+
+
 @pytest.fixture(scope="module")
 def gpu_policy():
     return randomized(seed=3).cuda()

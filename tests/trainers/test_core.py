@@ -14,6 +14,7 @@ from posttrain.trainers.core import (
     StepResult,
     TrainingDiverged,
     autocast,
+    resolve_precision,
     build_optimizer,
     build_scheduler,
     lr_factor,
@@ -208,8 +209,22 @@ def test_autocast():
         assert (x @ x).dtype == torch.bfloat16
     with autocast("fp32", torch.device("cpu")):
         assert (x @ x).dtype == torch.float32
+    with autocast("auto", "cpu"):  # auto is fp32 off CUDA
+        assert (x @ x).dtype == torch.float32
     with pytest.raises(ValueError, match="fp16"):
         autocast("fp16", "cpu")
+
+
+def test_auto_precision_is_fp32_on_cpu_and_explicit_values_pass_through():
+    assert resolve_precision("auto", "cpu") == "fp32"
+    assert resolve_precision("bf16", "cpu") == "bf16"
+    assert resolve_precision("fp32", "cuda") == "fp32"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_auto_precision_is_bf16_on_a_bf16_gpu():
+    expected = "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+    assert resolve_precision("auto", "cuda") == expected
 
 
 def test_merge_metrics_weights_by_units_and_keeps_extremes():

@@ -52,7 +52,7 @@ class ModelConfig:
     impl: Literal["auto", "builtin", "hf"] = "auto"
     """Model code: `builtin` (our Llama implementation, fast native rollout), `hf` (transformers), or `auto` (builtin for Llama checkpoints)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Weight dtype: `auto` is bfloat16 on CUDA when supported, else float32."""
+    """Weight dtype: `auto` is float32 for weights the command trains (the master copy; `trainer.precision` sets the compute dtype), else (a frozen LoRA base, eval, generate) bfloat16 on CUDA when supported, else float32."""
     device: str = "auto"
     """`auto` (CUDA when available, else CPU), `cpu`, `cuda`, or `cuda:N`."""
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -130,8 +130,8 @@ class TrainerConfig:
     """Clip the global gradient norm to this value; 0 turns clipping off."""
     micro_batch_size: int = 8
     """Examples per forward/backward pass; gradients accumulate up to data.train_batch_size."""
-    precision: Literal["fp32", "bf16"] = "fp32"
-    """`bf16` runs forward and backward under bfloat16 autocast (master weights stay fp32)."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """`bf16` runs forward and backward under bfloat16 autocast (master weights stay fp32); `auto` is bf16 on a CUDA device that supports it, else fp32."""
     seed: int = 0
     """Seed for initialisation, shuffling and sampling."""
     resume: str = "auto"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
 from torch import nn
 
 from posttrain.config import ConfigError, ModelConfig
@@ -35,10 +36,18 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
     return tok
 
 
-def build_model(cfg: ModelConfig, tokenizer: Any) -> nn.Module:
-    """Load `model.path` or initialise `model.init`, on the configured device and dtype, with LoRA."""
+def build_model(cfg: ModelConfig, tokenizer: Any, *, train: bool = False) -> nn.Module:
+    """Load `model.path` or initialise `model.init`, on the configured device and dtype, with LoRA.
+
+    train: an optimizer will update the weights. With `model.dtype=auto` the weights the
+    optimizer updates are then float32 (the master copy; `trainer.precision` sets the
+    forward's dtype); a frozen LoRA base, or a model that is only run, is bfloat16 on CUDA.
+    """
     device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device)
+    full_finetune = train and cfg.lora.r == 0
+    dtype = resolve_dtype(cfg.dtype, device, trained=full_finetune)
+    if full_finetune:
+        warn_low_precision_weights(dtype, "model.dtype")
     if cfg.init is not None:
         model = BuiltinLM.from_preset(
             cfg.init,
@@ -57,15 +66,27 @@ def build_model(cfg: ModelConfig, tokenizer: Any) -> nn.Module:
 
 
 def build_model_and_tokenizer(cfg: ModelConfig) -> tuple[nn.Module, Any]:
+    """The model (to run, not to train: see `build_model`) and its tokenizer."""
     tokenizer = load_tokenizer(cfg)
     return build_model(cfg, tokenizer), tokenizer
+
+
+def warn_low_precision_weights(dtype: torch.dtype, option: str) -> None:
+    """Log a warning when the weights an optimizer updates are 16-bit: AdamW then updates
+    them in bfloat16/float16, whose 8/11-bit mantissa rounds away updates smaller than
+    ~1/256 (bf16) of a weight, so small learning rates stop changing the model."""
+    if dtype in (torch.bfloat16, torch.float16):
+        logger.warning(
+            "%s=%s: the trained weights are %s with no float32 master copy, so small updates "
+            "round away. Prefer %s=auto (float32 weights) with trainer.precision=bf16 (or auto), "
+            "which runs the forward in bfloat16.",
+            option, str(dtype).removeprefix("torch."), str(dtype).removeprefix("torch."), option,
+        )
 
 
 def _load_quantized(cfg: ModelConfig, dtype: Any) -> nn.Module:
     """QLoRA: the frozen base in 4 or 8 bits through bitsandbytes (CUDA only), ready for adapters."""
     import importlib.util
-
-    import torch
 
     if not torch.cuda.is_available():
         raise ConfigError(

@@ -25,13 +25,23 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 
 def resolve_dtype(
-    dtype: str | torch.dtype = "auto", device: str | torch.device | None = None
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device | None = None,
+    *,
+    trained: bool = False,
 ) -> torch.dtype:
-    """`"auto"` -> bfloat16 on a CUDA device that supports it, else float32;
-    "float32" | "bfloat16" | "float16" (or a torch.dtype) -> that dtype."""
+    """The weight dtype a model is loaded in.
+
+    `"auto"`: float32 for weights an optimizer updates (`trained=True`: the fp32 master
+    copy of mixed precision; the forward runs in bfloat16 under `trainer.precision`),
+    else bfloat16 on a CUDA device that supports it, else float32.
+    "float32" | "bfloat16" | "float16" (or a torch.dtype) -> that dtype.
+    """
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
+        if trained:
+            return torch.float32
         on_cuda = resolve_device(device or "auto").type == "cuda"
         return torch.bfloat16 if on_cuda and torch.cuda.is_bf16_supported() else torch.float32
     if dtype not in ckpt.DTYPE_NAMES:

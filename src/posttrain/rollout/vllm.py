@@ -78,6 +78,16 @@ def named_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def serving_dtype(weights: torch.dtype, bf16_supported: bool) -> str:
+    """vLLM's `dtype` for `dtype="auto"`: 16-bit weights keep their dtype; float32 weights
+    (a policy's master copy) are served in bfloat16 where the GPU has it, else float16.
+    (vLLM's own "auto" would serve a float32 checkpoint in float16, whose range a bf16-trained
+    model can exceed; veRL's rollout dtype defaults to bfloat16 likewise.)"""
+    if weights in (torch.bfloat16, torch.float16):
+        return str(weights).removeprefix("torch.")
+    return "bfloat16" if bf16_supported else "float16"
+
+
 def _load_weights_on_worker(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
     """Runs inside each vLLM worker (collective_rpc passes the worker first)."""
     worker.model_runner.model.load_weights(weights=weights)
@@ -102,7 +112,8 @@ class VLLMEngine:
             model: the policy (BuiltinLM or transformers causal LM) whose weights vLLM serves.
             tokenizer: its tokenizer (saved beside the weights for vLLM).
             model_path: an existing checkpoint directory of the same weights, to skip the save.
-            dtype, gpu_memory_utilization, seed, **llm_kwargs: passed to `vllm.LLM`
+            dtype: vLLM's weight dtype; "auto" = `serving_dtype` of the policy's weights.
+            gpu_memory_utilization, seed, **llm_kwargs: passed to `vllm.LLM`
                 (e.g. tensor_parallel_size, max_model_len, enforce_eager).
         """
         vllm = require_vllm()
@@ -121,6 +132,8 @@ class VLLMEngine:
             model_path = self._tmp.name
             model.save_pretrained(model_path)
             tokenizer.save_pretrained(model_path)
+        if dtype == "auto":
+            dtype = serving_dtype(next(model.parameters()).dtype, torch.cuda.is_bf16_supported())
         self.llm = vllm.LLM(
             model=model_path,
             tokenizer=model_path,

@@ -113,16 +113,25 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def resolve_precision(precision: str, device: torch.device | str) -> str:
+    """`trainer.precision` for `device`: "auto" -> "bf16" on a CUDA device that supports
+    bfloat16, else "fp32"; "fp32" | "bf16" -> itself."""
+    if precision == "auto":
+        on_cuda = torch.device(device).type == "cuda"
+        return "bf16" if on_cuda and torch.cuda.is_bf16_supported() else "fp32"
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"unknown precision {precision!r}; choose auto, fp32 or bf16")
+    return precision
+
+
 def autocast(precision: str, device: torch.device | str) -> contextlib.AbstractContextManager[Any]:
-    """bfloat16 autocast on `device` when precision is `bf16`; a no-op for `fp32`.
+    """bfloat16 autocast on `device` when precision resolves to `bf16`; a no-op for `fp32`.
 
     Master weights and gradients stay in fp32; only the forward's matmuls run in bf16.
     """
-    if precision == "fp32":
+    if resolve_precision(precision, device) == "fp32":
         return contextlib.nullcontext()
-    if precision == "bf16":
-        return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
-    raise ValueError(f"unknown precision {precision!r}; choose fp32 or bf16")
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
 
 
 @dataclass

@@ -218,7 +218,7 @@ class DPOTrainer:
         if isinstance(model, torch.nn.Module):
             self.model = model if is_peft(model) else apply_lora(model, args.model.lora)
         else:
-            self.model = build_model(args.model, self.tokenizer)
+            self.model = build_model(args.model, self.tokenizer, train=True)
         self.reference: Reference | None = None
         if args.algorithm.precompute_ref_log_probs:
             self._precompute(

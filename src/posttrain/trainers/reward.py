@@ -49,7 +49,7 @@ from posttrain.config.preference import RMConfig
 from posttrain.data.preference import pair_collate, prepare_pairs
 from posttrain.logging import get_logger
 from posttrain.models.builtin import BuiltinLM
-from posttrain.models.factory import build_model
+from posttrain.models.factory import build_model, warn_low_precision_weights
 from posttrain.models.heads import ScalarHeadModel
 from posttrain.models.loading import resolve_device, resolve_dtype
 from posttrain.models.lora import LLAMA_LINEARS, is_peft
@@ -106,11 +106,16 @@ def build_reward_model(cfg: ModelConfig, tokenizer: Any) -> torch.nn.Module:
     model keeps its own) or a fresh built-in `model.init`; LoRA when `model.lora.r > 0`."""
     if cfg.lora.quantize != "none":
         raise ConfigError("model.lora.quantize: quantized reward-model training is not supported; set none")
+    full_finetune = cfg.lora.r == 0
     if cfg.path is not None:
         device = resolve_device(cfg.device)
-        model = ScalarHeadModel.from_pretrained(cfg.path, device, resolve_dtype(cfg.dtype, device), cfg.impl)
+        dtype = resolve_dtype(cfg.dtype, device, trained=full_finetune)
+        if full_finetune:
+            warn_low_precision_weights(dtype, "model.dtype")
+        model = ScalarHeadModel.from_pretrained(cfg.path, device, dtype, cfg.impl)
     else:
-        lm = build_model(ModelConfig(init=cfg.init, device=cfg.device, dtype=cfg.dtype), tokenizer)
+        fresh = ModelConfig(init=cfg.init, device=cfg.device, dtype=cfg.dtype)
+        lm = build_model(fresh, tokenizer, train=full_finetune)
         model = ScalarHeadModel(lm.model, lm.config)  # lm is dropped: its decoder needs no copy
     text_config = model.config if model.is_builtin else model.config.get_text_config()
     if text_config.pad_token_id is None:  # saved config.json needs one (see heads.save_pretrained)

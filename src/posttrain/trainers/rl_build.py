@@ -104,7 +104,8 @@ def build_critic(cfg: RLConfig, policy: torch.nn.Module, value_model: Any, guard
         return Critic(head_on_policy(policy), settings, trainer, cfg.trainer.max_steps, policy=policy, guard=guard)
     if value_model is None and c.model_path is not None:
         device = resolve_device(cfg.model.device)
-        value_model = ScalarHeadModel.from_pretrained(c.model_path, device, resolve_dtype(cfg.model.dtype, device))
+        dtype = resolve_dtype(cfg.model.dtype, device, trained=True)  # the critic trains every weight
+        value_model = ScalarHeadModel.from_pretrained(c.model_path, device, dtype)
     if value_model is None:
         value_model = ScalarHeadModel.from_causal_lm(policy, init_std=0.0)
     return Critic(value_model, settings, trainer, cfg.trainer.max_steps, guard=guard)
@@ -116,7 +117,7 @@ def build_roles(cfg: RLConfig, tokenizer: Any, model: Any, reward_funcs: Any, va
 
     reward = build_reward(cfg, reward_funcs)
     if not isinstance(model, torch.nn.Module):
-        model = build_model(cfg.model, tokenizer)
+        model = build_model(cfg.model, tokenizer, train=True)
     kl, a, t = cfg.algorithm.kl, cfg.actor, cfg.trainer
     temperature = cfg.rollout.temperature
     ref = None

@@ -81,7 +81,7 @@ class SFTTrainer:
             self.eval_examples, _ = self._prepare(self.eval_rows, eval_fmt)
         if args.eval.task is not None:
             check(self.eval_rows is not None, "eval.task", "needs held-out data: set data.eval_files")
-        self.model = model if isinstance(model, torch.nn.Module) else build_model(args.model, self.tokenizer)
+        self.model = model if isinstance(model, torch.nn.Module) else build_model(args.model, self.tokenizer, train=True)
 
     def _load(self, source: Any) -> tuple[Any, str]:
         """Read and validate rows; the format is `data.format` or detected."""
