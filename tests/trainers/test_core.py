@@ -14,11 +14,11 @@ from posttrain.trainers.core import (
     StepResult,
     TrainingDiverged,
     autocast,
-    resolve_precision,
     build_optimizer,
     build_scheduler,
     lr_factor,
     merge_metrics,
+    resolve_precision,
     set_seed,
     train_step,
 )
