@@ -25,6 +25,11 @@ N_blk = parameters of the decoder blocks' linear layers, H·V the output head
 per repeat (the runs are adjacent in time) and given as median [min–max], by CPU
 time and by wall clock.
 
+A last row per preset bounds what any fp32 engine could do on this machine (roofline):
+the matmuls at the measured matmul peak plus every cached key and value read once per
+decode step at the measured read bandwidth (a 32 MB `sum`, best of 10), and the speed-up
+over the hf engine that this floor would give (`decode_floor_s`).
+
 A second table measures the compaction policy (`compact_fraction`) on a workload
 where rows stop at different times, as in RL: tiny preset, 8 stop tokens of the
 262 ids, so a row ends with probability ~3% per step; the hf engine runs the same
@@ -58,6 +63,15 @@ def matmul_peak_gflops(size: int = 2048, tries: int = 5) -> float:
     return 2 * size**3 / best / 1e9
 
 
+def read_bandwidth_gbs(mb: int = 32, tries: int = 10) -> float:
+    """GB per CPU-second that one `sum` streams from a fp32 tensor of `mb` MB (best of
+    `tries`): a KV cache of this size is read at about this rate, at best."""
+    x = torch.randn(mb * 2**20 // 4)
+    x.sum()
+    best = min(_timed(x.sum)[1] for _ in range(tries))
+    return mb * 2**20 / best / 1e9
+
+
 def _timed(fn):
     """(wall seconds, process CPU seconds, fn())."""
     wall, cpu = time.perf_counter(), time.process_time()
@@ -85,6 +99,29 @@ def decode_flops(model: BuiltinLM, prompt_lens: list[int], new_tokens: int) -> f
     )
 
 
+def decode_floor_s(
+    model: BuiltinLM, prompt_lens: list[int], new_tokens: int, peak: float, bandwidth: float
+) -> float:
+    """A lower bound on the CPU seconds any fp32 engine needs for the workload (roofline):
+    the matmuls at the measured peak, `(2·N_blk·(p + S) + 2·H·V·S) / peak`, plus reading
+    every cached key and value once per decode step at the measured read bandwidth,
+    `Σ_rows Σ_{j=p+1}^{p+S-1} 2·L·nkv·D·4 bytes · j / bandwidth` (the step that feeds
+    position j reads j cached positions), each at its own roof."""
+    c = model.config
+    n_blk = sum(
+        m.weight.numel()
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and name != "lm_head"
+    )
+    matmul = sum(
+        2 * n_blk * (p + new_tokens) + 2 * c.hidden_size * c.vocab_size * new_tokens
+        for p in prompt_lens
+    )
+    per_position = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4
+    kv = sum(per_position * sum(range(p + 1, p + new_tokens)) for p in prompt_lens)
+    return matmul / (peak * 1e9) + kv / (bandwidth * 1e9)
+
+
 def build_models(preset: str, vocab: int, tmp: str):
     from transformers import LlamaForCausalLM
 
@@ -97,7 +134,9 @@ def build_models(preset: str, vocab: int, tmp: str):
     return model, hf
 
 
-def bench_preset(preset: str, prompts: list[str], tok, repeats: int, peak: float) -> list[str]:
+def bench_preset(
+    preset: str, prompts: list[str], tok, repeats: int, peak: float, bandwidth: float
+) -> list[str]:
     with tempfile.TemporaryDirectory() as tmp:
         model, hf = build_models(preset, len(tok), tmp)
         runs = {
@@ -105,7 +144,9 @@ def bench_preset(preset: str, prompts: list[str], tok, repeats: int, peak: float
             "hf": (make_engine("hf", hf, tok), True),
             "hf generate only": (make_engine("hf", hf, tok), False),
         }
-        flops = decode_flops(model, [len(tok(p)["input_ids"]) for p in prompts], NEW_TOKENS)
+        prompt_lens = [len(tok(p)["input_ids"]) for p in prompts]
+        flops = decode_flops(model, prompt_lens, NEW_TOKENS)
+        floor = decode_floor_s(model, prompt_lens, NEW_TOKENS, peak, bandwidth)
         for engine, _ in runs.values():  # warm-up
             engine.generate(prompts[:4], SamplingParams(max_new_tokens=4))
         results = {name: [] for name in runs}
@@ -137,6 +178,12 @@ def bench_preset(preset: str, prompts: list[str], tok, repeats: int, peak: float
             f"| {flops / cpu / 1e9:.1f} | {100 * flops / cpu / 1e9 / peak:.0f}% "
             f"| {cells[0]} | {cells[1]} |"
         )
+    hf_cpu = [h[1] for h in results["hf"]]
+    rows.append(
+        f"| {preset} | roofline floor (bound on any engine) | {tokens / floor:,.0f} "
+        f"| {flops / floor / 1e9:.1f} | {100 * flops / floor / 1e9 / peak:.0f}% "
+        f"| ≤ {statistics.median(hf_cpu) / floor:.2f}x over hf | – |"
+    )
     return rows
 
 
@@ -213,6 +260,7 @@ def main() -> None:
     if args.profile:
         return profile(args.presets[0], prompts, tok)
     peak = matmul_peak_gflops()
+    bandwidth = read_bandwidth_gbs()
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model_name = next(
         (
@@ -224,7 +272,8 @@ def main() -> None:
     )
     print(
         f"# {time.strftime('%Y-%m-%d %H:%M %Z')}, {model_name}, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads; fp32 matmul peak {peak:.0f} GFLOP per CPU-second",
+        f"{torch.get_num_threads()} threads; fp32 matmul peak {peak:.0f} GFLOP per CPU-second, "
+        f"read bandwidth {bandwidth:.1f} GB per CPU-second (32 MB)",
         flush=True,
     )
     table = [
@@ -233,7 +282,7 @@ def main() -> None:
         "|---|---|---|---|---|---|---|",
     ]
     for preset in args.presets:
-        table += bench_preset(preset, prompts, tok, args.repeats, peak)
+        table += bench_preset(preset, prompts, tok, args.repeats, peak, bandwidth)
     print("\n".join(table))
     print(
         "\n| engine (rows stop early) | tokens | decode steps | compactions | cpu s | wall s "
