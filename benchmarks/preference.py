@@ -18,7 +18,7 @@ and dpo, which always train):
           fit its pairs without generalising?)
 
     python benchmarks/preference.py --out runs/bench_pref [--task-options key=value ...] \\
-        [--stages data,sft,sample,rm,dpo] [--n-pairs 32000] [--pairs-per-prompt 4] [--sampled-pairs 2000] [--dpo-pairs sampled] \\
+        [--stages data,sft,sample,rm,dpo] [--n-pairs 32000] [--pairs-per-prompt 4] [--bare-fraction 0] [--sampled-pairs 2000] [--dpo-pairs sampled] \\
         [--rm key=value ...] [--dpo key=value ...] [--sft-overrides key=value ...]
 
 Writes OUT/preference.json: settings, accuracies and wall seconds per stage.
@@ -47,7 +47,7 @@ def stage_data(out: Path, a: argparse.Namespace) -> dict[str, Any]:
         make_task("arithmetic", out / "data" / "sft", n_train=a.n_sft, n_test=N_TEST, seed=0, **a.task_options)
     if not (out / "data" / "pref" / "train.jsonl").exists():
         make_preferences("arithmetic", out / "data" / "pref", n_train=a.n_pairs, n_test=N_TEST, seed=0,
-                         pairs_per_prompt=a.pairs_per_prompt, **a.task_options)
+                         pairs_per_prompt=a.pairs_per_prompt, bare_fraction=a.bare_fraction, **a.task_options)
     return {}
 
 
@@ -87,13 +87,18 @@ def stage_rm(out: Path, a: argparse.Namespace) -> dict[str, Any]:
     prompts = [r["prompt"] for r in rows]
     right = [c > w for c, w in zip(scorer(prompts, [r["chosen"] for r in rows]),
                                    scorer(prompts, [r["rejected"] for r in rows]))]
-    by_error: dict[str, list[bool]] = {}
-    for row, ok in zip(rows, right):
-        by_error.setdefault(row["error"], []).append(ok)
+    def accuracy_by(column: str) -> dict[str, float]:
+        groups: dict[str, list[bool]] = {}
+        for row, ok in zip(rows, right):
+            if column in row:
+                groups.setdefault(row[column], []).append(ok)
+        return {k: round(sum(v) / len(v), 3) for k, v in sorted(groups.items())}
+
     return {
         "rm_eval_accuracy": result.metrics.get("eval/accuracy"),
         "rm_pairwise_accuracy_via_reward_model": sum(right) / len(rows),
-        "rm_accuracy_by_error": {k: round(sum(v) / len(v), 3) for k, v in sorted(by_error.items())},
+        "rm_accuracy_by_error": accuracy_by("error"),
+        **({"rm_accuracy_by_form": accuracy_by("form")} if "form" in rows[0] else {}),
         "rm_steps": cfg.trainer.max_steps,
     }
 
@@ -167,6 +172,8 @@ def main() -> None:
     p.add_argument("--n-pairs", type=int, default=32000, help="constructed training pairs")
     p.add_argument("--pairs-per-prompt", type=int, default=4,
                    help="constructed training pairs per prompt, each with a different mistake")
+    p.add_argument("--bare-fraction", type=float, default=0.0,
+                   help="constructed pairs: each side written without its steps with this probability")
     p.add_argument("--sampled-pairs", type=int, default=2000, help="sampled training pairs (sample stage)")
     p.add_argument("--dpo-pairs", default="pref", choices=["pref", "sampled"],
                    help="DPO training pairs: constructed (pref) or sampled from the SFT model")

@@ -166,6 +166,10 @@ def _add_make_preferences(data_sub: Any) -> None:
     p.add_argument("--pairs-per-prompt", type=int, default=1, metavar="K",
                    help="constructed training pairs per prompt, each with a different mistake (default 1); "
                    "more distinct pairs than the task has prompts. Test pairs stay one per prompt")
+    p.add_argument("--bare-fraction", type=float, default=0.0, metavar="P",
+                   help="constructed pairs: write each side without its steps (the answer line alone) with "
+                   "probability P, and add guessed answers to the mistakes (default 0). 0.5 teaches a reward "
+                   "model to check bare answers too, which RL against it otherwise exploits")
     p.add_argument("options", nargs="*", metavar="key=value", help="task options, e.g. difficulty=easy")
     p.set_defaults(handler=_handle_make_preferences)
 
@@ -177,7 +181,8 @@ def _handle_make_preferences(args: argparse.Namespace) -> int:
     options = dict(parse_override(o) for o in args.options)
     info = make_preferences(
         args.task, args.out, n_train=args.n_train, n_test=args.n_test, seed=args.seed, model=args.model,
-        samples=args.samples, max_new_tokens=args.max_new_tokens, pairs_per_prompt=args.pairs_per_prompt, **options,
+        samples=args.samples, max_new_tokens=args.max_new_tokens, pairs_per_prompt=args.pairs_per_prompt,
+        bare_fraction=args.bare_fraction, **options,
     )
     print(f"wrote {info['n_train']} train and {info['n_test']} test pairs of {args.task} to {args.out}")
     if "counts" in info:

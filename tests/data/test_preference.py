@@ -175,6 +175,32 @@ def test_constructed_pairs_show_steps_on_both_sides_whatever_worked_is(tmp_path)
                 assert chosen[:2] == rejected[:2]
 
 
+def test_bare_fraction_mixes_forms_evenly_and_keeps_every_pair_right_and_wrong(tmp_path):
+    info = make_preferences("arithmetic", tmp_path / "bare", n_train=2000, n_test=50, seed=0, bare_fraction=0.5)
+    task = get_task("arithmetic")
+    train = load_rows(info["train"])
+    forms: dict[str, int] = {}
+    for row in train:
+        assert task.score(row["chosen"], row["answer"]) == 1.0
+        assert task.score(row["rejected"], row["answer"]) == 0.0
+        chosen_form, rejected_form = row["form"].split("/")
+        for side, form in (("chosen", chosen_form), ("rejected", rejected_form)):
+            assert (len(row[side].splitlines()) == 1) == (form == "bare"), row  # 3 operands: steps unless bare
+        forms[row["form"]] = forms.get(row["form"], 0) + 1
+    # Each of the four combinations near a quarter: the form says nothing about which side is right.
+    assert set(forms) == {"worked/worked", "worked/bare", "bare/worked", "bare/bare"}
+    assert all(400 <= n <= 600 for n in forms.values()), forms
+    guesses = [r for r in train if r["error"] == "guess"]
+    assert guesses and {r["rejected"].splitlines()[-1] for r in guesses} & {"Answer: 0", "Answer: 1"}
+    assert "form" in load_rows(info["test"])[0]
+    assert json.loads(info["meta"].read_text())["bare_fraction"] == 0.5
+    # The default writes no form column and the same pairs as before the option existed.
+    plain = load_rows(make_preferences("arithmetic", tmp_path / "plain", n_train=50, n_test=0, seed=0)["train"])
+    assert all("form" not in r for r in plain) and {r["error"] for r in plain} <= {*ERRORS, "answer_typo"}
+    with pytest.raises(ValueError, match="bare_fraction"):
+        make_preferences("arithmetic", tmp_path / "x", n_train=4, n_test=0, bare_fraction=1.5)
+
+
 class _FakeEngine:
     """Answers `2+3=` right on even samples, wrong on odd ones; `9-9=` always wrong."""
 
@@ -228,5 +254,8 @@ def test_cli_make_preferences(tmp_path, capsys):
     assert main(["data", "make-preferences", "--task", "arithmetic", "--out", str(tmp_path / "k"), "--n-train", "20",
                  "--n-test", "5", "--pairs-per-prompt", "2"]) == 0
     assert len({r["prompt"] for r in load_rows(tmp_path / "k" / "train.jsonl")}) == 10
+    assert main(["data", "make-preferences", "--task", "arithmetic", "--out", str(tmp_path / "b"), "--n-train", "40",
+                 "--n-test", "5", "--bare-fraction", "0.5"]) == 0
+    assert {r["form"].split("/")[0] for r in load_rows(tmp_path / "b" / "train.jsonl")} == {"bare", "worked"}
     assert main(["data", "make-preferences", "--task", "countdown", "--out", str(out)]) == 1
     assert "pass a model" in capsys.readouterr().err

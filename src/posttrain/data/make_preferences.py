@@ -15,7 +15,9 @@ Two sources:
   one, a dropped or extra carry (±10), one wrong digit, the result of the wrong operator, or
   a right working with a mistyped final answer. A mistake in a step is carried through the
   later steps, as a person's would be, so the working stays self-consistent. Every rejected
-  completion scores 0 with the task's scorer (checked). Arithmetic only.
+  completion scores 0 with the task's scorer (checked). With `bare_fraction` > 0 either side
+  may be written without its steps (the answer line alone), and a guessed final answer joins
+  the mistakes (see `arithmetic_pair`). Arithmetic only.
 - sampled (`model`): `samples` completions per prompt at temperature 1 from the model (native
   engine for Llama checkpoints, else transformers' generate), scored with the task's scorer;
   a prompt with at least one right and one wrong sample gives a pair (the first of each, a
@@ -101,9 +103,15 @@ def solve_with_mistake(nums: list[int], ops: list[str], at: int | None = None,
     return acc, steps
 
 
-def arithmetic_pair(row: Mapping[str, Any], rng: random.Random) -> tuple[str, str, str]:
-    """(chosen, rejected, mistake) for an arithmetic row: its worked solution, and the same
-    solution with one mistake.
+def _guess(nums: list[int], right: int, rng: random.Random) -> int:
+    """A final answer not computed from the problem (0, 1 or one of its numbers), not `right`."""
+    options = sorted({0, 1, nums[0], nums[-1]} - {right})
+    return rng.choice(options) if options else right + 1
+
+
+def arithmetic_pair(row: Mapping[str, Any], rng: random.Random, bare_fraction: float = 0.0) -> tuple[str, str, dict]:
+    """(chosen, rejected, columns) for an arithmetic row: its worked solution, and the same
+    solution with one mistake; columns = {"error": the mistake} (and "form", below).
 
     Both show their steps (three or more operands; two-operand problems show the answer line
     only, as `ArithmeticTask`), whatever share of the task's demonstrations skip them
@@ -111,6 +119,14 @@ def arithmetic_pair(row: Mapping[str, Any], rng: random.Random) -> tuple[str, st
     would let a reward model prefer the shorter text without checking any arithmetic. Draws a
     mistake (one of `ERRORS` at a random step, or `answer_typo`: right steps, a final answer
     off by one) until the final answer differs from the right one.
+
+    bare_fraction > 0: each side is written bare (the answer line alone) with this
+    probability, drawn for chosen and rejected independently, and recorded as
+    columns["form"] = "<chosen form>/<rejected form>" ("worked" or "bare"). At 0.5 the four
+    combinations are equally likely, so a reward model cannot rank by form and must check
+    bare answers too, which a policy that drops its working would otherwise exploit. Mistakes
+    then also include `guess`: right steps with a final answer not computed from the problem
+    (0, 1, or one of its numbers: the answers such a policy falls back on).
     """
     tokens = _TOKEN.findall(row["prompt"])
     nums, ops = [int(t) for t in tokens[::2]], tokens[1::2]
@@ -118,26 +134,38 @@ def arithmetic_pair(row: Mapping[str, Any], rng: random.Random) -> tuple[str, st
     if right != int(row["answer"]):
         raise ValueError(f"arithmetic row {row['prompt']!r}: answer {row['answer']!r}, but the steps give {right}")
     show_steps = len(nums) >= 3
-    chosen = format_completion(right_steps if show_steps else [], right)
     kinds = [*ERRORS, "answer_typo"] if show_steps else list(ERRORS)
+    if bare_fraction > 0:
+        kinds.append("guess")
     while True:
         kind = rng.choice(kinds)
         if kind == "answer_typo":
             value, steps = _off_by_one(0, "+", 0, right, rng), right_steps
+        elif kind == "guess":
+            value, steps = _guess(nums, right, rng), right_steps
         else:
             at = rng.randrange(len(ops))
             value, steps = solve_with_mistake(nums, ops, at, partial(ERRORS[kind], rng=rng))
         if value != right:
-            return chosen, format_completion(steps if show_steps else [], value), kind
+            break
+    if bare_fraction <= 0:
+        return format_completion(right_steps if show_steps else [], right), \
+            format_completion(steps if show_steps else [], value), {"error": kind}
+    worked = [show_steps and rng.random() >= bare_fraction for _ in range(2)]
+    chosen = format_completion(right_steps if worked[0] else [], right)
+    rejected = format_completion(steps if worked[1] else [], value)
+    return chosen, rejected, {"error": kind, "form": "/".join("worked" if w else "bare" for w in worked)}
 
 
-PAIR_MAKERS: dict[str, Callable[[Mapping[str, Any], random.Random], tuple[str, str, str]]] = {
-    "arithmetic": arithmetic_pair,
-}
-"""Tasks whose pairs can be constructed without a model: row, rng -> (chosen, rejected, mistake)."""
+PairMaker = Callable[[Mapping[str, Any], random.Random, float], tuple[str, str, dict]]
+"""row, rng, bare_fraction -> (chosen, rejected, extra columns of the pair)."""
+
+PAIR_MAKERS: dict[str, PairMaker] = {"arithmetic": arithmetic_pair}
+"""Tasks whose pairs can be constructed without a model."""
 
 
-def _constructed(task: Task, rows: list[dict], rng: random.Random, per_prompt: int = 1) -> list[dict]:
+def _constructed(task: Task, rows: list[dict], rng: random.Random, per_prompt: int = 1,
+                 bare_fraction: float = 0.0) -> list[dict]:
     """`per_prompt` pairs of each row: its right completion against that many different
     wrong ones (fewer when the task's mistakes run out: 20 draws per pair at most)."""
     if task.name not in PAIR_MAKERS:
@@ -148,7 +176,7 @@ def _constructed(task: Task, rows: list[dict], rng: random.Random, per_prompt: i
     for row in rows:
         seen: set[str] = set()
         for _ in range(20 * per_prompt):
-            chosen, rejected, kind = PAIR_MAKERS[task.name](row, rng)
+            chosen, rejected, columns = PAIR_MAKERS[task.name](row, rng, bare_fraction)
             if rejected in seen:
                 continue
             if task.score(chosen, row["answer"]) != 1.0 or task.score(rejected, row["answer"]) != 0.0:
@@ -156,7 +184,7 @@ def _constructed(task: Task, rows: list[dict], rng: random.Random, per_prompt: i
                     f"constructed pair for {row['prompt']!r} is not right/wrong: {chosen!r} / {rejected!r}"
                 )
             seen.add(rejected)
-            pairs.append(_pair(row, task, chosen, rejected, "constructed", error=kind))
+            pairs.append(_pair(row, task, chosen, rejected, "constructed", **columns))
             if len(seen) == per_prompt:
                 break
     return pairs
@@ -236,6 +264,7 @@ def make_preferences(
     batch_size: int = 64,
     max_prompts_factor: int = 20,
     pairs_per_prompt: int = 1,
+    bare_fraction: float = 0.0,
     **options: Any,
 ) -> dict[str, Any]:
     """Write preference pairs for `task` into `out_dir` (see the module doc).
@@ -244,7 +273,8 @@ def make_preferences(
     pairs only) gives each training prompt that many different wrong completions against its
     right one, so n_train pairs come from n_train / pairs_per_prompt prompts: more distinct
     pairs than a task has prompts. The test split keeps one pair per prompt, so held-out
-    figures do not depend on it. Returns {"train", "test", "meta": Path, "n_train",
+    figures do not depend on it. `bare_fraction` (constructed pairs only; both splits) writes
+    each side without its steps with that probability (`arithmetic_pair`). Returns {"train", "test", "meta": Path, "n_train",
     "n_test": pairs written, and, when sampled, "counts"}.
     """
     if n_train < 0 or n_test < 0 or samples < 2 or pairs_per_prompt < 1:
@@ -253,6 +283,11 @@ def make_preferences(
     if model is not None and pairs_per_prompt != 1:
         raise ValueError("pairs_per_prompt > 1 is for constructed pairs; sampled pairs are one per prompt "
                          "(drop the model, or pairs_per_prompt)")
+    if not 0 <= bare_fraction <= 1:
+        raise ValueError(f"bare_fraction must be in [0, 1], got {bare_fraction}")
+    if model is not None and bare_fraction > 0:
+        raise ValueError("bare_fraction is for constructed pairs; sampled pairs are the model's own text "
+                         "(drop the model, or bare_fraction)")
     t = get_task(task, **options)
     rng, seen = random.Random(seed), set()
     n_prompts = -(-n_train // pairs_per_prompt) + n_test  # ceil: what the splits ask of the task
@@ -262,7 +297,7 @@ def make_preferences(
         if sampler is None:
             k = pairs_per_prompt if split == "train" else 1
             prompts = _draw_unique(t, -(-n // k), rng, seen, n_prompts)
-            splits[split] = _constructed(t, prompts, rng, k)[:n]
+            splits[split] = _constructed(t, prompts, rng, k, bare_fraction)[:n]
         elif split == "test":  # exactly the held-out prompts, whatever the yield
             splits[split] = sampler.pairs(t, _draw_unique(t, n, rng, seen, n_prompts))
         else:
@@ -276,6 +311,7 @@ def make_preferences(
     meta = {"task": task, "options": t.options, "seed": seed, "source": "sampled" if model else "constructed",
             "model": model, "samples": samples if model else None, "counts": counts,
             "pairs_per_prompt": pairs_per_prompt,
+            **({"bare_fraction": bare_fraction} if bare_fraction > 0 else {}),
             **({"sampling": sampler.counts} if sampler else {})}
     paths["meta"].write_text(json.dumps(meta, sort_keys=True, indent=2) + "\n", encoding="utf-8")
     result = {**paths, "n_train": counts["train"], "n_test": counts["test"]}
