@@ -9,7 +9,9 @@ and dpo, which always train):
           (`make_preferences(model=...)`), --sampled-pairs of them
   rm      recipes/rm_arithmetic.yaml from the SFT checkpoint on the constructed pairs; target
           >= 90% pairwise accuracy on the 500 held-out pairs, measured through
-          `posttrain.rewards.reward_model` (what `posttrain ppo reward.model_path=...` loads)
+          `posttrain.rewards.reward_model` (what `posttrain ppo reward.model_path=...` loads);
+          also on the held-out sampled pairs when the sample stage ran (the SFT model's own
+          mistakes); `--rm "data.train_files=[...]"` trains on other or more files
   judge   the SFT model's own preference on the same held-out pairs, log π(chosen) > log π(rejected)
           (summed response log-probs, as DPO reads them): what the backbone already knows
   dpo     recipes/dpo_arithmetic.yaml from the SFT checkpoint on --dpo-pairs; held-out task
@@ -82,11 +84,17 @@ def stage_rm(out: Path, a: argparse.Namespace) -> dict[str, Any]:
         f"data.eval_files=[{pairs / 'test.jsonl'}]", f"trainer.output_dir={out / 'rm'}", *QUIET, *a.rm,
     ])
     result = run_rm(cfg)
-    rows = load_rows(pairs / "test.jsonl")
     scorer = reward_model(result.final_dir, device="cpu", dtype="float32")
-    prompts = [r["prompt"] for r in rows]
-    right = [c > w for c, w in zip(scorer(prompts, [r["chosen"] for r in rows]),
-                                   scorer(prompts, [r["rejected"] for r in rows]))]
+
+    def ranked_right(rows: list[dict]) -> list[bool]:
+        prompts = [r["prompt"] for r in rows]
+        return [c > w for c, w in zip(scorer(prompts, [r["chosen"] for r in rows]),
+                                      scorer(prompts, [r["rejected"] for r in rows]))]
+
+    rows = load_rows(pairs / "test.jsonl")
+    right = ranked_right(rows)
+    sampled = out / "data" / "sampled" / "test.jsonl"  # the SFT model's own right and wrong answers
+    sampled_right = ranked_right(load_rows(sampled)) if sampled.exists() else []
     def accuracy_by(column: str) -> dict[str, float]:
         groups: dict[str, list[bool]] = {}
         for row, ok in zip(rows, right):
@@ -99,6 +107,7 @@ def stage_rm(out: Path, a: argparse.Namespace) -> dict[str, Any]:
         "rm_pairwise_accuracy_via_reward_model": sum(right) / len(rows),
         "rm_accuracy_by_error": accuracy_by("error"),
         **({"rm_accuracy_by_form": accuracy_by("form")} if "form" in rows[0] else {}),
+        **({"rm_pairwise_accuracy_sampled_pairs": sum(sampled_right) / len(sampled_right)} if sampled_right else {}),
         "rm_steps": cfg.trainer.max_steps,
     }
 
