@@ -44,10 +44,7 @@ def build_model(cfg: ModelConfig, tokenizer: Any, *, train: bool = False) -> nn.
     forward's dtype); a frozen LoRA base, or a model that is only run, is bfloat16 on CUDA.
     """
     device = resolve_device(cfg.device)
-    full_finetune = train and cfg.lora.r == 0
-    dtype = resolve_dtype(cfg.dtype, device, trained=full_finetune)
-    if full_finetune:
-        warn_low_precision_weights(dtype, "model.dtype")
+    dtype = weights_dtype(cfg.dtype, device, trained=train and cfg.lora.r == 0)
     if cfg.init is not None:
         model = BuiltinLM.from_preset(
             cfg.init,
@@ -71,17 +68,20 @@ def build_model_and_tokenizer(cfg: ModelConfig) -> tuple[nn.Module, Any]:
     return build_model(cfg, tokenizer), tokenizer
 
 
-def warn_low_precision_weights(dtype: torch.dtype, option: str) -> None:
-    """Log a warning when the weights an optimizer updates are 16-bit: AdamW then updates
-    them in bfloat16/float16, whose 8/11-bit mantissa rounds away updates smaller than
-    ~1/256 (bf16) of a weight, so small learning rates stop changing the model."""
-    if dtype in (torch.bfloat16, torch.float16):
+def weights_dtype(dtype: str, device: torch.device, *, trained: bool) -> torch.dtype:
+    """`resolve_dtype` for `model.dtype`, logging a warning when the weights an optimizer
+    updates (`trained`) come out 16-bit: AdamW then updates them in bfloat16/float16, whose
+    8/11-bit mantissa rounds away updates smaller than ~1/256 (bf16) of a weight."""
+    resolved = resolve_dtype(dtype, device, trained=trained)
+    if trained and resolved in (torch.bfloat16, torch.float16):
+        name = str(resolved).removeprefix("torch.")
         logger.warning(
-            "%s=%s: the trained weights are %s with no float32 master copy, so small updates "
-            "round away. Prefer %s=auto (float32 weights) with trainer.precision=bf16 (or auto), "
-            "which runs the forward in bfloat16.",
-            option, str(dtype).removeprefix("torch."), str(dtype).removeprefix("torch."), option,
+            "model.dtype=%s: the trained weights are %s with no float32 master copy, so small "
+            "updates round away. Prefer model.dtype=auto (float32 weights) with "
+            "trainer.precision=bf16 (or auto), which runs the forward in bfloat16.",
+            name, name,
         )
+    return resolved
 
 
 def _load_quantized(cfg: ModelConfig, dtype: Any) -> nn.Module:

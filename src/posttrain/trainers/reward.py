@@ -49,9 +49,9 @@ from posttrain.config.preference import RMConfig
 from posttrain.data.preference import pair_collate, prepare_pairs
 from posttrain.logging import get_logger
 from posttrain.models.builtin import BuiltinLM
-from posttrain.models.factory import build_model, warn_low_precision_weights
+from posttrain.models.factory import build_model, weights_dtype
 from posttrain.models.heads import ScalarHeadModel
-from posttrain.models.loading import resolve_device, resolve_dtype
+from posttrain.models.loading import resolve_device
 from posttrain.models.lora import LLAMA_LINEARS, is_peft
 from posttrain.trainers.batches import EpochBatches
 from posttrain.trainers.core import LossFn, merge_metrics
@@ -109,9 +109,7 @@ def build_reward_model(cfg: ModelConfig, tokenizer: Any) -> torch.nn.Module:
     full_finetune = cfg.lora.r == 0
     if cfg.path is not None:
         device = resolve_device(cfg.device)
-        dtype = resolve_dtype(cfg.dtype, device, trained=full_finetune)
-        if full_finetune:
-            warn_low_precision_weights(dtype, "model.dtype")
+        dtype = weights_dtype(cfg.dtype, device, trained=full_finetune)
         model = ScalarHeadModel.from_pretrained(cfg.path, device, dtype, cfg.impl)
     else:
         fresh = ModelConfig(init=cfg.init, device=cfg.device, dtype=cfg.dtype)

@@ -89,8 +89,9 @@ def build_rollout(cfg: RLConfig, model: torch.nn.Module, tokenizer: Any) -> Roll
 
 
 def build_critic(cfg: RLConfig, policy: torch.nn.Module, value_model: Any, guard: BadStepGuard) -> Critic:
+    from posttrain.models.factory import weights_dtype
     from posttrain.models.heads import ScalarHeadModel
-    from posttrain.models.loading import resolve_device, resolve_dtype
+    from posttrain.models.loading import resolve_device
 
     c, a = cfg.critic, cfg.actor
     settings = CriticSettings(
@@ -104,7 +105,7 @@ def build_critic(cfg: RLConfig, policy: torch.nn.Module, value_model: Any, guard
         return Critic(head_on_policy(policy), settings, trainer, cfg.trainer.max_steps, policy=policy, guard=guard)
     if value_model is None and c.model_path is not None:
         device = resolve_device(cfg.model.device)
-        dtype = resolve_dtype(cfg.model.dtype, device, trained=True)  # the critic trains every weight
+        dtype = weights_dtype(cfg.model.dtype, device, trained=True)  # the critic trains every weight
         value_model = ScalarHeadModel.from_pretrained(c.model_path, device, dtype)
     if value_model is None:
         value_model = ScalarHeadModel.from_causal_lm(policy, init_std=0.0)
