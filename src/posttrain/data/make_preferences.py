@@ -4,8 +4,8 @@
     make_preferences("arithmetic", "data/arith_pref", model="runs/sft/final", samples=8)  # sampled
 
 Writes `train.jsonl` and `test.jsonl` (columns prompt, chosen, rejected, answer, task, source,
-and `error` for constructed pairs, `form` too with `bare_fraction`) and `preferences.json` (settings and counts). The same
-arguments give the same bytes. Test prompts are drawn first and never appear in train; with
+and `error` for constructed pairs, `form` too with `bare_fraction`) and `preferences.json`
+(settings and counts). The same arguments give the same bytes. Test prompts are drawn first and never appear in train; with
 the same seed, options and n_test they are exactly `make_task`'s test prompts, so the problems
 an SFT run holds out stay held out from the pairs too.
 
