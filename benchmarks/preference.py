@@ -95,6 +95,7 @@ def stage_rm(out: Path, a: argparse.Namespace) -> dict[str, Any]:
     right = ranked_right(rows)
     sampled = out / "data" / "sampled" / "test.jsonl"  # the SFT model's own right and wrong answers
     sampled_right = ranked_right(load_rows(sampled)) if sampled.exists() else []
+
     def accuracy_by(column: str) -> dict[str, float]:
         groups: dict[str, list[bool]] = {}
         for row, ok in zip(rows, right):

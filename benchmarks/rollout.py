@@ -82,14 +82,18 @@ def _timed(fn):
     return time.perf_counter() - wall, time.process_time() - cpu, out
 
 
-def decode_flops(model: BuiltinLM, prompt_lens: list[int], new_tokens: int) -> float:
-    """The formula in the module docstring, summed over rows."""
-    c = model.config
-    n_blk = sum(
+def block_parameters(model: BuiltinLM) -> int:
+    """N_blk: parameters of the decoder blocks' linear layers (the output head excluded)."""
+    return sum(
         m.weight.numel()
         for name, m in model.named_modules()
         if isinstance(m, torch.nn.Linear) and name != "lm_head"
     )
+
+
+def decode_flops(model: BuiltinLM, prompt_lens: list[int], new_tokens: int) -> float:
+    """The formula in the module docstring, summed over rows."""
+    c, n_blk = model.config, block_parameters(model)
     head = c.hidden_size * c.vocab_size
     attn = 2 * c.num_hidden_layers * c.num_attention_heads * c.head_dim
     return float(
@@ -110,12 +114,7 @@ def decode_floor_s(
     every cached key and value once per decode step at the measured read bandwidth,
     `Σ_rows Σ_{j=p+1}^{p+S-1} 2·L·nkv·D·4 bytes · j / bandwidth` (the step that feeds
     position j reads j cached positions), each at its own roof."""
-    c = model.config
-    n_blk = sum(
-        m.weight.numel()
-        for name, m in model.named_modules()
-        if isinstance(m, torch.nn.Linear) and name != "lm_head"
-    )
+    c, n_blk = model.config, block_parameters(model)
     matmul = sum(
         2 * n_blk * (p + new_tokens) + 2 * c.hidden_size * c.vocab_size * new_tokens
         for p in prompt_lens

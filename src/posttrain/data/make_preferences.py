@@ -5,9 +5,10 @@
 
 Writes `train.jsonl` and `test.jsonl` (columns prompt, chosen, rejected, answer, task, source,
 and `error` for constructed pairs, `form` too with `bare_fraction`) and `preferences.json`
-(settings and counts). The same arguments give the same bytes. Test prompts are drawn first and never appear in train; with
-the same seed, options and n_test they are exactly `make_task`'s test prompts, so the problems
-an SFT run holds out stay held out from the pairs too.
+(settings and counts). The same arguments give the same bytes. Test prompts are drawn first
+and never appear in train; with the same seed, options and n_test they are exactly
+`make_task`'s test prompts, so the problems an SFT run holds out stay held out from the pairs
+too.
 
 Two sources:
 - constructed (no model): chosen is the task's worked completion; rejected is the same
@@ -109,7 +110,9 @@ def _guess(nums: list[int], right: int, rng: random.Random) -> int:
     return rng.choice(options) if options else right + 1
 
 
-def arithmetic_pair(row: Mapping[str, Any], rng: random.Random, bare_fraction: float = 0.0) -> tuple[str, str, dict]:
+def arithmetic_pair(
+    row: Mapping[str, Any], rng: random.Random, bare_fraction: float = 0.0
+) -> tuple[str, str, dict]:
     """(chosen, rejected, columns) for an arithmetic row: its worked solution, and the same
     solution with one mistake; columns = {"error": the mistake} (and "form", below).
 
@@ -148,13 +151,13 @@ def arithmetic_pair(row: Mapping[str, Any], rng: random.Random, bare_fraction: f
             value, steps = solve_with_mistake(nums, ops, at, partial(ERRORS[kind], rng=rng))
         if value != right:
             break
-    if bare_fraction <= 0:
-        return format_completion(right_steps if show_steps else [], right), \
-            format_completion(steps if show_steps else [], value), {"error": kind}
-    worked = [show_steps and rng.random() >= bare_fraction for _ in range(2)]
+    # No draw at bare_fraction 0: the pairs stay those made before the option existed.
+    worked = [show_steps and not (bare_fraction > 0 and rng.random() < bare_fraction) for _ in range(2)]
+    columns = {"error": kind}
+    if bare_fraction > 0:
+        columns["form"] = "/".join("worked" if w else "bare" for w in worked)
     chosen = format_completion(right_steps if worked[0] else [], right)
-    rejected = format_completion(steps if worked[1] else [], value)
-    return chosen, rejected, {"error": kind, "form": "/".join("worked" if w else "bare" for w in worked)}
+    return chosen, format_completion(steps if worked[1] else [], value), columns
 
 
 PairMaker = Callable[[Mapping[str, Any], random.Random, float], tuple[str, str, dict]]
@@ -274,8 +277,8 @@ def make_preferences(
     right one, so n_train pairs come from n_train / pairs_per_prompt prompts: more distinct
     pairs than a task has prompts. The test split keeps one pair per prompt, so held-out
     figures do not depend on it. `bare_fraction` (constructed pairs only; both splits) writes
-    each side without its steps with that probability (`arithmetic_pair`). Returns {"train", "test", "meta": Path, "n_train",
-    "n_test": pairs written, and, when sampled, "counts"}.
+    each side without its steps with that probability (`arithmetic_pair`). Returns {"train",
+    "test", "meta": Path, "n_train", "n_test": pairs written, and, when sampled, "counts"}.
     """
     if n_train < 0 or n_test < 0 or samples < 2 or pairs_per_prompt < 1:
         raise ValueError(f"need n_train, n_test >= 0, samples >= 2 and pairs_per_prompt >= 1; "
