@@ -30,6 +30,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from posttrain.data.prompts import collate_prompts
+
 B = TypeVar("B", bound="BatchOps")
 
 _WIDE = ("prompt", "response")
@@ -265,6 +267,11 @@ class RLBatch(BatchOps):
     where it gave None), `total` (their weighted sum, before shaping), `correct` (0/1)."""
     meta: dict[str, Any] = field(default_factory=dict, metadata={"kind": "meta"})
     """Facts about the whole batch (e.g. {"n": 8})."""
+
+    @classmethod
+    def from_prompts(cls, examples: Sequence[dict], pad_id: int) -> RLBatch:
+        """A batch holding only prompts, from `data.prompts.load_prompts` examples."""
+        return cls(**collate_prompts(examples, pad_id))
 
     # -------------------------------------------------------------- derived views
 
