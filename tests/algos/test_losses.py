@@ -159,6 +159,26 @@ def test_value_loss_by_hand():
     assert metrics["vf_clip_frac"].item() == 0.0
 
 
+def test_value_clip_frac_ignores_last_bit_rounding():
+    # |V − V_old| = 0.059 < c = 0.2: the clip does not bind, but in float64
+    # V_old + (V − V_old) is V − 3.5e-18, whose error is larger by 7e-18.
+    v, v_old, r = 0.01829948726200419, 0.07739375860330931, 0.20852995374718417
+    values, old, returns = (torch.tensor([[x]], dtype=torch.float64) for x in (v, v_old, r))
+    loss, metrics = value_loss(values, old, returns, torch.ones(1, 1), clip=0.2)
+    assert metrics["vf_clip_frac"].item() == 0.0
+    assert loss.item() == pytest.approx(0.5 * (v - r) ** 2)
+
+
+def test_value_clip_frac_counts_only_the_clip_that_decides_the_loss():
+    # V_old = 1, c = 0.2, R = 2: V = 1.5 is clipped to 1.2, farther from R → counted;
+    # V = 0.5 is clipped to 0.8, nearer to R → the unclipped error is taken, not counted
+    values = torch.tensor([[1.5, 0.5]], dtype=torch.float64)
+    old = torch.ones(1, 2, dtype=torch.float64)
+    returns = torch.full((1, 2), 2.0, dtype=torch.float64)
+    _, metrics = value_loss(values, old, returns, torch.ones(1, 2), clip=0.2)
+    assert metrics["vf_clip_frac"].item() == 0.5
+
+
 LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 99.0, 99.0], [7.0, 7.0, 7.0]])
 MASK = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]])  # the third row is empty (filtered)
 

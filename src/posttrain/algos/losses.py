@@ -140,9 +140,13 @@ def value_loss(
         ℓ_t = ½ max((V_t − R_t)², (clip(V_t, V_old − c, V_old + c) − R_t)²)
     with c = `clip`, or ℓ_t = ½ (V_t − R_t)² when clip is None; then
     `aggregate_loss(ℓ, mask, agg)`.
-    Metrics: `vf_clip_frac`, the fraction of valid tokens where the clipped
-    error is the larger one (the clip removes the gradient there; veRL
-    vf_clipfrac); 0 when clip is None.
+    Metrics: `vf_clip_frac`, the fraction of valid tokens where the clip binds
+    and decides the loss, i.e. |V_t − V_old| > c and the clipped error is the
+    larger one (the loss is then constant in V_t: no gradient); 0 when clip is
+    None. veRL's vf_clipfrac counts only the second condition; without the
+    first, V_old + (V − V_old) can differ from V in the last bit and a token
+    the clip never touched would count whenever that rounding makes its error
+    larger.
     """
     valid = torch.broadcast_to(mask.bool(), values.shape)
     values = torch.where(valid, values, 0.0)
@@ -150,11 +154,14 @@ def value_loss(
     returns = torch.where(valid, returns.detach(), 0.0)
 
     error = (values - returns) ** 2
-    clipped_error = error
+    clipped_error, bound = error, torch.zeros_like(valid)
     if clip is not None:
-        clipped_values = old_values + (values - old_values).clamp(-clip, clip)
+        delta = values - old_values
+        clipped_values = old_values + delta.clamp(-clip, clip)
         clipped_error = (clipped_values - returns) ** 2
+        bound = delta.abs() > clip
     loss = aggregate_loss(0.5 * torch.maximum(error, clipped_error), valid, agg)
     with torch.no_grad():
-        metrics = {"vf_clip_frac": masked_mean((clipped_error > error).float(), valid)}
+        clipped = bound & (clipped_error > error)
+        metrics = {"vf_clip_frac": masked_mean(clipped.float(), valid)}
     return loss, metrics
