@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from posttrain.algos import ADV_ESTIMATORS, filter_groups, masked_mean, masked_sum, masked_whiten
+from posttrain.algos import filter_groups, masked_mean, masked_sum, masked_whiten
 from posttrain.config.core import ConfigError
 from posttrain.config.rl import AlgorithmConfig, RLDataConfig
 from posttrain.data.formats import validate_rows
@@ -219,7 +219,7 @@ def _check_groups(batch: RLBatch, n: int) -> None:
 def compute_advantages(batch: RLBatch, algo: AlgorithmConfig, n: int) -> tuple[RLBatch, dict[str, float]]:
     """Advantages (and GAE returns) by `algo.adv_estimator` (`posttrain.algos.ADV_ESTIMATORS`),
     whitened when `algo.whiten` unless the estimator whitens its output itself."""
-    est = ADV_ESTIMATORS[algo.adv_estimator]
+    est = algo.estimator
     if est.grouped:
         _check_groups(batch, n)
     mask = batch.response_mask
