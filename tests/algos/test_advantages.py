@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from posttrain.algos import (
+    ADV_ESTIMATORS,
     compute_gae,
     grpo_advantages,
     reinforce_pp_advantages,
@@ -178,3 +179,42 @@ def test_reinforce_pp_matches_python_loop(gamma):
     torch.testing.assert_close(
         reinforce_pp_advantages(rewards, mask, gamma), torch.tensor(expected).double()
     )
+
+
+def _estimator_inputs():
+    gen = torch.Generator().manual_seed(2)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]])
+    rewards = torch.randn(4, 3, generator=gen, dtype=torch.float64) * mask
+    values = torch.randn(4, 3, generator=gen, dtype=torch.float64)
+    return rewards.sum(-1), rewards, values, mask
+
+
+@pytest.mark.parametrize("name", sorted(ADV_ESTIMATORS))
+def test_estimator_table_entries_are_the_functions_above(name):
+    # every entry: one signature, (B, T) advantages that are 0 off the mask
+    outcome, rewards, values, mask = _estimator_inputs()
+    scale = "none" if name == "dr_grpo" else "group"
+    est = ADV_ESTIMATORS[name]
+    adv, returns = est.fn(outcome, rewards, values if est.needs_values else None, mask,
+                          group_size=2, gamma=0.9, lam=0.8, scale=scale)
+    direct = {
+        "gae": lambda: compute_gae(rewards, values, mask, 0.9, 0.8),
+        "grpo": lambda: (grpo_advantages(outcome, 2, "group")[:, None] * mask, None),
+        "dr_grpo": lambda: (grpo_advantages(outcome, 2, "none")[:, None] * mask, None),
+        "rloo": lambda: (rloo_advantages(outcome, 2)[:, None] * mask, None),
+        "reinforce_pp": lambda: (reinforce_pp_advantages(rewards, mask, 0.9), None),
+    }[name]()
+    torch.testing.assert_close(adv, direct[0])
+    assert (returns is None) == (direct[1] is None) == (not est.needs_values)
+    if returns is not None:
+        torch.testing.assert_close(returns, direct[1])
+    assert (adv[mask == 0] == 0).all()
+
+
+def test_estimator_properties():
+    assert [n for n, e in ADV_ESTIMATORS.items() if e.needs_values] == ["gae"]
+    assert [n for n, e in ADV_ESTIMATORS.items() if e.whitens] == ["reinforce_pp"]
+    assert sorted(n for n, e in ADV_ESTIMATORS.items() if e.grouped) == ["dr_grpo", "grpo", "rloo"]
+    outcome, rewards, _, mask = _estimator_inputs()
+    with pytest.raises(ValueError, match="values"):
+        ADV_ESTIMATORS["gae"].fn(outcome, rewards, None, mask, group_size=1, gamma=1.0, lam=1.0, scale="group")

@@ -140,6 +140,37 @@ def test_gspo_clips_whole_sequences():
     assert metrics["clip_frac"].item() == 1.0
 
 
+def test_gspo_clamps_the_sequence_log_ratio_at_10_as_verl():
+    # log s = 12 with A = −1: the clip does not bound r for A < 0 (max(−A r, −A clip(r))
+    # = −A r), so unclamped the gradient would be −A e^12 / 2 per token (token-mean over
+    # 2 tokens). veRL clamps log s at 10: loss −A e^10, constant, so no gradient.
+    old = torch.zeros(1, 2, dtype=torch.float64)
+    logp = torch.full((1, 2), 12.0, dtype=torch.float64, requires_grad=True)
+    adv = torch.tensor([-1.0], dtype=torch.float64)
+    loss, metrics = policy_loss(logp, old, adv, torch.ones(1, 2), level="sequence")
+    assert loss.item() == pytest.approx(math.exp(10.0))  # 22026.47
+    assert (grad_of(loss, logp) == 0).all()
+    assert metrics["ratio/mean"].item() == pytest.approx(math.exp(10.0))
+    assert metrics["clip_frac"].item() == 0.0
+    # below the clamp, log s = 9: the unclipped term, gradient −A e^9 / 2 on each token
+    logp = torch.tensor([[8.0, 10.0]], dtype=torch.float64, requires_grad=True)
+    loss, _ = policy_loss(logp, old, adv, torch.ones(1, 2), level="sequence")
+    assert loss.item() == pytest.approx(math.exp(9.0))
+    torch.testing.assert_close(grad_of(loss, logp), torch.full((1, 2), math.exp(9.0) / 2, dtype=torch.float64))
+    # no lower clamp: log s = −30 gives r = e^−30, not e^−20
+    logp = torch.full((1, 2), -30.0, dtype=torch.float64)
+    _, metrics = policy_loss(logp, old, -adv, torch.ones(1, 2), level="sequence")
+    assert metrics["ratio/mean"].item() == pytest.approx(math.exp(-30.0))
+
+
+def test_token_log_ratio_keeps_the_symmetric_clamp():
+    # level token clamps ρ to [−20, 20] (veRL's vanilla loss): r = e^20 for ρ = 25
+    old = torch.zeros(1, 1, dtype=torch.float64)
+    logp = torch.full((1, 1), 25.0, dtype=torch.float64)
+    _, metrics = policy_loss(logp, old, torch.tensor([-1.0]), torch.ones(1, 1))
+    assert metrics["ratio/mean"].item() == pytest.approx(math.exp(20.0))
+
+
 def test_value_loss_by_hand():
     # V = 1.5, V_old = 1.0, R = 2.0, c = 0.2:
     #   unclipped (1.5 − 2)² = 0.25 ; clipped V = 1.2 → (1.2 − 2)² = 0.64 ; ½ max = 0.32
@@ -157,6 +188,26 @@ def test_value_loss_by_hand():
     loss, metrics = value_loss(values, old, returns, torch.ones(1, 2))
     assert loss.item() == pytest.approx(0.5 * (0.25 + 0.81) / 2)
     assert metrics["vf_clip_frac"].item() == 0.0
+
+
+def test_value_clip_frac_ignores_last_bit_rounding():
+    # |V − V_old| = 0.059 < c = 0.2: the clip does not bind, but in float64
+    # V_old + (V − V_old) is V − 3.5e-18, whose error is larger by 7e-18.
+    v, v_old, r = 0.01829948726200419, 0.07739375860330931, 0.20852995374718417
+    values, old, returns = (torch.tensor([[x]], dtype=torch.float64) for x in (v, v_old, r))
+    loss, metrics = value_loss(values, old, returns, torch.ones(1, 1), clip=0.2)
+    assert metrics["vf_clip_frac"].item() == 0.0
+    assert loss.item() == pytest.approx(0.5 * (v - r) ** 2)
+
+
+def test_value_clip_frac_counts_only_the_clip_that_decides_the_loss():
+    # V_old = 1, c = 0.2, R = 2: V = 1.5 is clipped to 1.2, farther from R → counted;
+    # V = 0.5 is clipped to 0.8, nearer to R → the unclipped error is taken, not counted
+    values = torch.tensor([[1.5, 0.5]], dtype=torch.float64)
+    old = torch.ones(1, 2, dtype=torch.float64)
+    returns = torch.full((1, 2), 2.0, dtype=torch.float64)
+    _, metrics = value_loss(values, old, returns, torch.ones(1, 2), clip=0.2)
+    assert metrics["vf_clip_frac"].item() == 0.5
 
 
 LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 99.0, 99.0], [7.0, 7.0, 7.0]])

@@ -4,11 +4,13 @@ Notation everywhere: B batch, T tokens, G group size, V vocab; `mask` (B, T)
 is 1 on valid response tokens. Names: logp, old_logp, ref_logp, adv, mask,
 values, returns. This package imports only torch. Variants are picked by name
 from the tables below (their keys are the valid config values):
-`AGG_MODES`, `GRPO_SCALES`, `KL_KINDS`, `RATIO_LEVELS`, `DPO_LOSS_TYPES`.
+`ADV_ESTIMATORS`, `AGG_MODES`, `GRPO_SCALES`, `KL_KINDS`, `RATIO_LEVELS`, `DPO_LOSS_TYPES`.
 """
 
 from .advantages import (
+    ADV_ESTIMATORS,
     GRPO_SCALES,
+    AdvEstimator,
     compute_gae,
     grpo_advantages,
     reinforce_pp_advantages,
@@ -23,12 +25,14 @@ from .masked import masked_mean, masked_sum, masked_var, masked_whiten
 from .preference import DPO_LOSS_TYPES, bradley_terry_loss, dpo_loss
 
 __all__ = [
+    "ADV_ESTIMATORS",
     "AGG_MODES",
     "DPO_LOSS_TYPES",
     "GRPO_SCALES",
     "KL_KINDS",
     "RATIO_LEVELS",
     "AdaptiveKLController",
+    "AdvEstimator",
     "FixedKLController",
     "aggregate_loss",
     "aggregation_weight",

@@ -4,9 +4,11 @@ Notation: B batch (responses), T tokens, G group size (responses per prompt;
 a group is G consecutive rows, as `repeat(n)` lays them out). Token-level
 inputs are (B, T) with `mask` 1 on valid response tokens. Advantages and
 returns are regression/policy targets: they are computed without gradient.
+`ADV_ESTIMATORS` (end of file) is the table of `algorithm.adv_estimator`.
 """
 
 from collections.abc import Callable
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -135,3 +137,114 @@ def reinforce_pp_advantages(
         running = torch.where(valid[..., t], token_rewards[..., t] + gamma * running, 0.0)
         returns[..., t] = running
     return masked_whiten(returns, valid)
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+class AdvFn(Protocol):
+    """The signature every entry of `ADV_ESTIMATORS` shares; each reads what it needs."""
+
+    def __call__(
+        self,
+        outcome: torch.Tensor,
+        token_rewards: torch.Tensor,
+        values: torch.Tensor | None,
+        mask: torch.Tensor,
+        *,
+        group_size: int,
+        gamma: float,
+        lam: float,
+        scale: str,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
+def _per_token(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B,) advantages → (B, T): every valid token of a response carries its row's."""
+    return torch.where(mask.bool(), adv[:, None], 0.0)
+
+
+def _gae(
+    outcome: torch.Tensor,
+    token_rewards: torch.Tensor,
+    values: torch.Tensor | None,
+    mask: torch.Tensor,
+    *,
+    group_size: int,
+    gamma: float,
+    lam: float,
+    scale: str,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if values is None:
+        raise ValueError("gae needs the critic's values (B, T); got None")
+    return compute_gae(token_rewards, values, mask, gamma, lam)
+
+
+def _grpo(
+    outcome: torch.Tensor,
+    token_rewards: torch.Tensor,
+    values: torch.Tensor | None,
+    mask: torch.Tensor,
+    *,
+    group_size: int,
+    gamma: float,
+    lam: float,
+    scale: str,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return _per_token(grpo_advantages(outcome, group_size, scale), mask), None
+
+
+def _rloo(
+    outcome: torch.Tensor,
+    token_rewards: torch.Tensor,
+    values: torch.Tensor | None,
+    mask: torch.Tensor,
+    *,
+    group_size: int,
+    gamma: float,
+    lam: float,
+    scale: str,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return _per_token(rloo_advantages(outcome, group_size), mask), None
+
+
+def _reinforce_pp(
+    outcome: torch.Tensor,
+    token_rewards: torch.Tensor,
+    values: torch.Tensor | None,
+    mask: torch.Tensor,
+    *,
+    group_size: int,
+    gamma: float,
+    lam: float,
+    scale: str,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return reinforce_pp_advantages(token_rewards, mask, gamma), None
+
+
+class AdvEstimator(NamedTuple):
+    """One advantage estimator and what its caller has to know about it."""
+
+    fn: AdvFn
+    """(outcome, token_rewards, values, mask, *, group_size, gamma, lam, scale) → (adv, returns or None)."""
+    needs_values: bool
+    """Reads a critic's values: the run trains a critic (PPO), and whitens by default."""
+    whitens: bool
+    """Whitens its output itself: the caller must not whiten it again."""
+    grouped: bool
+    """Compares the G responses of a prompt: needs G ≥ 2 and each group's rows contiguous."""
+
+
+ADV_ESTIMATORS: dict[str, AdvEstimator] = {
+    "gae": AdvEstimator(_gae, needs_values=True, whitens=False, grouped=False),
+    "grpo": AdvEstimator(_grpo, needs_values=False, whitens=False, grouped=True),
+    "dr_grpo": AdvEstimator(_grpo, needs_values=False, whitens=False, grouped=True),  # scale "none"
+    "rloo": AdvEstimator(_rloo, needs_values=False, whitens=False, grouped=True),
+    "reinforce_pp": AdvEstimator(_reinforce_pp, needs_values=False, whitens=True, grouped=False),
+}
+"""`algorithm.adv_estimator` → estimator. Inputs: outcome (B,) the sequence reward of
+each row; token_rewards (B, T); values (B, T), read only where needs_values; mask (B, T),
+1 on the tokens that get an advantage; group_size G; gamma, lam (gae; gamma also
+reinforce_pp); scale, a `GRPO_SCALES` name (grpo, dr_grpo; the config resolves dr_grpo's
+to "none"). Output: advantages (B, T), 0 off the mask, and from gae the critic's targets
+(B, T), else None."""

@@ -94,6 +94,12 @@ def aggregate_loss(
                                    (Dr.GRPO, arXiv 2503.20783; TRL `loss_type="dr_grpo"`)
     `max_len` is used by the last mode only; pass the generation limit there,
     since T, the padded length of this batch, changes from batch to batch.
+    Departure: veRL's `agg_loss` computes "seq-mean-token-sum-norm" as
+    Σ m ℓ / L (no ÷ B, and L the padded width of the batch). We keep TRL's
+    Σ m ℓ / (B · L), which is what makes parts combine by row counts. The
+    gradient is B times smaller than veRL's for the same rows, so a grad-norm
+    clip (trainer.max_grad_norm) bites less often; Adam's update is otherwise
+    scale-free, up to its eps.
     Combining parts of a batch: module docstring and `aggregation_weight`.
     """
     return pick(AGG_MODES, agg, "aggregation mode").reduce(loss, mask, max_len)

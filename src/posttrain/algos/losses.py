@@ -23,7 +23,8 @@ from .masked import masked_mean
 def _token_log_ratio(
     logp: torch.Tensor, old_logp: torch.Tensor, valid: torch.Tensor
 ) -> torch.Tensor:
-    return logp - old_logp
+    # ±20 as veRL's vanilla PPO loss: exp() stays finite.
+    return (logp - old_logp).clamp(-20.0, 20.0)
 
 
 def _sequence_log_ratio(
@@ -31,8 +32,9 @@ def _sequence_log_ratio(
 ) -> torch.Tensor:
     # GSPO-token: the value of every token's ratio is the sequence ratio s_i, the
     # gradient flows through the token's own logp (∇ log s_{i,t} = ∇ logp_t).
+    # Clamped above at 10 only, as veRL's compute_policy_loss_gspo (policy_loss docstring).
     seq_log_ratio = masked_mean(logp - old_logp, valid, dim=-1).unsqueeze(-1)
-    return seq_log_ratio.detach() + logp - logp.detach()
+    return (seq_log_ratio.detach() + logp - logp.detach()).clamp(max=10.0)
 
 
 RATIO_LEVELS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
@@ -58,18 +60,28 @@ def policy_loss(
     Shapes: logp, old_logp, mask (B, T); adv (B, T), or (B,) shared by all
     tokens of a response → (0-dim loss, metrics).
     Formula (PPO, Schulman et al. 2017, arXiv 1707.06347, eq. 7, as a loss):
-        r_t = exp(clamp(ρ_t, −20, 20)),  ρ_t the log-ratio of `level` (below)
+        r_t = exp(ρ_t),  ρ_t the clamped log-ratio of `level` (below)
         ℓ_t = max(−A_t r_t, −A_t clip(r_t, 1 − clip_low, 1 + clip_high))
     then `aggregate_loss(ℓ, mask, agg, max_len)`.
     - clip_high > clip_low is DAPO's clip-higher (arXiv 2503.14476, eq. 8).
     - dual_clip = c > 1 (Ye et al. 2020, arXiv 1912.09729): for A_t < 0,
       ℓ_t = min(ℓ_t, −c A_t), bounding the loss when r_t ≫ 1.
-    - level "token": ρ_t = logp_t − old_logp_t (PPO, GRPO, DAPO).
+    - level "token": ρ_t = clamp(logp_t − old_logp_t, −20, 20) (PPO, GRPO,
+      DAPO; veRL's bounds).
       level "sequence": GSPO-token (Zheng et al. 2025, arXiv 2507.18071)
-        ρ_t = sg[(1/|y|) Σ_t (logp_t − old_logp_t)] + logp_t − sg[logp_t],
+        ρ_t = min(sg[(1/|y|) Σ_t (logp_t − old_logp_t)] + logp_t − sg[logp_t], 10),
       i.e. every token's value is the length-normalised sequence ratio s_i and
       ∇ℓ = −A s_i ∇logp_t while unclipped. With (B,) advantages and
       agg="seq-mean-token-mean" this is GSPO's sequence-level objective.
+      The upper clamp at 10 is veRL's (compute_policy_loss_gspo), kept so that
+      runs compare number for number. It matters for A < 0: the clip does not
+      bound r there (max(−A r, −A clip(r)) takes −A r once r > 1 + clip_high),
+      so a sequence with log s_i = 12 would get a gradient of e^12 ≈ 1.6e5 · |A|
+      per token. Beyond 10 the clamp makes the loss the constant −A e^10
+      (≈ 2.2e4 · |A|) with zero gradient: such a sequence is too far off-policy
+      for its ratio to mean anything. No lower clamp: e^ρ → 0 as ρ → −∞ and so
+      does its gradient, there is nothing to overflow. dual_clip, when set,
+      bounds the loss of A < 0 sooner (at −c A).
     Metrics, fractions of valid tokens:
         clip_frac/high   A > 0 and r > 1 + clip_high (clipped, no gradient)
         clip_frac/low    A < 0 and r < 1 − clip_low (clipped, no gradient)
@@ -89,8 +101,7 @@ def policy_loss(
     logp = torch.where(valid, logp, 0.0)
     old_logp = torch.where(valid, old_logp.detach(), 0.0)
 
-    log_ratio = pick(RATIO_LEVELS, level, "ratio level")(logp, old_logp, valid)
-    ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
+    ratio = torch.exp(pick(RATIO_LEVELS, level, "ratio level")(logp, old_logp, valid))
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
@@ -140,9 +151,13 @@ def value_loss(
         ℓ_t = ½ max((V_t − R_t)², (clip(V_t, V_old − c, V_old + c) − R_t)²)
     with c = `clip`, or ℓ_t = ½ (V_t − R_t)² when clip is None; then
     `aggregate_loss(ℓ, mask, agg)`.
-    Metrics: `vf_clip_frac`, the fraction of valid tokens where the clipped
-    error is the larger one (the clip removes the gradient there; veRL
-    vf_clipfrac); 0 when clip is None.
+    Metrics: `vf_clip_frac`, the fraction of valid tokens where the clip binds
+    and decides the loss, i.e. |V_t − V_old| > c and the clipped error is the
+    larger one (the loss is then constant in V_t: no gradient); 0 when clip is
+    None. veRL's vf_clipfrac counts only the second condition; without the
+    first, V_old + (V − V_old) can differ from V in the last bit and a token
+    the clip never touched would count whenever that rounding makes its error
+    larger.
     """
     valid = torch.broadcast_to(mask.bool(), values.shape)
     values = torch.where(valid, values, 0.0)
@@ -150,11 +165,14 @@ def value_loss(
     returns = torch.where(valid, returns.detach(), 0.0)
 
     error = (values - returns) ** 2
-    clipped_error = error
+    clipped_error, bound = error, torch.zeros_like(valid)
     if clip is not None:
-        clipped_values = old_values + (values - old_values).clamp(-clip, clip)
+        delta = values - old_values
+        clipped_values = old_values + delta.clamp(-clip, clip)
         clipped_error = (clipped_values - returns) ** 2
+        bound = delta.abs() > clip
     loss = aggregate_loss(0.5 * torch.maximum(error, clipped_error), valid, agg)
     with torch.no_grad():
-        metrics = {"vf_clip_frac": masked_mean((clipped_error > error).float(), valid)}
+        clipped = bound & (clipped_error > error)
+        metrics = {"vf_clip_frac": masked_mean(clipped.float(), valid)}
     return loss, metrics

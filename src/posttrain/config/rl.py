@@ -20,13 +20,15 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from posttrain.algos import ADV_ESTIMATORS, AdvEstimator
 from posttrain.config.core import check
 from posttrain.config.sections import ModelConfig, RefSyncConfig, TrainerConfig, check_divides
 
 log = logging.getLogger(__name__)
 
-ADV_ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp")
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+AdvEstimatorName = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"]
+"""The keys of `posttrain.algos.ADV_ESTIMATORS`, spelt out for the validator, the docs and
+type checkers (tests/algos/test_registries.py checks that they stay equal)."""
 
 
 @dataclass
@@ -250,7 +252,7 @@ class OverlongConfig:
 class AlgorithmConfig(RefSyncConfig):
     """Advantages, KL and the DAPO data tricks."""
 
-    adv_estimator: Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
+    adv_estimator: AdvEstimatorName = "grpo"
     """gae (PPO: critic + GAE), grpo (group-normalised), dr_grpo (group mean only), rloo
     (leave-one-out baseline), reinforce_pp (REINFORCE++: batch-whitened returns)."""
     norm_adv_by_std: Literal["group", "batch", "none"] | None = None
@@ -285,11 +287,16 @@ class AlgorithmConfig(RefSyncConfig):
         check(self.overlong.buffer >= 0, "algorithm.overlong.buffer", "must be >= 0")
         check(not (self.adv_estimator == "dr_grpo" and self.norm_adv_by_std not in (None, "none")),
               "algorithm.norm_adv_by_std", "dr_grpo does not scale advantages; leave it null or none")
-        check(not (self.adv_estimator == "reinforce_pp" and self.whiten_advantages is False),
-              "algorithm.whiten_advantages", "reinforce_pp always whitens; leave it null or true")
+        check(not (self.estimator.whitens and self.whiten_advantages is False),
+              "algorithm.whiten_advantages", f"{self.adv_estimator} always whitens; leave it null or true")
         if self.kl.in_reward and self.kl.in_loss:
             log.warning("algorithm.kl: both in_reward and in_loss are on: the KL is penalised twice "
                         "(veRL allows it too); usually one is meant")
+
+    @property
+    def estimator(self) -> AdvEstimator:
+        """The `posttrain.algos.ADV_ESTIMATORS` entry of adv_estimator."""
+        return ADV_ESTIMATORS[self.adv_estimator]
 
     @property
     def grpo_scale(self) -> str:
@@ -301,7 +308,7 @@ class AlgorithmConfig(RefSyncConfig):
     def whiten(self) -> bool:
         if self.whiten_advantages is not None:
             return self.whiten_advantages
-        return self.adv_estimator == "gae"
+        return self.estimator.needs_values  # a critic's advantages have its scale: TRL, veRL whiten them
 
 
 @dataclass
@@ -359,7 +366,7 @@ class RLConfig:
                 check_divides(mini * n, "actor.ppo_mini_batch_size·rollout.n",
                               self.critic.micro_batch_size, "critic.micro_batch_size")
         est = self.algorithm.adv_estimator
-        check(n >= 2 or est not in GROUP_ESTIMATORS, "rollout.n",
+        check(n >= 2 or not self.algorithm.estimator.grouped, "rollout.n",
               f"{est} compares the responses of a prompt: needs rollout.n >= 2, got {n}")
         check(n >= 2 or not self.algorithm.filter_groups, "rollout.n", "algorithm.filter_groups needs rollout.n >= 2")
         self._validate_critic(est)
@@ -370,10 +377,10 @@ class RLConfig:
 
     def _validate_critic(self, est: str) -> None:
         c = self.critic
-        check(not (est == "gae" and c.enable is False), "critic.enable",
-              "algorithm.adv_estimator=gae needs the critic (critic.enable=true or null)")
-        check(not (est != "gae" and c.enable), "critic.enable",
-              f"only gae uses a critic; algorithm.adv_estimator={est} would train it for nothing")
+        check(not (self.use_critic and c.enable is False), "critic.enable",
+              f"algorithm.adv_estimator={est} needs the critic (critic.enable=true or null)")
+        check(self.use_critic or not c.enable, "critic.enable",
+              f"algorithm.adv_estimator={est} uses no critic: it would be trained for nothing")
         check(not (c.share_backbone and c.warmup_steps), "critic.warmup_steps",
               "critic-only warmup needs a separate critic (critic.share_backbone=false)")
         check(not (c.share_backbone and c.model_path), "critic.model_path",
@@ -392,7 +399,8 @@ class RLConfig:
 
     @property
     def use_critic(self) -> bool:
-        return self.algorithm.adv_estimator == "gae"
+        """The estimator reads a critic's values (gae), so the run trains one."""
+        return self.algorithm.estimator.needs_values
 
 
 @dataclass
@@ -412,7 +420,7 @@ class PPORolloutConfig(RolloutConfig):
 class PPOAlgorithmConfig(AlgorithmConfig):
     """PPO's algorithm section: GAE by default."""
 
-    adv_estimator: Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"] = "gae"
+    adv_estimator: AdvEstimatorName = "gae"
     """gae (PPO: critic + GAE), grpo, dr_grpo, rloo or reinforce_pp (see `posttrain grpo`)."""
 
 

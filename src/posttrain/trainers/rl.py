@@ -4,7 +4,7 @@ One driver (`fit`, `rl_step`) calls the roles of `posttrain.workers` in veRL's o
 
     prompts → rollout.generate (n per prompt) → reward.score → actor.compute_logprobs (old)
       → ref.compute_logprobs (only with a KL term) → critic.compute_values (PPO)
-      → advantages (`rl_steps.ESTIMATORS[algorithm.adv_estimator]`)
+      → advantages (`algos.ADV_ESTIMATORS[algorithm.adv_estimator]`)
       → critic.update → actor.update (ppo_epochs × shuffled mini-batches) → rollout.sync_weights
 
 Papers: PPO (Schulman et al. 2017, arXiv 1707.06347) with GAE (arXiv 1506.02438); GRPO
@@ -292,7 +292,7 @@ def rl_step(trainer: RLTrainer, step: int) -> tuple[dict[str, float], RLBatch]:
             actor_metrics = r.actor.update(batch, rows, epochs, beta, seed)
     r.rollout.sync_weights(r.actor.model)
 
-    if step == 1 and algo.adv_estimator != "gae":
+    if step == 1 and not cfg.use_critic:
         log.info("policy_loss ≈ 0 on a fresh rollout is expected (ratio 1, advantages centred per group); "
                  "its gradient is not 0. Follow reward/mean and grad_norm (see posttrain.trainers.rl)")
     out = {**NOT_RUN, **metrics, **logprob_metrics, **adv_metrics, **_prefixed(critic_metrics, "critic/"),

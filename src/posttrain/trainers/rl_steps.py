@@ -11,16 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from posttrain.algos import (
-    compute_gae,
-    filter_groups,
-    grpo_advantages,
-    masked_mean,
-    masked_sum,
-    masked_whiten,
-    reinforce_pp_advantages,
-    rloo_advantages,
-)
+from posttrain.algos import filter_groups, masked_mean, masked_sum, masked_whiten
 from posttrain.config.rl import AlgorithmConfig
 from posttrain.logging import get_logger
 from posttrain.logging.timing import StageTimer
@@ -130,49 +121,22 @@ def _outcome(batch: RLBatch) -> torch.Tensor:
     return masked_sum(batch.token_rewards, batch.generated_mask, dim=-1)
 
 
-def _broadcast(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return torch.where(mask.bool(), adv[:, None], 0.0)
-
-
 def _check_groups(batch: RLBatch, n: int) -> None:
     uid = batch.uid.view(-1, n)
     if not bool((uid == uid[:, :1]).all()):
         raise RuntimeError("rows of a group are not contiguous: a group estimator would mix prompts")
 
 
-def _gae(batch: RLBatch, algo: AlgorithmConfig, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return compute_gae(batch.token_rewards, batch.values, batch.response_mask, algo.gamma, algo.lam)
-
-
-def _grpo(batch: RLBatch, algo: AlgorithmConfig, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    _check_groups(batch, n)
-    return _broadcast(grpo_advantages(_outcome(batch), n, algo.grpo_scale), batch.response_mask), None
-
-
-def _rloo(batch: RLBatch, algo: AlgorithmConfig, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    _check_groups(batch, n)
-    return _broadcast(rloo_advantages(_outcome(batch), n), batch.response_mask), None
-
-
-def _reinforce_pp(batch: RLBatch, algo: AlgorithmConfig, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return reinforce_pp_advantages(batch.token_rewards, batch.response_mask, algo.gamma), None
-
-
-ESTIMATORS: dict[str, Callable[[RLBatch, AlgorithmConfig, int], tuple[torch.Tensor, torch.Tensor | None]]] = {
-    "gae": _gae,
-    "grpo": _grpo,
-    "dr_grpo": _grpo,  # grpo with algorithm.grpo_scale = "none"
-    "rloo": _rloo,
-    "reinforce_pp": _reinforce_pp,
-}
-"""`algorithm.adv_estimator` → fn(batch, algo, n) -> (advantages (B, Tr), returns (B, Tr) or None)."""
-
-
 def compute_advantages(batch: RLBatch, algo: AlgorithmConfig, n: int) -> tuple[RLBatch, dict[str, float]]:
-    """Advantages (and GAE returns) by `algo.adv_estimator`, whitened when `algo.whiten`."""
-    adv, returns = ESTIMATORS[algo.adv_estimator](batch, algo, n)
+    """Advantages (and GAE returns) by `algo.adv_estimator` (`posttrain.algos.ADV_ESTIMATORS`),
+    whitened when `algo.whiten` unless the estimator whitens its output itself."""
+    est = algo.estimator
+    if est.grouped:
+        _check_groups(batch, n)
     mask = batch.response_mask
-    if algo.whiten and algo.adv_estimator != "reinforce_pp":
+    adv, returns = est.fn(_outcome(batch), batch.token_rewards, batch.values, mask,
+                          group_size=n, gamma=algo.gamma, lam=algo.lam, scale=algo.grpo_scale)
+    if algo.whiten and not est.whitens:
         adv = masked_whiten(adv, mask)
     metrics = {"advantage/mean": float(masked_mean(adv, mask))}
     if returns is not None:
