@@ -219,29 +219,33 @@ def valid_keys(cls: type) -> list[str]:
     return list(dict.fromkeys(keys))
 
 
-def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
-    """Build dataclass `cls` from nested `data`, checking keys and types (no validate())."""
+def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "", root: type | None = None) -> T:
+    """Build dataclass `cls` (the section at `prefix` of the tree `root`) from nested `data`,
+    checking keys and types (no validate())."""
+    root = root or cls
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of options, got {data!r}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     for key in data:
         if key not in names:
-            raise _unknown_key(cls, prefix + str(key), prefix)
+            raise _unknown_key(cls, prefix + str(key), prefix, root)
     kwargs = {}
     for name, value in data.items():
         tp = hints[name]
         if _is_config_class(tp):
-            kwargs[name] = from_dict(tp, value if value is not None else {}, f"{prefix}{name}.")
+            kwargs[name] = from_dict(tp, value if value is not None else {}, f"{prefix}{name}.", root)
         else:
             kwargs[name] = coerce(value, tp, prefix + name)
     return cls(**kwargs)
 
 
-def _unknown_key(cls: type, key: str, prefix: str) -> ConfigError:
+def _unknown_key(cls: type, key: str, prefix: str, root: type) -> ConfigError:
     root_keys = valid_keys(cls)
     candidates = [prefix + k for k in root_keys]
-    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+    # A field of another section first (RL's trainer.micro_batch_size is actor.micro_batch_size).
+    close = [k for k in valid_keys(root) if k.rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1]][:1]
+    close = close or difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
     if not close:  # compare the last part alone: `trainer.lr_sched` vs `trainer.lr_scheduler`
         leaves = {c.rsplit(".", 1)[-1]: c for c in candidates}
         leaf = difflib.get_close_matches(key.rsplit(".", 1)[-1], list(leaves), n=1, cutoff=0.6)
