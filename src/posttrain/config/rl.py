@@ -345,7 +345,7 @@ class RLConfig:
     """Advantage estimator, KL, DAPO tricks."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Steps, optimizer (the actor's), schedule, logging, checkpoints. max_steps, warmup
-    and the schedule count RL steps; trainer.micro_batch_size is not used (see actor)."""
+    and the schedule count RL steps; micro-batches are actor.micro_batch_size."""
     eval: RLEvalConfig = field(default_factory=RLEvalConfig)
     """Held-out evaluation."""
 
@@ -365,8 +365,6 @@ class RLConfig:
         self._validate_critic(est)
         check(self.algorithm.overlong.buffer <= self.rollout.max_new_tokens, "algorithm.overlong.buffer",
               f"must be <= rollout.max_new_tokens={self.rollout.max_new_tokens}")
-        check(self.trainer.micro_batch_size == TrainerConfig.micro_batch_size, "trainer.micro_batch_size",
-              "RL does not use it: set actor.micro_batch_size (and critic.micro_batch_size)")
 
     def _validate_critic(self, est: str) -> None:
         c = self.critic
