@@ -56,6 +56,11 @@ class RLDataConfig:
         check(self.train_batch_size > 0, "data.train_batch_size", f"must be > 0, got {self.train_batch_size}")
 
 
+ROLLOUT_ENGINE_OPTIONS = ("engine", "max_batch_size", "gpu_memory_utilization", "use_rollout_logprobs")
+"""The RolloutConfig fields that choose or tune the engine; every other one is a
+SamplingParams field of the same name (`SamplingParams.from_config`)."""
+
+
 @dataclass
 class RolloutConfig:
     """Sampling the responses (`posttrain.rollout` engines)."""
