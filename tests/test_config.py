@@ -144,3 +144,71 @@ def test_a_shipped_recipe_resolves_by_name_from_any_directory(tmp_path, monkeypa
     assert build_config(GRPOConfig, "recipes/dapo.yaml").trainer.max_steps == 7
     with pytest.raises(ConfigError, match="shipped recipes are .*grpo"):
         build_config(GRPOConfig, "nope")
+
+
+def test_a_recipe_may_interpolate_another_key(tmp_path):
+    from posttrain.config import GRPOConfig
+
+    preset = tmp_path / "p.yaml"
+    preset.write_text("critic:\n  learning_rate: ${trainer.learning_rate}\nreward: {functions: [task_reward]}\n")
+    assert build_config(GRPOConfig, preset).critic.learning_rate == 1e-4  # a default: nobody set it
+    cfg = build_config(GRPOConfig, preset, ["trainer.learning_rate=3e-5"])
+    assert cfg.critic.learning_rate == pytest.approx(3e-5)  # resolved after the overrides
+    out = build_config(SFTConfig, None, [*BASE, "trainer.output_dir=runs/${model.init}", r"eval.task=\${x}"])
+    assert (out.trainer.output_dir, out.eval.task) == ("runs/tiny", "${x}")  # \${ is a literal ${
+    with pytest.raises(ConfigError, match=r"critic\.learning_rate: Interpolation key 'trainer\.lerning_rate' not found"):
+        build_config(GRPOConfig, preset, ["critic.learning_rate=${trainer.lerning_rate}"])
+
+
+@dataclass
+class _Values:
+    text: str = "d"
+    """Some text."""
+    maybe: str | None = "d"
+    """Text or null."""
+    flag: bool = False
+    """A switch."""
+    rate: float = 0.5
+    """A rate."""
+    names: list[str] = field(default_factory=list)
+    """Some names."""
+
+
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        # Where OmegaConf's dotlist loader reads a value differently, we keep the old reading:
+        ("maybe=", ("maybe", "")),  # OmegaConf: null
+        ("text=1e-4", ("text", "1e-4")),  # OmegaConf: 0.0001 (a float field still reads 1e-4)
+        ("rate=1e-4", ("rate", 1e-4)),
+        ("text=[unclosed", ("text", "[unclosed")),  # OmegaConf: a YAML parser error
+        ("text=@home", ("text", "@home")),  # OmegaConf: a YAML scanner error
+        ("text=%x", ("text", "%x")),  # OmegaConf: a YAML directive error
+        # Read the same by both, pinned here:
+        ("maybe=null", ("maybe", None)),
+        ("flag=true", ("flag", True)),
+        ("text='1'", ("text", "1")),
+        ("text=a=b", ("text", "a=b")),
+        ("names=[my.rewards:fn, rewards.py:score]", ("names", ["my.rewards:fn", "rewards.py:score"])),
+        ("names=x.jsonl", ("names", ["x.jsonl"])),
+        # Changed: a bare date was a datetime.date (an error for a str field); OmegaConf holds no dates.
+        ("text=2024-01-01", ("text", "2024-01-01")),
+    ],
+)
+def test_override_values_read_as_before(override, expected):
+    key, value = expected
+    assert getattr(build_config(_Values, None, [override]), key) == value
+
+
+def test_yaml_values_read_as_before(tmp_path):
+    preset = tmp_path / "p.yaml"
+    preset.write_text("text: 2024-01-01\nmaybe:\nrate: 1e-4\nnames: [a:b]\n")
+    cfg = build_config(_Values, preset)
+    assert (cfg.text, cfg.maybe, cfg.rate, cfg.names) == ("2024-01-01", None, 1e-4, ["a:b"])
+
+
+def test_overrides_apply_in_order_and_merge_sections():
+    cfg = build_config(_Outer, None, ["inner={size: 4, names: [a]}", "inner.size=5", "rate=1", "rate=2"])
+    assert (cfg.inner.size, cfg.inner.names, cfg.rate) == (5, ["a"], 2.0)
+    with pytest.raises(ConfigError, match=r"rate: expected float, got \{'x': 1\}"):
+        build_config(_Outer, None, ["rate.x=1"])

@@ -1,5 +1,6 @@
 """Shared pieces: SamplingParams checks, filters and sampling by hand, stop strings, assembly."""
 
+import dataclasses
 import math
 
 import pytest
@@ -177,3 +178,21 @@ def test_build_completions_pads_masks_and_cuts_texts():
 def test_make_engine_names_the_choices(model, tok):
     with pytest.raises(ValueError, match="native"):
         make_engine("sglang", model, tok)
+
+
+def test_every_sampling_field_of_the_rollout_config_reaches_sampling_params():
+    from posttrain.config.rl import ROLLOUT_ENGINE_OPTIONS, PPORolloutConfig, RolloutConfig
+
+    # One value per sampling field, none of them a default of either class: a field added to
+    # RolloutConfig fails here (and in from_config until SamplingParams has it too).
+    values = {"n": 3, "max_new_tokens": 17, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.05,
+              "stop": ["\n\n", "Q:"]}
+    sampling = {f.name for f in dataclasses.fields(RolloutConfig)} - set(ROLLOUT_ENGINE_OPTIONS)
+    assert sampling == set(values)
+    defaults = SamplingParams()
+    for cls in (RolloutConfig, PPORolloutConfig):
+        params = SamplingParams.from_config(cls(**values, engine="hf", max_batch_size=4))
+        for name, value in values.items():
+            assert getattr(params, name) == (tuple(value) if name == "stop" else value) != getattr(defaults, name)
+            assert value != getattr(cls(), name)
+        assert params.seed is None and params.stop_token_ids is None and params.logprobs  # not in the config

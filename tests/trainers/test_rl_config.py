@@ -28,7 +28,6 @@ def build(*overrides, cls=GRPOConfig):
         (["algorithm.adv_estimator=rloo", "rollout.n=1"], "rollout.n"),
         (["algorithm.adv_estimator=dr_grpo", "algorithm.norm_adv_by_std=group"], "algorithm.norm_adv_by_std"),
         (["algorithm.adv_estimator=reinforce_pp", "algorithm.whiten_advantages=false"], "algorithm.whiten_advantages"),
-        (["trainer.micro_batch_size=4"], "trainer.micro_batch_size"),
         (["rollout.temperature=0"], "rollout.temperature"),
         (["actor.policy_loss.dual_clip=1.0"], "actor.policy_loss.dual_clip"),
         (["algorithm.overlong.buffer=500", "rollout.max_new_tokens=100"], "algorithm.overlong.buffer"),
@@ -41,6 +40,18 @@ def build(*overrides, cls=GRPOConfig):
 def test_impossible_settings_name_the_field(overrides, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         build(*overrides)
+
+
+def test_trainer_micro_batch_size_is_not_an_rl_key(capsys):
+    # RL cuts micro-batches by actor.micro_batch_size; the trainer section has no such field.
+    from posttrain.cli import main
+
+    assert main(["grpo", "trainer.micro_batch_size=4"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown key trainer.micro_batch_size. Did you mean actor.micro_batch_size?" in err
+    assert "micro_batch_size" not in err.split("valid keys of trainer:")[1]
+    with pytest.raises(ConfigError, match=r"unknown key trainer\.micro_batch_size\. Did you mean actor\.micro_batch_size\?"):
+        build("trainer.micro_batch_size=4", cls=PPOConfig)
 
 
 def test_batch_semantics_and_defaults():

@@ -10,7 +10,13 @@ from posttrain.config.core import (
 )
 from posttrain.config.preference import DPOConfig, RMConfig
 from posttrain.config.rl import GRPOConfig, PPOConfig, RLConfig
-from posttrain.config.sections import DataConfig, LoraConfig, ModelConfig, TrainerConfig
+from posttrain.config.sections import (
+    DataConfig,
+    LoraConfig,
+    ModelConfig,
+    OfflineTrainerConfig,
+    TrainerConfig,
+)
 from posttrain.config.sft import SFTConfig, SFTDataConfig, SFTEvalConfig
 
 __all__ = [
@@ -20,6 +26,7 @@ __all__ = [
     "GRPOConfig",
     "LoraConfig",
     "ModelConfig",
+    "OfflineTrainerConfig",
     "PPOConfig",
     "RLConfig",
     "RMConfig",

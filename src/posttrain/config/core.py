@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
 
 import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 T = TypeVar("T")
 
@@ -113,12 +115,11 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
     if origin in (Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        errors = []
         for arg in (a for a in args if a is not type(None)):
             try:
                 return coerce(value, arg, key)
-            except ConfigError as err:
-                errors.append(err)
+            except ConfigError:
+                pass
         raise _type_error(key, value, tp)
     if origin is Literal:
         if value in args:
@@ -185,8 +186,17 @@ def _type_error(key: str, value: Any, tp: Any) -> ConfigError:
 # ---------------------------------------------------------------------------------------
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML without timestamps: OmegaConf holds no dates, so `2024-01-01` stays a string."""
+
+    yaml_implicit_resolvers = {c: [r for r in rs if r[0] != "tag:yaml.org,2002:timestamp"]
+                               for c, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+
+
 def parse_override(text: str) -> tuple[str, Any]:
-    """Split `a.b.c=value` into the key and a YAML-parsed value (`[x,y]` is a list)."""
+    """Split `a.b.c=value` into the key and a YAML-parsed value (`[x,y]` is a list). Values
+    read as in a YAML file, not by OmegaConf's dotlist loader: `key=` is "", `1e-4` is text
+    until a field's type reads it, and a value that is not YAML (`[x`, `@x`) stays a string."""
     key, sep, raw = text.partition("=")
     key = key.strip()
     if not sep or not key:
@@ -194,36 +204,10 @@ def parse_override(text: str) -> tuple[str, Any]:
             f"cannot read override {text!r}: write overrides as key=value, e.g. trainer.max_steps=100"
         )
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yaml.load(raw, Loader=_Loader) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return key, value
-
-
-def nest(flat: dict[str, Any]) -> dict[str, Any]:
-    """`{"a.b": 1}` → `{"a": {"b": 1}}`."""
-    out: dict[str, Any] = {}
-    for key, value in flat.items():
-        node = out
-        *parents, leaf = key.split(".")
-        for p in parents:
-            child = node.setdefault(p, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"{key}: {p} is a value, not a section")
-            node = child
-        node[leaf] = value
-    return out
-
-
-def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-    """Deep-merge two nested dicts; values of `update` win."""
-    out = dict(base)
-    for key, value in update.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge(out[key], value)
-        else:
-            out[key] = value
-    return out
 
 
 def valid_keys(cls: type) -> list[str]:
@@ -235,29 +219,33 @@ def valid_keys(cls: type) -> list[str]:
     return list(dict.fromkeys(keys))
 
 
-def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
-    """Build dataclass `cls` from nested `data`, checking keys and types (no validate())."""
+def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "", root: type | None = None) -> T:
+    """Build dataclass `cls` (the section at `prefix` of the tree `root`) from nested `data`,
+    checking keys and types (no validate())."""
+    root = root or cls
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of options, got {data!r}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     for key in data:
         if key not in names:
-            raise _unknown_key(cls, prefix + str(key), prefix)
+            raise _unknown_key(cls, prefix + str(key), prefix, root)
     kwargs = {}
     for name, value in data.items():
         tp = hints[name]
         if _is_config_class(tp):
-            kwargs[name] = from_dict(tp, value if value is not None else {}, f"{prefix}{name}.")
+            kwargs[name] = from_dict(tp, value if value is not None else {}, f"{prefix}{name}.", root)
         else:
             kwargs[name] = coerce(value, tp, prefix + name)
     return cls(**kwargs)
 
 
-def _unknown_key(cls: type, key: str, prefix: str) -> ConfigError:
+def _unknown_key(cls: type, key: str, prefix: str, root: type) -> ConfigError:
     root_keys = valid_keys(cls)
     candidates = [prefix + k for k in root_keys]
-    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+    # A field of another section first (RL's trainer.micro_batch_size is actor.micro_batch_size).
+    close = [k for k in valid_keys(root) if k.rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1]][:1]
+    close = close or difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
     if not close:  # compare the last part alone: `trainer.lr_sched` vs `trainer.lr_scheduler`
         leaves = {c.rsplit(".", 1)[-1]: c for c in candidates}
         leaf = difflib.get_close_matches(key.rsplit(".", 1)[-1], list(leaves), n=1, cutoff=0.6)
@@ -312,12 +300,18 @@ def build_config(
     overrides: typing.Sequence[str] = (),
 ) -> T:
     """Defaults ← YAML file (or shipped recipe name, `resolve_config_file`) ← `key=value`
-    overrides; then check keys, types and combinations."""
-    data: dict[str, Any] = {}
-    if config_file is not None:
-        data = load_yaml(resolve_config_file(config_file))
-    flat = dict(parse_override(o) for o in overrides)
-    data = merge(data, nest(flat))
+    overrides, merged by OmegaConf with `${a.b}` resolved (a recipe may say
+    `critic.learning_rate: ${trainer.learning_rate}`; `\\${` is a literal `${`); then check
+    keys, types and combinations. The defaults are merged too, so `${...}` may name any key."""
+    data = load_yaml(resolve_config_file(config_file)) if config_file is not None else {}
+    pairs, key = [parse_override(o) for o in overrides], "config"
+    try:
+        conf = OmegaConf.merge(to_dict(cls()), data)
+        for key, value in pairs:
+            OmegaConf.update(conf, key, value)
+        data = OmegaConf.to_container(conf, resolve=True)  # type: ignore[assignment]
+    except (OmegaConfBaseException, ValueError) as err:  # e.g. ${no.such.key}, a.b[9]=1
+        raise ConfigError(f"{getattr(err, 'full_key', '') or key}: {str(err).splitlines()[0]}") from None
     cfg = from_dict(cls, data)
     validate_tree(cfg)
     return cfg
@@ -329,7 +323,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=_Loader) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
     if not isinstance(data, dict):

@@ -17,8 +17,8 @@ from posttrain.config.core import check
 from posttrain.config.sections import (
     DataConfig,
     ModelConfig,
+    OfflineTrainerConfig,
     RefSyncConfig,
-    TrainerConfig,
     check_divides,
 )
 
@@ -93,7 +93,7 @@ class RMConfig:
     reward model (trained further), or a fresh built-in model (model.init)."""
     data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
     """Training and eval pairs."""
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    trainer: OfflineTrainerConfig = field(default_factory=OfflineTrainerConfig)
     """Optimisation, logging, checkpoints."""
     algorithm: RMAlgorithmConfig = field(default_factory=RMAlgorithmConfig)
     """Loss options."""
@@ -137,7 +137,7 @@ class DPOAlgorithmConfig(RefSyncConfig):
 
 
 @dataclass
-class DPOTrainerConfig(TrainerConfig):
+class DPOTrainerConfig(OfflineTrainerConfig):
     """The shared optimisation options, with TRL's DPO learning rate."""
 
     learning_rate: float = 1e-6

@@ -58,6 +58,11 @@ class RLDataConfig:
         check(self.train_batch_size > 0, "data.train_batch_size", f"must be > 0, got {self.train_batch_size}")
 
 
+ROLLOUT_ENGINE_OPTIONS = ("engine", "max_batch_size", "gpu_memory_utilization", "use_rollout_logprobs")
+"""The RolloutConfig fields that choose or tune the engine; every other one is a
+SamplingParams field of the same name (`SamplingParams.from_config`)."""
+
+
 @dataclass
 class RolloutConfig:
     """Sampling the responses (`posttrain.rollout` engines)."""
@@ -352,7 +357,7 @@ class RLConfig:
     """Advantage estimator, KL, DAPO tricks."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Steps, optimizer (the actor's), schedule, logging, checkpoints. max_steps, warmup
-    and the schedule count RL steps; trainer.micro_batch_size is not used (see actor)."""
+    and the schedule count RL steps; micro-batches are actor.micro_batch_size."""
     eval: RLEvalConfig = field(default_factory=RLEvalConfig)
     """Held-out evaluation."""
 
@@ -372,8 +377,6 @@ class RLConfig:
         self._validate_critic(est)
         check(self.algorithm.overlong.buffer <= self.rollout.max_new_tokens, "algorithm.overlong.buffer",
               f"must be <= rollout.max_new_tokens={self.rollout.max_new_tokens}")
-        check(self.trainer.micro_batch_size == TrainerConfig.micro_batch_size, "trainer.micro_batch_size",
-              "RL does not use it: set actor.micro_batch_size (and critic.micro_batch_size)")
 
     def _validate_critic(self, est: str) -> None:
         c = self.critic

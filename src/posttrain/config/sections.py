@@ -128,8 +128,6 @@ class TrainerConfig:
     """AdamW epsilon."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 turns clipping off."""
-    micro_batch_size: int = 8
-    """Examples per forward/backward pass; gradients accumulate up to data.train_batch_size."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """`bf16` runs forward and backward under bfloat16 autocast (master weights stay fp32); `auto` is bf16 on a CUDA device that supports it, else fp32."""
     seed: int = 0
@@ -156,7 +154,6 @@ class TrainerConfig:
         check(self.max_time_s is None or self.max_time_s > 0, "trainer.max_time_s",
               f"must be > 0 seconds (or null for no budget), got {self.max_time_s}")
         check(self.learning_rate > 0, "trainer.learning_rate", f"must be > 0, got {self.learning_rate}")
-        check(self.micro_batch_size > 0, "trainer.micro_batch_size", "must be > 0")
         check(self.warmup_steps >= 0, "trainer.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
         check(self.max_bad_steps >= 1, "trainer.max_bad_steps", f"must be >= 1, got {self.max_bad_steps}")
         check(self.logging_steps >= 1, "trainer.logging_steps", f"must be >= 1, got {self.logging_steps}")
@@ -167,6 +164,19 @@ class TrainerConfig:
         allowed = {"tensorboard", "wandb", "mlflow"}
         unknown = sorted(set(self.report_to) - allowed)
         check(not unknown, "trainer.report_to", f"unknown sink(s) {unknown}; choose from {sorted(allowed)}")
+
+
+@dataclass
+class OfflineTrainerConfig(TrainerConfig):
+    """The optimisation loop of a command that trains on a fixed dataset (sft, rm, dpo): the
+    shared options plus the micro-batch size. RL cuts its batches by `actor.*` instead."""
+
+    micro_batch_size: int = 8
+    """Examples per forward/backward pass; gradients accumulate up to data.train_batch_size."""
+
+    def validate(self) -> None:
+        super().validate()
+        check(self.micro_batch_size > 0, "trainer.micro_batch_size", "must be > 0")
 
 
 def check_divides(batch: int, batch_key: str, part: int, part_key: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from posttrain.config.core import check
-from posttrain.config.sections import DataConfig, ModelConfig, TrainerConfig, check_divides
+from posttrain.config.sections import DataConfig, ModelConfig, OfflineTrainerConfig, check_divides
 
 
 @dataclass
@@ -46,7 +46,7 @@ class SFTConfig:
     """The model to train."""
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     """Training and eval data."""
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    trainer: OfflineTrainerConfig = field(default_factory=OfflineTrainerConfig)
     """Optimisation, logging, checkpoints."""
     eval: SFTEvalConfig = field(default_factory=SFTEvalConfig)
     """Held-out evaluation."""

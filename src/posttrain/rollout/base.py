@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from posttrain.config.rl import RolloutConfig
 
 Prompts = Sequence[str] | Sequence[Sequence[int]]
 """A batch of prompts: strings (tokenized by the engine, BOS as the tokenizer adds it)
@@ -82,6 +85,16 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is out of range")
         if any(not s for s in self.stop):
             raise ValueError("SamplingParams.stop must not contain an empty string")
+
+    @classmethod
+    def from_config(cls, rollout: RolloutConfig) -> SamplingParams:
+        """The params of an RL `rollout` config section: each of its fields but the engine
+        options (`ROLLOUT_ENGINE_OPTIONS`) under the same name; the rest keep their defaults.
+        A sampling field RolloutConfig gains and SamplingParams lacks is a TypeError here."""
+        from posttrain.config.rl import ROLLOUT_ENGINE_OPTIONS
+
+        names = [f.name for f in fields(rollout) if f.name not in ROLLOUT_ENGINE_OPTIONS]
+        return cls(**{name: getattr(rollout, name) for name in names})
 
     @property
     def greedy(self) -> bool:

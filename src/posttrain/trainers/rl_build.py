@@ -73,9 +73,7 @@ def build_rollout(cfg: RLConfig, model: torch.nn.Module, tokenizer: Any) -> Roll
         opts["max_batch_size"] = rc.max_batch_size
     if kind == "vllm":
         opts = {"gpu_memory_utilization": rc.gpu_memory_utilization, "seed": cfg.trainer.seed}
-    params = SamplingParams(n=rc.n, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
-                            min_p=rc.min_p, max_new_tokens=rc.max_new_tokens, stop=tuple(rc.stop))
-    return Rollout(make_engine(kind, model, tokenizer, **opts), params)
+    return Rollout(make_engine(kind, model, tokenizer, **opts), SamplingParams.from_config(rc))
 
 
 def build_critic(cfg: RLConfig, policy: torch.nn.Module, value_model: Any) -> Critic:
