@@ -18,7 +18,7 @@ from posttrain.algos import token_logprobs
 from posttrain.models.lora import is_peft
 from posttrain.trainers.core import autocast
 from posttrain.workers.batch import RLBatch
-from posttrain.workers.forward import device_of, per_token_pass, response_logits
+from posttrain.workers.forward import FORWARD_FIELDS, device_of, per_token_pass, response_logits
 
 
 class Reference:
@@ -48,7 +48,10 @@ class Reference:
 
     @torch.no_grad()
     def compute_logprobs(self, batch: RLBatch) -> torch.Tensor:
-        """(B, Tr) log softmax(logits_ref / T)[y_t], 0 on padding (CPU)."""
+        """(B, Tr) log softmax(logits_ref / T)[y_t], 0 on padding (CPU). Needs the forward's
+        fields (`FORWARD_FIELDS`)."""
+        batch.require(*FORWARD_FIELDS, role="ref.compute_logprobs")
+
         def logp(mb: RLBatch) -> torch.Tensor:
             return token_logprobs(response_logits(self.model, mb), mb.response_ids, self.temperature)
 
