@@ -26,7 +26,7 @@ from posttrain.config import GRPOConfig, PPOConfig, build_config
 from posttrain.data.sources import load_rows
 from posttrain.evaluation import evaluate_task
 from posttrain.models.factory import build_model_and_tokenizer
-from posttrain.trainers.rl import GRPOTrainer, PPOTrainer, fit
+from posttrain.trainers.rl import GRPOTrainer, PPOTrainer
 
 
 def base_accuracy(cfg, rows) -> float:
@@ -65,7 +65,7 @@ def main() -> None:
 
     trainer = (PPOTrainer if args.command == "ppo" else GRPOTrainer)(args=cfg)
     t0 = time.perf_counter()
-    result = fit(trainer)
+    result = trainer.train()
     wall = time.perf_counter() - t0
 
     rows_m = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]

@@ -179,8 +179,8 @@ def worker_ours(spec: dict[str, Any]) -> dict[str, Any]:
 
         last: TwoClocks | None = None
 
-        def __init__(self):
-            super().__init__()
+        def __init__(self, stages):
+            super().__init__(stages)
             self.cpu = dict.fromkeys(self.seconds, 0.0)
             TwoClocks.last = self
 

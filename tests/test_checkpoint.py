@@ -19,7 +19,7 @@ from posttrain.checkpoint import (
 from posttrain.config.sections import TrainerConfig
 from posttrain.data.tokenizer import build_tokenizer
 from posttrain.models import BuiltinLM
-from posttrain.trainers.core import build_optimizer, build_scheduler, set_seed, train_step
+from posttrain.training.core import build_optimizer, build_scheduler, set_seed, train_step
 
 VOCAB = 64
 

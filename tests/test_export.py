@@ -203,7 +203,7 @@ def test_reward_model_and_ppo_critic_export_as_sequence_classifiers(
     rm.config.pad_token_id = tok.pad_token_id
     rm.save_pretrained(tmp_path / "rm")
     tok.save_pretrained(tmp_path / "rm")
-    # A PPO run's layout (trainers.rl_steps.RunModels): the policy in final/, the critic in final/critic/.
+    # A PPO run's layout (checkpoint.RunModels): the policy in final/, the critic in final/critic/.
     ppo = tmp_path / "ppo"
     policy.save_pretrained(ppo / "final")
     tok.save_pretrained(ppo / "final")

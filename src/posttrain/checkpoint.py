@@ -231,6 +231,60 @@ def save_final(run_dir: str | Path, model: torch.nn.Module, tokenizer: Any) -> P
         raise
 
 
+class RunModels:
+    """More than one model in one checkpoint or `final/`, for `save_checkpoint` / `save_final`:
+    the policy at the top of the folder (HF format, as every trainer), a critic in `critic/`
+    (a ScalarHeadModel checkpoint) with its optimizer state in `critic/optimizer.pt`, a LoRA
+    adapter in `adapter/`, and a synced reference model in `reference/` (TR-DPO: it is no
+    longer the initial policy, so a resume must load it).
+
+    `critic` is a role object with `model`, `optimizer`, `scheduler` and `steps`.
+    """
+
+    CRITIC = "critic"
+    CRITIC_STATE = "optimizer.pt"
+    REFERENCE = "reference"
+
+    def __init__(self, policy: torch.nn.Module, critic: Any = None, adapter: torch.nn.Module | None = None,
+                 with_optimizer: bool = True, reference: torch.nn.Module | None = None):
+        self.policy, self.critic, self.adapter = policy, critic, adapter
+        self.with_optimizer, self.reference = with_optimizer, reference
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        _unwrap(self.policy).save_pretrained(directory)
+        if self.adapter is not None:
+            self.adapter.save_pretrained(directory / "adapter")
+        if self.reference is not None:
+            _unwrap(self.reference).save_pretrained(directory / self.REFERENCE)
+        if self.critic is None:
+            return
+        self.critic.model.save_pretrained(directory / self.CRITIC)
+        if self.with_optimizer and self.critic.optimizer is not None:
+            torch.save({"optimizer": self.critic.optimizer.state_dict(),
+                        "scheduler": self.critic.scheduler.state_dict(), "steps": self.critic.steps},
+                       directory / self.CRITIC / self.CRITIC_STATE)
+
+    @classmethod
+    def load_critic(cls, checkpoint: Path, critic: Any) -> None:
+        """Restore the critic's weights (and optimizer, schedule) saved by `save_pretrained`."""
+        load_weights(checkpoint / cls.CRITIC, critic.model)
+        state_file = checkpoint / cls.CRITIC / cls.CRITIC_STATE
+        if critic.optimizer is not None:
+            state = torch.load(state_file, map_location="cpu", weights_only=True)
+            critic.optimizer.load_state_dict(state["optimizer"])
+            critic.scheduler.load_state_dict(state["scheduler"])
+            critic.steps = state["steps"]
+
+    @classmethod
+    def load_reference(cls, checkpoint: Path, reference: Any) -> None:
+        """Restore a synced reference (`reference/`) into `reference.model`; nothing when the
+        checkpoint has none (the reference was still the initial policy)."""
+        if (checkpoint / cls.REFERENCE).is_dir():
+            load_weights(checkpoint / cls.REFERENCE, reference.model)
+            reference.synced = True
+
+
 # --- helpers ---------------------------------------------------------------------------
 
 

@@ -167,7 +167,7 @@ def test_lora_reference_is_the_policy_with_its_adapter_off(tmp_path, tok):
     with torch.no_grad():
         expected = sequence_logps(before, batch)[0]
         policy = sequence_logps(trainer.model, batch)[0]
-    torch.testing.assert_close(ref(batch), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ref.run(sequence_logps, batch)[0], expected, atol=1e-5, rtol=0)
     assert (policy - expected).abs().max() > 1e-3  # the adapter did learn something
     assert [r for r in log if "rewards/margins" in r][-1]["rewards/margins"] > 0
 

@@ -171,7 +171,7 @@ def test_skipping_zero_advantage_rows_and_grouping_by_length_do_not_change_the_r
     fast = trainer_for(config(tmp_path / "fast", **overrides))
     fast.train()
     monkeypatch.setattr(Actor, "update_parts", lambda self, mini: forward.micro_batches(
-        mini, self.s.micro_batch_size, self.s.max_tokens_per_micro_batch, self.device))
+        mini, self.a.micro_batch_size, self.a.max_tokens_per_micro_batch, self.device))
     plain = trainer_for(config(tmp_path / "plain", **overrides))
     plain.train()
     assert_same_weights(weights(fast.model), weights(plain.model))
@@ -304,7 +304,7 @@ def test_max_time_s_ends_the_run_like_max_steps(tmp_path):
 
 def test_prompt_loading_follows_the_truncation_rule():
     from posttrain.config import ConfigError
-    from posttrain.trainers.rl_steps import load_prompts
+    from posttrain.data.prompts import load_prompts
 
     rows = [{"question": "a b c d e f", "answer": "x"}, {"question": "a", "extra": 1}]
     cfg = config("unused", **{"data.max_prompt_length": 4, "data.prompt_key": "question"}).data

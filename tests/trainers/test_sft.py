@@ -129,7 +129,7 @@ def test_missing_training_data_is_a_clear_error(tmp_path):
 
 
 def test_diverging_run_stops_cleanly_and_keeps_the_last_good_checkpoint(arith, tmp_path):
-    from posttrain.trainers.core import TrainingDiverged
+    from posttrain.training.core import TrainingDiverged
 
     run = tmp_path / "run"
     # An absurd learning rate: the first update overflows the weights, every later loss is

@@ -48,11 +48,12 @@ def model(tok):
 
 def prompt_batch(tok, prompts, columns=None):
     """An RLBatch holding prompts only, as the trainer's prompt stream makes them."""
-    from posttrain.trainers.rl_steps import collate_prompts, encode_prompt
+    from posttrain.data.prompts import encode_prompt
+    from posttrain.workers import RLBatch
 
     examples = [{"ids": encode_prompt(tok, p), "prompt": p, "columns": {k: v[i] for k, v in (columns or {}).items()}}
                 for i, p in enumerate(prompts)]
-    return collate_prompts(examples, tok.pad_token_id)
+    return RLBatch.from_prompts(examples, tok.pad_token_id)
 
 
 def rollout(model, tok, n=4, max_new_tokens=4, prompts=("a b", "c", "d e f g"), seed=0):

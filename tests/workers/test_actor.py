@@ -1,6 +1,7 @@
 """Actor and reference: first-step ratio and gradient, micro-batch invariance, padding, KL."""
 
 import copy
+import dataclasses
 import functools
 
 import pytest
@@ -8,11 +9,10 @@ import torch
 
 from posttrain.algos import aggregate_loss, grpo_advantages, kl_penalty, token_logprobs
 from posttrain.config import LoraConfig
-from posttrain.config.rl import PolicyLossConfig
-from posttrain.config.sections import TrainerConfig
+from posttrain.config.rl import GRPOConfig, PolicyLossConfig
 from posttrain.models.lora import apply_lora
-from posttrain.trainers.core import train_step
-from posttrain.workers import Actor, ActorSettings, Reference, forward
+from posttrain.training.core import train_step
+from posttrain.workers import Actor, Reference, forward
 from posttrain.workers import actor as actor_module
 from posttrain.workers.forward import response_logits
 
@@ -24,12 +24,14 @@ RATIO_METRICS = ["policy_loss", "clip_frac", "clip_frac/low", "clip_frac/high", 
 
 
 def make_actor(model, micro=4, max_tokens=0, agg="token-mean", level="token", kl_in_loss=False, lr=1e-3, **loss):
-    settings = ActorSettings(
-        temperature=1.0, loss=PolicyLossConfig(level=level, loss_agg_mode=agg, **loss), max_len=5,
-        micro_batch_size=micro, max_tokens_per_micro_batch=max_tokens, entropy_coeff=0.0,
-        kl_in_loss=kl_in_loss, kl_kind="k3", max_grad_norm=0.0, precision="fp32",
-    )
-    return Actor(model, settings, TrainerConfig(learning_rate=lr, lr_scheduler="constant"), total_steps=10)
+    cfg = GRPOConfig()
+    cfg.rollout.temperature, cfg.rollout.max_new_tokens = 1.0, 5
+    cfg.actor.policy_loss = PolicyLossConfig(level=level, loss_agg_mode=agg, **loss)
+    cfg.actor.micro_batch_size, cfg.actor.max_tokens_per_micro_batch, cfg.actor.entropy_coeff = micro, max_tokens, 0.0
+    cfg.algorithm.kl.in_loss, cfg.algorithm.kl.kind = kl_in_loss, "k3"
+    cfg.trainer = dataclasses.replace(cfg.trainer, learning_rate=lr, lr_scheduler="constant", max_grad_norm=0.0,
+                                      precision="fp32")
+    return Actor(model, cfg, total_steps=10)
 
 
 def training_batch(model, tok, n=4):
@@ -128,7 +130,7 @@ def test_padding_content_changes_nothing(model, tok):
 
 def test_kl_is_zero_when_the_policy_is_the_reference(model, tok):
     batch = training_batch(model, tok)
-    ref = Reference(model, temperature=1.0, micro_batch_size=5)
+    ref = Reference.for_policy(model, temperature=1.0, micro_batch_size=5)
     actor = make_actor(model, kl_in_loss=True)
     ref_logp = ref.compute_logprobs(batch)
     assert torch.equal(ref_logp, actor.compute_logprobs(batch))
@@ -142,7 +144,7 @@ def test_lora_reference_is_the_base_model_with_adapters_off(model, tok):
     batch = training_batch(model, tok)
     base_logp = make_actor(model).compute_logprobs(batch)
     lora = apply_lora(copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-    ref = Reference(lora, temperature=1.0, micro_batch_size=5)
+    ref = Reference.for_policy(lora, temperature=1.0, micro_batch_size=5)
     assert ref.model is lora  # no second copy
     with torch.no_grad():
         for name, p in lora.named_parameters():

@@ -1,22 +1,27 @@
 """Critic: value alignment with the states, regression, micro-batch invariance, shared backbone."""
 
 import copy
+import dataclasses
 
 import torch
 
 from posttrain.algos import compute_gae
-from posttrain.config.sections import TrainerConfig
+from posttrain.config.rl import PPOConfig
 from posttrain.models.heads import ScalarHeadModel
-from posttrain.workers import Critic, CriticSettings, head_on_policy
+from posttrain.workers import Critic, head_on_policy
 from posttrain.workers.forward import response_logits
 
 from .conftest import rollout
 
 
 def make_critic(model, micro=4, max_tokens=0, policy=None, lr=1e-2):
-    settings = CriticSettings(value_clip=0.5, vf_coef=1.0, loss_agg_mode="token-mean", micro_batch_size=micro,
-                              max_tokens_per_micro_batch=max_tokens, max_grad_norm=0.0, precision="fp32")
-    return Critic(model, settings, TrainerConfig(learning_rate=lr, lr_scheduler="constant"), 10, policy=policy)
+    cfg = PPOConfig()
+    cfg.critic.value_clip, cfg.critic.vf_coef, cfg.critic.micro_batch_size = 0.5, 1.0, micro
+    cfg.actor.policy_loss.loss_agg_mode, cfg.actor.max_tokens_per_micro_batch = "token-mean", max_tokens
+    cfg.critic.learning_rate = None
+    cfg.trainer = dataclasses.replace(cfg.trainer, learning_rate=lr, lr_scheduler="constant", max_grad_norm=0.0,
+                                      precision="fp32")
+    return Critic(model, cfg, 10, policy=policy)
 
 
 def value_batch(model, tok, critic):

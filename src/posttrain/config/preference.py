@@ -14,7 +14,13 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from posttrain.config.core import check
-from posttrain.config.sections import DataConfig, ModelConfig, TrainerConfig, check_divides
+from posttrain.config.sections import (
+    DataConfig,
+    ModelConfig,
+    RefSyncConfig,
+    TrainerConfig,
+    check_divides,
+)
 
 
 @dataclass
@@ -100,7 +106,7 @@ class RMConfig:
 
 
 @dataclass
-class DPOAlgorithmConfig:
+class DPOAlgorithmConfig(RefSyncConfig):
     """The DPO loss family (as TRL's DPOConfig: beta, loss_type, label_smoothing, rpo_alpha)."""
 
     beta: float = 0.1
@@ -124,6 +130,10 @@ class DPOAlgorithmConfig:
             f"applies to loss_type sigmoid or robust, not {self.loss_type}",
         )
         check(self.rpo_alpha is None or self.rpo_alpha >= 0, "algorithm.rpo_alpha", "must be >= 0")
+        self.check_ref_sync()
+        check(not (self.ref_sync_steps and self.precompute_ref_log_probs), "algorithm.ref_sync_steps",
+              "a synced reference cannot use precomputed log-probs: set one of ref_sync_steps=0 or "
+              "precompute_ref_log_probs=false")
 
 
 @dataclass

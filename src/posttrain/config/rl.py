@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from posttrain.config.core import check
-from posttrain.config.sections import ModelConfig, TrainerConfig, check_divides
+from posttrain.config.sections import ModelConfig, RefSyncConfig, TrainerConfig, check_divides
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +247,7 @@ class OverlongConfig:
 
 
 @dataclass
-class AlgorithmConfig:
+class AlgorithmConfig(RefSyncConfig):
     """Advantages, KL and the DAPO data tricks."""
 
     adv_estimator: Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
@@ -277,6 +277,9 @@ class AlgorithmConfig:
     """Leave truncated responses out of the loss (DAPO's overlong filtering; TRL option)."""
 
     def validate(self) -> None:
+        self.check_ref_sync()
+        check(not (self.ref_sync_steps and not self.kl.enabled), "algorithm.ref_sync_steps",
+              "there is no reference to sync without a KL term: set algorithm.kl.in_loss=true or in_reward=true")
         check(self.max_gen_batches >= 1, "algorithm.max_gen_batches", "must be >= 1")
         check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algorithm.gamma", "gamma and lam must be in [0, 1]")
         check(self.overlong.buffer >= 0, "algorithm.overlong.buffer", "must be >= 0")

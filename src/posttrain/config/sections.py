@@ -180,3 +180,19 @@ def check_divides(batch: int, batch_key: str, part: int, part_key: str) -> None:
 
 def _largest_divisor(n: int, at_most: int) -> int:
     return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
+
+
+@dataclass
+class RefSyncConfig:
+    """TR-DPO's reference sync (TRL `sync_ref_model`), for every trainer with a reference."""
+
+    ref_sync_steps: int = 0
+    """Every this many steps the reference moves towards the policy: ref ← α·policy + (1 − α)·ref
+    (Gorbatovski et al. 2024; TRL `ref_model_sync_steps`, 512 there). 0 = off (a frozen reference).
+    Refused with LoRA, whose reference is the adapter-disabled base (as TRL refuses it with PEFT)."""
+    ref_sync_alpha: float = 0.6
+    """α of the sync (TRL `ref_model_mixup_alpha`, 0.6)."""
+
+    def check_ref_sync(self) -> None:
+        check(self.ref_sync_steps >= 0, "algorithm.ref_sync_steps", "must be >= 0 (0 = off)")
+        check(0.0 < self.ref_sync_alpha <= 1.0, "algorithm.ref_sync_alpha", "must be in (0, 1]")

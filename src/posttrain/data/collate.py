@@ -395,3 +395,25 @@ def causal_lm_loss_sum(
         shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction="sum"
     )
     return sum_nll, (shift_labels != IGNORE_INDEX).sum()
+
+
+def pad_id_of(tokenizer) -> int:
+    """The tokenizer's pad id, else its eos id, else 0."""
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if value is not None:
+            return int(value)
+    return 0
+
+
+def left_pad(
+    prompt_ids: list[list[int]], pad_id: int, device=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> ids (B, P) left-padded with pad_id and mask (B, P), 1 = real token."""
+    width = max(len(p) for p in prompt_ids)
+    ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
+    for row, p in enumerate(prompt_ids):
+        ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[row, width - len(p) :] = 1
+    return ids.to(device), mask.to(device)

@@ -170,28 +170,6 @@ def encode_prompts(tokenizer, prompts: Prompts) -> list[list[int]]:
     return out
 
 
-def pad_id_of(tokenizer) -> int:
-    """The tokenizer's pad id, else its eos id, else 0."""
-    for name in ("pad_token_id", "eos_token_id"):
-        value = getattr(tokenizer, name, None)
-        if value is not None:
-            return int(value)
-    return 0
-
-
-def left_pad(
-    prompt_ids: list[list[int]], pad_id: int, device=None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token lists -> ids (B, P) left-padded with pad_id and mask (B, P), 1 = real token."""
-    width = max(len(p) for p in prompt_ids)
-    ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
-    for row, p in enumerate(prompt_ids):
-        ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-        mask[row, width - len(p) :] = 1
-    return ids.to(device), mask.to(device)
-
-
 def resolve_seed(seed: int | None) -> int:
     """The call's seed; None draws one from torch's global (CPU) RNG."""
     if seed is not None:

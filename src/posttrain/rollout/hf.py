@@ -32,6 +32,7 @@ from torch import nn
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from posttrain.algos import token_logprobs
+from posttrain.data.collate import left_pad, pad_id_of
 from posttrain.models import forward_logits
 from posttrain.rollout.base import (
     Completions,
@@ -40,8 +41,6 @@ from posttrain.rollout.base import (
     StopStrings,
     build_completions,
     encode_prompts,
-    left_pad,
-    pad_id_of,
     resolve_seed,
 )
 

@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from posttrain.data.collate import left_pad, pad_id_of
 from posttrain.models import BuiltinConfig, BuiltinLM
 from posttrain.models import llama_checkpoint as ckpt
 from posttrain.models.layers import grouped_attention
@@ -57,8 +58,6 @@ from posttrain.rollout.base import (
     StopStrings,
     build_completions,
     encode_prompts,
-    left_pad,
-    pad_id_of,
     resolve_seed,
     sample_next,
 )

@@ -37,13 +37,13 @@ import warnings
 import torch
 from torch import nn
 
+from posttrain.data.collate import pad_id_of
 from posttrain.rollout.base import (
     Completions,
     Prompts,
     SamplingParams,
     build_completions,
     encode_prompts,
-    pad_id_of,
 )
 
 INSTALL_HINT = "pip install 'posttrain[vllm]' on a CUDA machine"

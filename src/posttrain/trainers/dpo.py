@@ -42,8 +42,6 @@ Departures from TRL's DPOTrainer:
 
 from __future__ import annotations
 
-import contextlib
-import copy
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -63,10 +61,11 @@ from posttrain.models.factory import build_model
 from posttrain.models.loading import forward_logits
 from posttrain.models.lora import apply_lora, is_peft
 from posttrain.trainers.batches import EpochBatches
-from posttrain.trainers.core import autocast
-from posttrain.trainers.loop import FitResult, fit
+from posttrain.trainers.loop import FitResult, RefSync, fit
 from posttrain.trainers.reward import pairwise_eval
 from posttrain.trainers.setup import prepare_run
+from posttrain.training.core import autocast
+from posttrain.workers.reference import Reference
 
 log = get_logger(__name__)
 
@@ -100,32 +99,6 @@ LOGP_REDUCTIONS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
 """How each loss type reads a sequence's log-prob from its token sum (TRL: IPO averages)."""
 
 
-class Reference:
-    """Frozen reference log-probs `ref(batch) -> (2B,)` response sums, without gradients.
-
-    `model` is the reference module; `disable_adapter` runs it with its LoRA adapter off
-    (then `model` is the policy itself).
-    """
-
-    def __init__(self, model: torch.nn.Module, disable_adapter: bool = False):
-        self.model, self.disable_adapter = model, disable_adapter
-
-    @classmethod
-    def for_policy(cls, policy: torch.nn.Module, ref_model: torch.nn.Module | None = None) -> Reference:
-        """`ref_model` if given; else the adapter-disabled policy (LoRA) or a frozen deep copy."""
-        if ref_model is not None:
-            return cls(ref_model.eval().requires_grad_(False))
-        if is_peft(policy):
-            return cls(policy, disable_adapter=True)
-        return cls(copy.deepcopy(policy).eval().requires_grad_(False))
-
-    @torch.no_grad()
-    def __call__(self, batch: PairBatch) -> torch.Tensor:
-        context = self.model.disable_adapter() if self.disable_adapter else contextlib.nullcontext()
-        with context:
-            return sequence_logps(self.model, batch)[0]
-
-
 def dpo_step_loss(
     model: torch.nn.Module,
     batch: PairBatch,
@@ -140,7 +113,7 @@ def dpo_step_loss(
     that after train_step's division by P it is α · (the step's token-mean NLL).
     """
     logps, n_tokens = sequence_logps(model, batch)  # (2B,) each
-    ref = batch.ref_logps if batch.ref_logps is not None else reference(batch)
+    ref = batch.ref_logps if batch.ref_logps is not None else reference.run(sequence_logps, batch)[0]
     reduce = LOGP_REDUCTIONS[algo.loss_type]
     chosen, rejected = reduce(logps, n_tokens).chunk(2)
     ref_chosen, ref_rejected = reduce(ref.to(logps.device), n_tokens).chunk(2)
@@ -246,7 +219,7 @@ class DPOTrainer:
             for i in range(0, len(examples), mb):
                 chunk = examples[i : i + mb]
                 with autocast(self.args.trainer.precision, _device(self.model)):
-                    ref = reference(self._collate(chunk)).float().cpu()
+                    ref = reference.run(sequence_logps, self._collate(chunk))[0].float().cpu()
                 for j, ex in enumerate(chunk):
                     ex["ref_logps"] = [ref[j].item(), ref[j + len(chunk)].item()]
         self.model.train(was_training)
@@ -290,7 +263,8 @@ class DPOTrainer:
         return fit(
             self.model, self.tokenizer, a.trainer, batches, self.loss_fn,
             evaluate=partial(DPOTrainer.evaluate, self) if has_eval else None,
-            config_dict=to_dict(a), start_metrics=self.data_stats, desc="dpo",
+            config_dict=to_dict(a), start_metrics=self.data_stats, desc="dpo", reference=self.reference,
+            ref_sync=RefSync(a.algorithm.ref_sync_steps, a.algorithm.ref_sync_alpha),
         )
 
     def _reference_kind(self) -> str:

@@ -1,28 +1,47 @@
-"""The optimisation loop shared by the SFT, reward-model and DPO trainers.
+"""The one outer loop every trainer drives: SFT, reward model, DPO and RL.
 
-    resume? → for each step: batch → train_step → guard → metrics → eval? → checkpoint? → final/
+    resume? → for each step: task.step → guard → metrics → ref sync? → eval? → log
+              → checkpoint? → … → last eval → final/
 
-A trainer brings a `BatchStream` (what the next step's micro-batches are, and where the
-data stands, for exact resume), a loss function (the `train_step` contract) and an
-optional evaluation; everything else — optimizer, schedule, NaN guard, metric sinks,
-progress bar, checkpoints, resume — is here, once.
+A trainer brings a `Task`: its step function and its state (what a checkpoint holds, how
+it is restored, what `final/` holds). Everything else is here, once, so every command
+follows the same rules:
+- resume: `trainer.resume` picks the checkpoint; the task restores everything in it;
+- the wall-clock budget (`trainer.max_time_s`) and `trainer.max_steps`;
+- the eval cadence (`trainer.eval_steps`, and always once at the end), samples.jsonl;
+- metric sinks and the progress bar; `nonfinite_steps` in every command's metrics;
+- the bad-step guard: a step whose loss or gradient was NaN/inf is skipped by the
+  optimizer, counted, and never checkpointed (a checkpoint is only ever a good state);
+  `trainer.max_bad_steps` of them in a row stop the run, naming the last good checkpoint;
+- the reference sync (TR-DPO, `algorithm.ref_sync_steps` / `ref_sync_alpha`) for every
+  task that has a reference;
+- `final/`.
+
+`OptimizerTask` is the task of SFT, RM and DPO (one model, one optimizer, a batch stream
+and a loss); the RL trainer is a task of its own (`trainers/rl.py`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from posttrain.checkpoint import load_checkpoint, resolve_resume, save_checkpoint, save_final
-from posttrain.config import TrainerConfig
+from posttrain.checkpoint import (
+    RunModels,
+    load_checkpoint,
+    resolve_resume,
+    save_checkpoint,
+    save_final,
+)
+from posttrain.config import ConfigError, TrainerConfig
 from posttrain.logging import MetricsLogger, Progress, get_logger
 from posttrain.models.lora import is_peft, merged_for_export
-from posttrain.trainers.core import (
+from posttrain.training.core import (
     BadStepGuard,
     LossFn,
     build_optimizer,
@@ -34,13 +53,21 @@ log = get_logger(__name__)
 
 SAMPLES_PER_EVAL = 16
 
+Evaluate = Callable[[torch.nn.Module, int], tuple[dict[str, float], list[dict]]]
+"""`evaluate(model, step) -> (metrics, samples)`, run without gradients in eval mode."""
 
-class BatchStream(Protocol):
-    """Yields each optimizer step's micro-batches; its state is saved in checkpoints."""
 
-    def next_step(self) -> list[Any]: ...
-    def state_dict(self) -> dict[str, Any]: ...
-    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+@dataclass
+class StepOutput:
+    """What one step of a task did."""
+
+    metrics: dict[str, float]
+    nonfinite: bool = False
+    """A loss or gradient of the step was NaN/inf (its optimizer step was skipped)."""
+    skipped: bool = False
+    """Nothing was trained (no units): neither counts as bad nor resets the guard."""
+    progress: dict[str, float] = field(default_factory=dict)
+    """A few numbers for the progress bar."""
 
 
 @dataclass
@@ -52,6 +79,50 @@ class FitResult:
     step: int
     metrics: dict[str, float]
     """The last step's metrics and the last evaluation's."""
+
+
+class Task(Protocol):
+    """What a trainer supplies to `run`."""
+
+    desc: str
+    """Progress-bar label (sft, rm, dpo, rl)."""
+    start_metrics: Mapping[str, float]
+    """Logged with the first step of a fresh run (e.g. data counts)."""
+    has_eval: bool
+    reference: Any
+    """A `workers.Reference` when the task has one (for `ref_sync_steps`), else None."""
+
+    @property
+    def model(self) -> torch.nn.Module: ...
+    def step(self, step: int) -> StepOutput: ...
+    def evaluate(self, step: int) -> tuple[dict[str, float], list[dict]]: ...
+    def save(self, run_dir: Path, step: int, metrics: dict[str, float], keep: int) -> Path: ...
+    def restore(self, checkpoint: Path) -> int: ...
+    def save_final(self, run_dir: Path) -> Path: ...
+
+
+@dataclass
+class RefSync:
+    """TR-DPO's reference update (Gorbatovski et al. 2024, arXiv 2404.09656), as TRL's
+    `sync_ref_model`: every `steps` optimizer steps, ref ← α·policy + (1 − α)·ref.
+    `steps` 0 is off."""
+
+    steps: int = 0
+    alpha: float = 0.6
+
+    def due(self, step: int) -> bool:
+        return self.steps > 0 and step % self.steps == 0
+
+    def check(self, reference: Any) -> None:
+        """Refuse before training what cannot be synced: no reference, or a LoRA one."""
+        if not self.steps:
+            return
+        if reference is None:
+            raise ConfigError("algorithm.ref_sync_steps: this run has no reference model to sync")
+        if reference.shares_policy:
+            raise ConfigError("algorithm.ref_sync_steps: the reference of a LoRA run is the base model with "
+                              "the adapter disabled, which cannot be synced (TRL refuses it with PEFT too); "
+                              "set algorithm.ref_sync_steps=0 or train without LoRA (model.lora.r=0)")
 
 
 class Budget:
@@ -68,98 +139,171 @@ class Budget:
         return True
 
 
+def run(
+    task: Task,
+    cfg: TrainerConfig,
+    config_dict: Mapping[str, Any] | None = None,
+    ref_sync: RefSync | None = None,
+) -> FitResult:
+    """Train `task` for `cfg.max_steps` steps; see the module doc."""
+    run_dir = Path(cfg.output_dir)
+    ref_sync = ref_sync or RefSync()
+    ref_sync.check(task.reference)
+    step, last_ckpt = 0, None
+    resume_from = resolve_resume(run_dir, cfg.resume)
+    if resume_from is not None:
+        step, last_ckpt = task.restore(resume_from), resume_from
+        log.info("resumed from %s at step %d", resume_from, step)
+    sink = MetricsLogger(run_dir, cfg.report_to, config_dict)
+    sink.truncate_after(step)
+    guard = BadStepGuard(cfg.max_bad_steps)
+    metrics: dict[str, float] = dict(task.start_metrics) if step == 0 else {}
+    last_eval: dict[str, float] = {}
+    evaluated_at = None
+    budget = Budget(cfg.max_time_s)
+    with sink, Progress(cfg.max_steps, task.desc, initial=step, enabled=cfg.progress) as progress:
+        while step < cfg.max_steps:
+            out = task.step(step + 1)
+            step += 1
+            guard.update(out, step, last_ckpt)
+            metrics.update(out.metrics, nonfinite_steps=guard.total)
+            if ref_sync.due(step) and not out.nonfinite:
+                task.reference.sync(task.model, ref_sync.alpha)
+            if task.has_eval and cfg.eval_steps and step % cfg.eval_steps == 0:
+                last_eval = _timed_eval(task, step, sink)
+                metrics.update(last_eval)
+                evaluated_at = step
+            last = step == cfg.max_steps or budget.spent(step)
+            if step % cfg.logging_steps == 0 or evaluated_at == step or last:
+                sink.log(step, metrics)
+            progress.update(1, **out.progress, **_eval_view(last_eval))
+            due = cfg.save_steps and step % cfg.save_steps == 0 or last
+            if due and not out.nonfinite:  # a checkpoint is only ever a good state
+                last_ckpt = task.save(run_dir, step, metrics, cfg.save_total_limit)
+            if last:
+                break
+            metrics = {}
+        if task.has_eval and evaluated_at != step:
+            last_eval = _timed_eval(task, step, sink)
+            sink.log(step, last_eval)
+            metrics.update(last_eval)
+    final_dir = task.save_final(run_dir)
+    log.info("finished at step %d; model in %s", step, final_dir)
+    return FitResult(run_dir, final_dir, step, metrics)
+
+
+def _timed_eval(task: Task, step: int, sink: MetricsLogger) -> dict[str, float]:
+    t0 = time.perf_counter()
+    metrics, samples = task.evaluate(step)
+    if samples:
+        sink.log_samples(step, samples)
+    return {**metrics, "timing/eval": time.perf_counter() - t0}
+
+
+def _eval_view(metrics: Mapping[str, float]) -> dict[str, float]:
+    keys = ("eval/loss", "eval/accuracy")
+    return {k.replace("/", "_"): metrics[k] for k in keys if k in metrics}
+
+
+# ---------------------------------------------------------------------------- SFT, RM, DPO
+
+
+class BatchStream(Protocol):
+    """Yields each optimizer step's micro-batches; its state is saved in checkpoints."""
+
+    def next_step(self) -> list[Any]: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+class OptimizerTask:
+    """One model trained by one AdamW on a batch stream's micro-batches with a loss
+    (the `train_step` contract): the task of SFT, the reward model and DPO.
+
+    `evaluate(model, step) -> (metrics, samples)` runs every `trainer.eval_steps` and at the
+    end (the first `SAMPLES_PER_EVAL` samples go to samples.jsonl). `reference`, when the
+    loss has one, is synced by the loop and saved in checkpoints once it has been synced.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        cfg: TrainerConfig,
+        batches: BatchStream,
+        loss_fn: LossFn,
+        evaluate: Evaluate | None = None,
+        start_metrics: Mapping[str, float] | None = None,
+        desc: str = "train",
+        reference: Any = None,
+    ):
+        self._model, self.tokenizer, self.cfg = model, tokenizer, cfg
+        self.batches, self.loss_fn, self._evaluate = batches, loss_fn, evaluate
+        self.start_metrics = dict(start_metrics or {})
+        self.desc, self.reference = desc, reference
+        self.has_eval = evaluate is not None
+        self.optimizer = build_optimizer(model, cfg)
+        self.scheduler = build_scheduler(self.optimizer, cfg, cfg.max_steps)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._model
+
+    def step(self, step: int) -> StepOutput:
+        t0 = time.perf_counter()
+        self.model.train()
+        micro_batches = self.batches.next_step()
+        result = train_step(self.model, micro_batches, self.loss_fn, self.optimizer, self.scheduler,
+                            self.cfg.max_grad_norm, self.cfg.precision)
+        metrics = {**result.as_metrics(), **_throughput(micro_batches, time.perf_counter() - t0)}
+        return StepOutput(metrics, result.nonfinite, result.skipped, {"loss": result.loss, "lr": result.lr})
+
+    def evaluate(self, step: int) -> tuple[dict[str, float], list[dict]]:
+        assert self._evaluate is not None
+        self.model.eval()
+        with torch.no_grad():
+            metrics, samples = self._evaluate(self.model, step)
+        self.model.train()
+        return metrics, samples[:SAMPLES_PER_EVAL]
+
+    def save(self, run_dir: Path, step: int, metrics: dict[str, float], keep: int) -> Path:
+        ref = self.reference.saved_model() if self.reference is not None else None
+        return save_checkpoint(run_dir, step, RunModels(self.model, reference=ref), self.tokenizer, self.optimizer, self.scheduler,
+                               self.batches.state_dict(), keep, metrics)
+
+    def restore(self, checkpoint: Path) -> int:
+        state = load_checkpoint(checkpoint, self.model, self.optimizer, self.scheduler)
+        self.batches.load_state_dict(state["data_state"])
+        if self.reference is not None:
+            RunModels.load_reference(checkpoint, self.reference)
+        return state["step"]
+
+    def save_final(self, run_dir: Path) -> Path:
+        final_dir = save_final(run_dir, merged_for_export(self.model), self.tokenizer)
+        if is_peft(self.model):
+            self.model.save_pretrained(final_dir / "adapter")  # the adapter alone, for peft users
+        return final_dir
+
+
 def fit(
     model: torch.nn.Module,
     tokenizer: Any,
     cfg: TrainerConfig,
     batches: BatchStream,
     loss_fn: LossFn,
-    evaluate: Callable[[torch.nn.Module, int], tuple[dict[str, float], list[dict]]] | None = None,
+    evaluate: Evaluate | None = None,
     config_dict: Mapping[str, Any] | None = None,
     start_metrics: Mapping[str, float] | None = None,
     desc: str = "train",
+    reference: Any = None,
+    ref_sync: RefSync | None = None,
 ) -> FitResult:
-    """Train `model` for `cfg.max_steps` optimizer steps; see the module doc.
-
-    `evaluate(model, step) -> (metrics, samples)` runs every `cfg.eval_steps` steps and at
-    the end; the first `SAMPLES_PER_EVAL` samples go to samples.jsonl.
-    `start_metrics` (e.g. data truncation counts) are logged with the first step.
-    """
-    run_dir = Path(cfg.output_dir)
-    optimizer = build_optimizer(model, cfg)
-    scheduler = build_scheduler(optimizer, cfg, cfg.max_steps)
-    step, last_ckpt = 0, None
-    resume_from = resolve_resume(run_dir, cfg.resume)
-    if resume_from is not None:
-        state = load_checkpoint(resume_from, model, optimizer, scheduler)
-        step, last_ckpt = state["step"], resume_from
-        batches.load_state_dict(state["data_state"])
-        log.info("resumed from %s at step %d", resume_from, step)
-    sink = MetricsLogger(run_dir, cfg.report_to, config_dict)
-    sink.truncate_after(step)
-    guard = BadStepGuard(cfg.max_bad_steps)
-    metrics: dict[str, float] = dict(start_metrics or {})
-    last_eval: dict[str, float] = {}
-    evaluated_at = None
-    budget = Budget(cfg.max_time_s)
-    with sink, Progress(cfg.max_steps, desc, initial=step, enabled=cfg.progress) as progress:
-        while step < cfg.max_steps:
-            t0 = time.perf_counter()
-            model.train()
-            micro_batches = batches.next_step()
-            result = train_step(
-                model, micro_batches, loss_fn, optimizer, scheduler, cfg.max_grad_norm, cfg.precision
-            )
-            step += 1
-            guard.update(result, step, last_ckpt)
-            elapsed = time.perf_counter() - t0
-            metrics.update(result.as_metrics())
-            metrics.update(_throughput(micro_batches, elapsed), nonfinite_steps=guard.total)
-            if evaluate is not None and cfg.eval_steps and step % cfg.eval_steps == 0:
-                last_eval = _timed_eval(evaluate, model, step, sink)
-                metrics.update(last_eval)
-                evaluated_at = step
-            last = step == cfg.max_steps or budget.spent(step)
-            if step % cfg.logging_steps == 0 or evaluated_at == step or last:
-                sink.log(step, metrics)
-            progress.update(1, loss=result.loss, lr=result.lr, **_eval_view(last_eval))
-            due = cfg.save_steps and step % cfg.save_steps == 0 or last
-            if due and not result.nonfinite:  # a checkpoint is only ever a good state
-                last_ckpt = save_checkpoint(
-                    run_dir, step, model, tokenizer, optimizer, scheduler,
-                    batches.state_dict(), cfg.save_total_limit, metrics,
-                )
-            metrics = {}
-            if last:
-                break
-        if evaluate is not None and evaluated_at != step:
-            last_eval = _timed_eval(evaluate, model, step, sink)
-            sink.log(step, last_eval)
-        metrics.update(last_eval)
-    final_dir = save_final(run_dir, merged_for_export(model), tokenizer)
-    if is_peft(model):
-        model.save_pretrained(final_dir / "adapter")  # the adapter alone, for peft users
-    log.info("finished at step %d; model in %s", step, final_dir)
-    return FitResult(run_dir, final_dir, step, metrics)
-
-
-def _timed_eval(evaluate: Callable, model: torch.nn.Module, step: int, sink: MetricsLogger) -> dict[str, float]:
-    t0 = time.perf_counter()
-    model.eval()
-    with torch.no_grad():
-        metrics, samples = evaluate(model, step)
-    model.train()
-    if samples:
-        sink.log_samples(step, samples[:SAMPLES_PER_EVAL])
-    return {**metrics, "timing/eval": time.perf_counter() - t0}
+    """`run` an `OptimizerTask` (see both)."""
+    task = OptimizerTask(model, tokenizer, cfg, batches, loss_fn, evaluate, start_metrics, desc, reference)
+    return run(task, cfg, config_dict, ref_sync)
 
 
 def _throughput(micro_batches: list[Any], seconds: float) -> dict[str, float]:
     """Input tokens per second of the step, padding excluded (each batch's `num_tokens()`)."""
     tokens = sum(mb.num_tokens() for mb in micro_batches)
     return {"timing/step": seconds, "throughput/tokens_per_s": tokens / max(seconds, 1e-9)}
-
-
-def _eval_view(metrics: Mapping[str, float]) -> dict[str, float]:
-    keys = ("eval/loss", "eval/accuracy")
-    return {k.replace("/", "_"): metrics[k] for k in keys if k in metrics}

@@ -10,7 +10,7 @@ the Bradley-Terry likelihood of the preference (InstructGPT, Ouyang et al. 2022,
 arXiv 2307.09288, eq. 2; the data's `margin` column) and the centring term of Eisenstein
 et al. 2023 (arXiv 2312.09244), weight c = `algorithm.center_rewards_coefficient`. The loss
 is the mean over the pairs of the whole optimizer step (Σ over pairs ÷ pairs, accumulated
-exactly across micro-batches by `trainers.core.train_step`).
+exactly across micro-batches by `training.core.train_step`).
 
 Chosen and rejected go through one concatenated forward: the batch holds the B chosen
 sequences, then the B rejected ones (`posttrain.data.preference.pair_collate`).
@@ -55,9 +55,9 @@ from posttrain.models.heads import ScalarHeadModel
 from posttrain.models.loading import resolve_device
 from posttrain.models.lora import LLAMA_LINEARS, is_peft
 from posttrain.trainers.batches import EpochBatches
-from posttrain.trainers.core import LossFn, merge_metrics
 from posttrain.trainers.loop import FitResult, fit
 from posttrain.trainers.setup import prepare_run
+from posttrain.training.core import LossFn, merge_metrics
 
 log = get_logger(__name__)
 

@@ -60,33 +60,35 @@ Departures from the papers, TRL and veRL, and why:
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from posttrain.algos import AdaptiveKLController, FixedKLController
-from posttrain.checkpoint import load_checkpoint, resolve_resume, save_checkpoint, save_final
+from posttrain.checkpoint import RunModels, load_checkpoint, save_checkpoint, save_final
 from posttrain.config import save_config, to_dict
-from posttrain.config.core import check, validate_tree
+from posttrain.config.core import check
 from posttrain.config.rl import GRPOConfig, PPOConfig, RLConfig
-from posttrain.logging import MetricsLogger, Progress, get_logger
+from posttrain.data.collate import pad_id_of
+from posttrain.data.prompts import load_prompts
+from posttrain.logging import get_logger
+from posttrain.logging.timing import StageTimer
 from posttrain.models.lora import is_peft, merged_for_export
 from posttrain.trainers.batches import EpochBatches
-from posttrain.trainers.loop import SAMPLES_PER_EVAL, Budget, FitResult
+from posttrain.trainers.loop import SAMPLES_PER_EVAL, FitResult, RefSync, StepOutput, run
 from posttrain.trainers.rl_build import build_roles, check_reward_source, evaluate_policy
 from posttrain.trainers.rl_steps import (
     NOT_RUN,
     ROLLOUT_LOGPROB_TOL,
-    RunModels,
-    StageTimer,
+    STAGES,
     collect_rollouts,
     compute_advantages,
-    load_prompts,
     mask_truncated,
-    prompt_collator,
     step_seed,
 )
+from posttrain.trainers.setup import prepare_run
 from posttrain.workers import Reward, RLBatch
 
 log = get_logger(__name__)
@@ -120,40 +122,42 @@ class RLTrainer:
         value_model: torch.nn.Module | None = None,
     ):
         self.args = args = args if args is not None else self.config_class()
-        if isinstance(model, str):
-            args.model.path, args.model.init = model, None
-        validate_tree(args)
         if reward_funcs is not None and not isinstance(reward_funcs, (list, tuple)):
             reward_funcs = [reward_funcs]
-        check_reward_source(args, reward_funcs)
-        train_source = train_dataset if train_dataset is not None else args.data.train_files
-        check(bool(train_source), "data.train_files", "no training data: pass train_dataset or set data.train_files")
-        eval_source = eval_dataset if eval_dataset is not None else (args.data.eval_files or None)
-        check(eval_source is not None or not args.eval.task, "eval.task", "needs held-out data: set data.eval_files")
-        from posttrain.models.factory import load_tokenizer
-        from posttrain.trainers.core import set_seed
-
-        set_seed(args.trainer.seed)
-        self.tokenizer = processing_class if processing_class is not None else load_tokenizer(args.model)
+        train_source, eval_source, self.tokenizer = prepare_run(
+            args, model, train_dataset, eval_dataset, processing_class,
+            checks=lambda: check_reward_source(args, reward_funcs),
+        )
         self.examples, self.data_stats = load_prompts(train_source, self.tokenizer, args.data)
         self.eval_examples = None
         if eval_source is not None:
             self.eval_examples = load_prompts(eval_source, self.tokenizer, args.data)[0][: args.eval.num_examples]
         self.roles = build_roles(args, self.tokenizer, model, reward_funcs, value_model)
         self.stream = EpochBatches(self.examples, args.data.train_batch_size, args.data.train_batch_size,
-                                   prompt_collator(self.tokenizer), seed=args.trainer.seed, shuffle=args.data.shuffle)
+                                   partial(RLBatch.from_prompts, pad_id=pad_id_of(self.tokenizer)), seed=args.trainer.seed, shuffle=args.data.shuffle)
         kl = args.algorithm.kl
         self.kl_ctrl = (AdaptiveKLController(kl.coef, kl.target, kl.horizon) if kl.adaptive
                         else FixedKLController(kl.coef))
         self.rollout_logp_ok: bool | None = None  # the one-time engine check (None: not done)
+        self.last_batch: RLBatch | None = None  # the latest training batch (its rows go to samples.jsonl)
+        self.desc, self.start_metrics = "rl", self.data_stats
+        self.has_eval, self.reference = self.eval_examples is not None, self.roles.ref
 
     @property
     def model(self) -> torch.nn.Module:
         return self.roles.actor.model
 
     def train(self) -> FitResult:
-        save_config(self.args, Path(self.args.trainer.output_dir) / "config.yaml")
-        return fit(self)
+        """Run the RL loop (`trainers/loop.run`): trainer.max_steps steps of `rl_step`."""
+        a = self.args
+        save_config(a, Path(a.trainer.output_dir) / "config.yaml")
+        return run(self, a.trainer, to_dict(a), RefSync(a.algorithm.ref_sync_steps, a.algorithm.ref_sync_alpha))
+
+    def step(self, step: int) -> StepOutput:
+        metrics, self.last_batch = rl_step(self, step)
+        nonfinite = metrics.get("actor/nonfinite_steps", 0.0) + metrics.get("critic/nonfinite_steps", 0.0) > 0
+        return StepOutput(metrics, nonfinite, progress={
+            "reward": metrics["reward/mean"], "acc": metrics["accuracy"], "kl": metrics["kl"]})
 
     # ------------------------------------------------------------------ one step's stages
 
@@ -190,13 +194,11 @@ class RLTrainer:
                             "up to %.3g (> %g); recomputing them for the rest of the run", diff, ROLLOUT_LOGPROB_TOL)
         return batch.replace(old_logp=old), metrics
 
-    def evaluate(self, step: int, sink: MetricsLogger, batch: RLBatch | None) -> dict[str, float]:
-        t0 = time.perf_counter()
+    def evaluate(self, step: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """eval/* metrics; samples: the first eval samples, then the latest training batch's."""
         metrics, samples = evaluate_policy(self, step)
-        if batch is not None:
-            samples = samples[:SAMPLES_PER_EVAL] + train_samples(batch)
-        sink.log_samples(step, samples[: 2 * SAMPLES_PER_EVAL])
-        return {**metrics, "timing/eval": time.perf_counter() - t0}
+        train = train_samples(self.last_batch) if self.last_batch is not None else []
+        return metrics, samples[:SAMPLES_PER_EVAL] + train
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -204,33 +206,32 @@ class RLTrainer:
         return {"prompts": self.stream.state_dict(), "kl_coef": self.kl_ctrl.value,
                 "rollout_logp_ok": self.rollout_logp_ok}
 
-    def save(self, step: int, metrics: dict[str, float]) -> Path:
-        r, t = self.roles, self.args.trainer
-        return save_checkpoint(t.output_dir, step, RunModels(r.actor.model, r.critic), self.tokenizer,
-                               r.actor.optimizer, r.actor.scheduler, self.state(), t.save_total_limit, metrics)
+    def save(self, run_dir: Path, step: int, metrics: dict[str, float], keep: int) -> Path:
+        r = self.roles
+        ref = r.ref.saved_model() if r.ref is not None else None
+        return save_checkpoint(run_dir, step, RunModels(r.actor.model, r.critic, reference=ref), self.tokenizer,
+                               r.actor.optimizer, r.actor.scheduler, self.state(), keep, metrics)
 
-    def restore(self) -> int:
-        """Resume per trainer.resume; returns the step to continue after (0 for a fresh run)."""
-        path = resolve_resume(self.args.trainer.output_dir, self.args.trainer.resume)
-        if path is None:
-            return 0
+    def restore(self, path: Path) -> int:
+        """Load checkpoint `path` into every role and the prompt stream; returns its step."""
         r = self.roles
         state = load_checkpoint(path, r.actor.model, r.actor.optimizer, r.actor.scheduler)
         if r.critic is not None:
             RunModels.load_critic(path, r.critic)
+        if r.ref is not None:
+            RunModels.load_reference(path, r.ref)
         self.stream.load_state_dict(state["data_state"]["prompts"])
         self.kl_ctrl.value = float(state["data_state"]["kl_coef"])
         self.rollout_logp_ok = state["data_state"]["rollout_logp_ok"]
         r.actor.steps = max(0, state["step"] - self.args.critic.warmup_steps)
         r.rollout.sync_weights(r.actor.model)
-        log.info("resumed from %s at step %d", path, state["step"])
         return state["step"]
 
-    def save_final(self) -> Path:
+    def save_final(self, run_dir: Path) -> Path:
         r = self.roles
         models = RunModels(merged_for_export(r.actor.model), r.critic,
                            adapter=r.actor.model if is_peft(r.actor.model) else None, with_optimizer=False)
-        return save_final(self.args.trainer.output_dir, models, self.tokenizer)
+        return save_final(run_dir, models, self.tokenizer)
 
 
 class GRPOTrainer(RLTrainer):
@@ -249,47 +250,9 @@ class PPOTrainer(RLTrainer):
 # ---------------------------------------------------------------------------- the driver
 
 
-def fit(trainer: RLTrainer) -> FitResult:
-    """Run trainer.max_steps RL steps (resuming when a checkpoint says so), logging every
-    step, evaluating every trainer.eval_steps and at the end, checkpointing every
-    trainer.save_steps and at the end; then write RUN_DIR/final/."""
-    cfg = trainer.args.trainer
-    run_dir = Path(cfg.output_dir)
-    step = trainer.restore()
-    sink = MetricsLogger(run_dir, cfg.report_to, to_dict(trainer.args))
-    sink.truncate_after(step)
-    has_eval = trainer.eval_examples is not None
-    metrics: dict[str, float] = dict(trainer.data_stats) if step == 0 else {}
-    batch, evaluated_at = None, None
-    budget = Budget(cfg.max_time_s)
-    with sink, Progress(cfg.max_steps, "rl", initial=step, enabled=cfg.progress) as progress:
-        while step < cfg.max_steps:
-            step += 1
-            step_metrics, batch = rl_step(trainer, step)
-            metrics.update(step_metrics)
-            if has_eval and cfg.eval_steps and step % cfg.eval_steps == 0:
-                metrics.update(trainer.evaluate(step, sink, batch))
-                evaluated_at = step
-            last = step == cfg.max_steps or budget.spent(step)
-            if step % cfg.logging_steps == 0 or evaluated_at == step or last:
-                sink.log(step, metrics)
-            progress.update(1, reward=metrics["reward/mean"], acc=metrics["accuracy"], kl=metrics["kl"])
-            if cfg.save_steps and step % cfg.save_steps == 0 or last:
-                trainer.save(step, metrics)
-            metrics = {}
-            if last:
-                break
-        if has_eval and evaluated_at != step:
-            metrics = trainer.evaluate(step, sink, batch)
-            sink.log(step, metrics)
-    final_dir = trainer.save_final()
-    log.info("finished at step %d; policy in %s", step, final_dir)
-    return FitResult(run_dir, final_dir, step, metrics)
-
-
 def rl_step(trainer: RLTrainer, step: int) -> tuple[dict[str, float], RLBatch]:
     """One RL iteration, read top to bottom; returns its metrics and its training batch."""
-    cfg, r, timer = trainer.args, trainer.roles, StageTimer()
+    cfg, r, timer = trainer.args, trainer.roles, StageTimer(STAGES)
     n, algo, kl = cfg.rollout.n, cfg.algorithm, cfg.algorithm.kl
     started = time.perf_counter()
 

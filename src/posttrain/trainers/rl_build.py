@@ -14,24 +14,14 @@ import torch
 
 from posttrain.config.core import ConfigError, check
 from posttrain.config.rl import RLConfig
+from posttrain.data.collate import pad_id_of
 from posttrain.logging import get_logger
 from posttrain.models.lora import is_peft
 from posttrain.rewards import RewardRunner
 from posttrain.rewards.registry import resolve_reward
 from posttrain.rollout import SamplingParams, make_engine
-from posttrain.rollout.base import pad_id_of
-from posttrain.trainers.core import BadStepGuard
-from posttrain.trainers.rl_steps import collate_prompts, step_seed
-from posttrain.workers import (
-    Actor,
-    ActorSettings,
-    Critic,
-    CriticSettings,
-    Reference,
-    Reward,
-    Rollout,
-    head_on_policy,
-)
+from posttrain.trainers.rl_steps import step_seed
+from posttrain.workers import Actor, Critic, Reference, Reward, RLBatch, Rollout, head_on_policy
 
 log = get_logger(__name__)
 
@@ -88,28 +78,21 @@ def build_rollout(cfg: RLConfig, model: torch.nn.Module, tokenizer: Any) -> Roll
     return Rollout(make_engine(kind, model, tokenizer, **opts), params)
 
 
-def build_critic(cfg: RLConfig, policy: torch.nn.Module, value_model: Any, guard: BadStepGuard) -> Critic:
+def build_critic(cfg: RLConfig, policy: torch.nn.Module, value_model: Any) -> Critic:
     from posttrain.models.factory import weights_dtype
     from posttrain.models.heads import ScalarHeadModel
     from posttrain.models.loading import resolve_device
 
-    c, a = cfg.critic, cfg.actor
-    settings = CriticSettings(
-        value_clip=c.value_clip, vf_coef=c.vf_coef, loss_agg_mode=a.policy_loss.loss_agg_mode,
-        micro_batch_size=c.micro_batch_size or a.micro_batch_size,
-        max_tokens_per_micro_batch=a.max_tokens_per_micro_batch,
-        max_grad_norm=cfg.trainer.max_grad_norm, precision=cfg.trainer.precision,
-    )
-    trainer = dataclasses.replace(cfg.trainer, learning_rate=c.learning_rate or cfg.trainer.learning_rate)
+    c = cfg.critic
     if c.share_backbone:
-        return Critic(head_on_policy(policy), settings, trainer, cfg.trainer.max_steps, policy=policy, guard=guard)
+        return Critic(head_on_policy(policy), cfg, cfg.trainer.max_steps, policy=policy)
     if value_model is None and c.model_path is not None:
         device = resolve_device(cfg.model.device)
         dtype = weights_dtype(cfg.model.dtype, device, trained=True)  # the critic trains every weight
         value_model = ScalarHeadModel.from_pretrained(c.model_path, device, dtype)
     if value_model is None:
         value_model = ScalarHeadModel.from_causal_lm(policy, init_std=0.0)
-    return Critic(value_model, settings, trainer, cfg.trainer.max_steps, guard=guard)
+    return Critic(value_model, cfg, cfg.trainer.max_steps)
 
 
 def build_roles(cfg: RLConfig, tokenizer: Any, model: Any, reward_funcs: Any, value_model: Any) -> Roles:
@@ -119,22 +102,16 @@ def build_roles(cfg: RLConfig, tokenizer: Any, model: Any, reward_funcs: Any, va
     reward = build_reward(cfg, reward_funcs)
     if not isinstance(model, torch.nn.Module):
         model = build_model(cfg.model, tokenizer, train=True)
-    kl, a, t = cfg.algorithm.kl, cfg.actor, cfg.trainer
-    temperature = cfg.rollout.temperature
+    a = cfg.actor
     ref = None
-    if kl.enabled:
-        ref = Reference(model, temperature, a.micro_batch_size, a.max_tokens_per_micro_batch, t.precision)
-    guard = BadStepGuard(t.max_bad_steps)
-    critic = build_critic(cfg, model, value_model, guard) if cfg.use_critic else None
-    settings = ActorSettings(
-        temperature=temperature, loss=a.policy_loss, max_len=cfg.rollout.max_new_tokens,
-        micro_batch_size=a.micro_batch_size, max_tokens_per_micro_batch=a.max_tokens_per_micro_batch,
-        entropy_coeff=a.entropy_coeff, kl_in_loss=kl.in_loss, kl_kind=kl.kind or "k3",
-        max_grad_norm=t.max_grad_norm, precision=t.precision,
-    )
+    if cfg.algorithm.kl.enabled:
+        ref = Reference.for_policy(model, temperature=cfg.rollout.temperature, micro_batch_size=a.micro_batch_size,
+                                   max_tokens_per_micro_batch=a.max_tokens_per_micro_batch,
+                                   precision=cfg.trainer.precision)
+    critic = build_critic(cfg, model, value_model) if cfg.use_critic else None
     shared = critic is not None and critic.shared
-    actor = Actor(model, settings, t, t.max_steps - cfg.critic.warmup_steps,
-                  extra_params=critic.model.score if shared else None, guard=guard)
+    actor = Actor(model, cfg, cfg.trainer.max_steps - cfg.critic.warmup_steps,
+                  extra_params=critic.model.score if shared else None)
     if shared:
         actor.joint = critic.joint_forward
     if is_peft(model):
@@ -172,7 +149,7 @@ def _evaluate_with_rewards(trainer: Any, examples: list[dict], max_new: int, ste
     pad = pad_id_of(trainer.tokenizer)
     parts = []
     for i in range(0, len(examples), e.batch_size):
-        prompts = collate_prompts(examples[i : i + e.batch_size], pad)
+        prompts = RLBatch.from_prompts(examples[i : i + e.batch_size], pad)
         seed = step_seed(trainer.args.trainer.seed, step, EVAL_SALT + i)
         parts.append(roles.reward.score(roles.rollout.generate(prompts, seed, params))[0])
     if not parts:

@@ -1,17 +1,13 @@
-"""The pieces of one RL step that the driver (`trainers/rl.py`) calls: prompt data,
-rollout collection with DAPO's dynamic sampling, advantage estimators, metrics, timing,
-and what a checkpoint of an RL run holds.
+"""The stages of one RL step that the driver (`trainers/rl.py`) calls: rollout collection
+with DAPO's dynamic sampling, the step's generation metrics, truncation masking, and the
+advantage stage (the estimators themselves are `algos.advantages`).
 
 Notation: B rows, n responses per prompt, Tr response tokens.
 """
 
 from __future__ import annotations
 
-import contextlib
-import time
-from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable
 
 import torch
 
@@ -25,13 +21,10 @@ from posttrain.algos import (
     reinforce_pp_advantages,
     rloo_advantages,
 )
-from posttrain.config.core import ConfigError
-from posttrain.config.rl import AlgorithmConfig, RLDataConfig
-from posttrain.data.formats import validate_rows
-from posttrain.data.sources import load_rows
+from posttrain.config.rl import AlgorithmConfig
 from posttrain.logging import get_logger
-from posttrain.rollout.base import left_pad, pad_id_of
-from posttrain.trainers.core import merge_metrics
+from posttrain.logging.timing import StageTimer
+from posttrain.training.core import merge_metrics
 from posttrain.workers import Reward, RLBatch
 
 log = get_logger(__name__)
@@ -51,88 +44,6 @@ def step_seed(seed: int, step: int, salt: int) -> int:
     """A seed for one use in one step (generation round `salt`, shuffling, …): the same on
     a resumed run as on an uninterrupted one."""
     return (seed * 1_000_003 + step * 7_919 + salt) % (2**62)
-
-
-# ----------------------------------------------------------------------------- prompts
-
-
-def encode_prompt(tokenizer: Any, prompt: Any) -> list[int]:
-    """Token ids of a prompt: a string with the tokenizer's special tokens (BOS), or chat
-    messages through the chat template with the generation prompt."""
-    if isinstance(prompt, list):
-        out = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)
-        return list(out["input_ids"])
-    return list(tokenizer(prompt)["input_ids"])
-
-
-def load_prompts(source: Any, tokenizer: Any, cfg: RLDataConfig) -> tuple[list[dict], dict[str, float]]:
-    """Read, validate and tokenize prompt rows → examples {ids, prompt, columns} and counts.
-
-    Too-long prompts follow `data.truncation` (error naming the row, keep the last
-    tokens, or drop); counts go to the metrics as data/*. A column missing from some rows
-    is None there (reward functions get every column for every row, as TRL)."""
-    rows = load_rows(source)
-    if cfg.prompt_key != "prompt":
-        missing = [i for i, r in enumerate(rows) if cfg.prompt_key not in r]
-        if missing:
-            raise ConfigError(f"data.prompt_key: {rows.locate(missing[0])} has no column {cfg.prompt_key!r}")
-        for r in rows:
-            r["prompt"] = r.pop(cfg.prompt_key)
-    validate_rows(rows, "prompt", rows.name)
-    examples, truncated, dropped = [], 0, 0
-    for i, row in enumerate(rows):
-        ids = encode_prompt(tokenizer, row["prompt"])
-        if len(ids) > cfg.max_prompt_length:
-            if cfg.truncation == "error":
-                raise ConfigError(
-                    f"data.max_prompt_length: the prompt of {rows.locate(i)} has {len(ids)} tokens, more "
-                    f"than {cfg.max_prompt_length}; raise it or set data.truncation=left|drop")
-            if cfg.truncation == "drop":
-                dropped += 1
-                continue
-            ids, truncated = ids[-cfg.max_prompt_length :], truncated + 1
-        columns = {k: v for k, v in row.items() if k != "prompt"}
-        examples.append({"ids": ids, "prompt": row["prompt"], "columns": columns})
-    if not examples:
-        raise ConfigError(f"data.train_files: no prompt left in {rows.name} (all {dropped} dropped as too long)")
-    keys = list(dict.fromkeys(k for e in examples for k in e["columns"]))  # every batch gets every column
-    for e in examples:
-        e["columns"] = {k: e["columns"].get(k) for k in keys}
-    stats = {"data/n_rows": float(len(rows)), "data/n_truncated": float(truncated), "data/n_dropped": float(dropped)}
-    return examples, stats
-
-
-def collate_prompts(examples: Sequence[dict], pad_id: int) -> RLBatch:
-    """Examples → an RLBatch holding only prompts (left-padded), raw prompts and columns."""
-    ids, mask = left_pad([e["ids"] for e in examples], pad_id)
-    columns = {k: [e["columns"][k] for e in examples] for k in examples[0]["columns"]}
-    return RLBatch(prompt_ids=ids, prompt_mask=mask, prompts=[e["prompt"] for e in examples], columns=columns)
-
-
-def prompt_collator(tokenizer: Any) -> Callable[[Sequence[dict]], RLBatch]:
-    pad = pad_id_of(tokenizer)
-    return lambda examples: collate_prompts(examples, pad)
-
-
-# ----------------------------------------------------------------------------- timing
-
-
-class StageTimer:
-    """Wall time per stage of a step (veRL's timing/* metrics); every stage reports, 0 if it did not run."""
-
-    def __init__(self) -> None:
-        self.seconds = dict.fromkeys(STAGES, 0.0)
-
-    @contextlib.contextmanager
-    def __call__(self, stage: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[stage] += time.perf_counter() - start
-
-    def metrics(self) -> dict[str, float]:
-        return {f"timing/{k}": v for k, v in self.seconds.items()}
 
 
 # ----------------------------------------------------------------------------- rollouts
@@ -267,46 +178,3 @@ def compute_advantages(batch: RLBatch, algo: AlgorithmConfig, n: int) -> tuple[R
     if returns is not None:
         metrics["returns/mean"] = float(masked_mean(returns, mask))
     return batch.replace(advantages=adv, returns=returns), metrics
-
-
-# ----------------------------------------------------------------------------- checkpoints
-
-
-class RunModels:
-    """What `save_checkpoint` / `save_final` write: the policy at the top of the folder
-    (HF format, as every trainer), the critic in `critic/` (a ScalarHeadModel checkpoint)
-    with its optimizer state in `critic/optimizer.pt`, and a LoRA adapter in `adapter/`."""
-
-    CRITIC = "critic"
-    CRITIC_STATE = "optimizer.pt"
-
-    def __init__(self, policy: torch.nn.Module, critic: Any = None, adapter: torch.nn.Module | None = None,
-                 with_optimizer: bool = True):
-        self.policy, self.critic, self.adapter = policy, critic, adapter
-        self.with_optimizer = with_optimizer
-
-    def save_pretrained(self, directory: str | Path) -> None:
-        directory = Path(directory)
-        self.policy.save_pretrained(directory)
-        if self.adapter is not None:
-            self.adapter.save_pretrained(directory / "adapter")
-        if self.critic is None:
-            return
-        self.critic.model.save_pretrained(directory / self.CRITIC)
-        if self.with_optimizer and self.critic.optimizer is not None:
-            torch.save({"optimizer": self.critic.optimizer.state_dict(),
-                        "scheduler": self.critic.scheduler.state_dict(), "steps": self.critic.steps},
-                       directory / self.CRITIC / self.CRITIC_STATE)
-
-    @classmethod
-    def load_critic(cls, checkpoint: Path, critic: Any) -> None:
-        """Restore the critic's weights (and optimizer, schedule) saved by `save_pretrained`."""
-        from posttrain.checkpoint import load_weights
-
-        load_weights(checkpoint / cls.CRITIC, critic.model)
-        state_file = checkpoint / cls.CRITIC / cls.CRITIC_STATE
-        if critic.optimizer is not None:
-            state = torch.load(state_file, map_location="cpu", weights_only=True)
-            critic.optimizer.load_state_dict(state["optimizer"])
-            critic.scheduler.load_state_dict(state["scheduler"])
-            critic.steps = state["steps"]

@@ -4,7 +4,7 @@ Loss: the token-mean next-token NLL over trained tokens,
     L = Σ_{b,t} m_{b,t+1} · −log p_θ(x_{b,t+1} | x_{b,≤t}) / Σ m,
 where m masks prompts (`completion_only_loss`, TRL's default for prompt/completion data),
 non-assistant turns (`assistant_only_loss`) and padding. The mean is over every token of
-the optimizer step, across micro-batches (see `trainers.core.train_step`), so gradient
+the optimizer step, across micro-batches (see `training.core.train_step`), so gradient
 accumulation does not change the update.
 
 Departures from TRL's SFTTrainer:

@@ -8,25 +8,23 @@
     rollout.sync_weights(actor.model)
 
 Roles take and return `RLBatch` containers (batch.py) and plain numbers, never config
-trees or each other's internals, so a Ray-backed worker group exposing the same methods
+trees other than the run's own config, or each other's internals, so a Ray-backed worker group exposing the same methods
 can replace any of them without changing the driver (`posttrain.trainers.rl`). Each role
 method checks the fields it reads at its entry (`RLBatch.require`), so a stage run out of
 order fails there, naming the role, the method and the missing field.
 """
 
-from posttrain.workers.actor import Actor, ActorSettings
+from posttrain.workers.actor import Actor
 from posttrain.workers.batch import BatchOps, RLBatch
-from posttrain.workers.critic import Critic, CriticSettings, head_on_policy
+from posttrain.workers.critic import Critic, head_on_policy
 from posttrain.workers.reference import Reference
 from posttrain.workers.reward_worker import Reward
 from posttrain.workers.rollout_worker import Rollout
 
 __all__ = [
     "Actor",
-    "ActorSettings",
     "BatchOps",
     "Critic",
-    "CriticSettings",
     "RLBatch",
     "Reference",
     "Reward",

@@ -4,7 +4,7 @@ Notation: B rows, Tr response tokens, V vocab. One `update(batch)`:
 
     for epoch in 1..ppo_epochs:
         rows shuffled (seeded), cut in mini-batches of ppo_mini_batch_size · n rows
-        for each mini-batch: ONE optimizer step (`trainers.core.train_step`) whose gradient
+        for each mini-batch: ONE optimizer step (`training.core.train_step`) whose gradient
             accumulates over micro-batches; micro-batch k contributes w_k · L_k with
             w_k = aggregation_weight(mask_k) and train_step divides by Σ w_k, so the step
             equals one pass over the whole mini-batch whatever the micro-batch size and
@@ -53,10 +53,8 @@ from posttrain.algos import (
     policy_loss,
     token_logprobs,
 )
-from posttrain.config.rl import PolicyLossConfig
-from posttrain.config.sections import TrainerConfig
-from posttrain.trainers.core import (
-    BadStepGuard,
+from posttrain.config.rl import RLConfig
+from posttrain.training.core import (
     StepResult,
     autocast,
     build_optimizer,
@@ -88,51 +86,27 @@ JointForward = Callable[[nn.Module, RLBatch], tuple[torch.Tensor, torch.Tensor, 
 actor's forward and adds a term to its loss (a value head on the policy's backbone)."""
 
 
-@dataclass
-class ActorSettings:
-    """What the actor needs from the config (one object, so a remote worker gets it whole)."""
-
-    temperature: float
-    """Sampling temperature: log-probs are those of softmax(logits / T)."""
-    loss: PolicyLossConfig
-    """Clip bounds, ratio level, aggregation."""
-    max_len: int
-    """rollout.max_new_tokens: the L of seq-mean-token-sum-norm."""
-    micro_batch_size: int
-    max_tokens_per_micro_batch: int
-    entropy_coeff: float
-    kl_in_loss: bool
-    kl_kind: str
-    max_grad_norm: float
-    precision: str
-
-
 class Actor:
     """The policy being trained (TRL's `model`; veRL's actor worker).
 
     Args:
         model: the policy (BuiltinLM, transformers causal LM, or peft-wrapped).
-        settings: see `ActorSettings`.
-        trainer: optimizer and schedule settings (trainer.learning_rate is the actor's).
+        cfg: the run's config, read where it is: `actor.*` (loss, micro-batches, entropy),
+            `rollout.temperature` and `rollout.max_new_tokens` (the L of
+            seq-mean-token-sum-norm), `algorithm.kl` (a KL term in the loss), `trainer.*`
+            (optimizer, schedule, clipping, precision; trainer.learning_rate is the actor's).
         total_steps: RL steps the schedule spans.
         extra_params: more parameters for the actor's optimizer (a shared value head).
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        settings: ActorSettings,
-        trainer: TrainerConfig,
-        total_steps: int,
-        extra_params: nn.Module | None = None,
-        guard: BadStepGuard | None = None,
-    ):
-        self.model, self.s = model, settings
+    def __init__(self, model: nn.Module, cfg: RLConfig, total_steps: int, extra_params: nn.Module | None = None):
+        self.model, self.cfg = model, cfg
+        self.a, self.loss_cfg, self.kl = cfg.actor, cfg.actor.policy_loss, cfg.algorithm.kl
+        self.temperature, self.max_len = cfg.rollout.temperature, cfg.rollout.max_new_tokens
         self.joint: JointForward | None = None
         owner = model if extra_params is None else nn.ModuleList([model, extra_params])
-        self.optimizer = build_optimizer(owner, trainer)
-        self.scheduler = build_scheduler(self.optimizer, trainer, total_steps)
-        self.guard = guard or BadStepGuard(trainer.max_bad_steps)
+        self.optimizer = build_optimizer(owner, cfg.trainer)
+        self.scheduler = build_scheduler(self.optimizer, cfg.trainer, total_steps)
         self.steps = 0
 
     @property
@@ -146,13 +120,13 @@ class Actor:
 
     def micro_batches(self, batch: RLBatch) -> list[RLBatch]:
         """The update's micro-batches: rows of similar length together (less padding)."""
-        return micro_batches(batch, self.s.micro_batch_size, self.s.max_tokens_per_micro_batch, self.device,
+        return micro_batches(batch, self.a.micro_batch_size, self.a.max_tokens_per_micro_batch, self.device,
                              by_length=True)
 
     @property
     def loss_is_surrogate_only(self) -> bool:
         """No entropy, KL or value term: a row with zero advantages has zero loss and gradient."""
-        return self.s.entropy_coeff == 0 and not self.s.kl_in_loss and self.joint is None
+        return self.a.entropy_coeff == 0 and not self.kl.in_loss and self.joint is None
 
     def update_parts(self, mini: RLBatch) -> list[RLBatch | ZeroAdvantageRows]:
         """The parts of one optimizer step over `mini`: micro-batches of the rows that move
@@ -171,18 +145,18 @@ class Actor:
         batch.require(*FORWARD_FIELDS, role="actor.compute_logprobs")
 
         def logp(mb: RLBatch) -> torch.Tensor:
-            return token_logprobs(response_logits(self.model, mb), mb.response_ids, self.s.temperature)
+            return token_logprobs(response_logits(self.model, mb), mb.response_ids, self.temperature)
 
         # Under the update's autocast: a first-step ratio of exactly 1 needs the same numerics.
-        with autocast(self.s.precision, self.device):
-            (out,) = per_token_pass(batch, logp, self.s.micro_batch_size, self.s.max_tokens_per_micro_batch, self.device)
+        with autocast(self.cfg.trainer.precision, self.device):
+            (out,) = per_token_pass(batch, logp, self.a.micro_batch_size, self.a.max_tokens_per_micro_batch, self.device)
         return out
 
     def loss(
         self, model: nn.Module, mb: RLBatch | ZeroAdvantageRows, kl_coef: float
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         """The `train_step` contract: (w · L, w, metrics) with w = aggregation_weight(mask)."""
-        s, agg = self.s, self.s.loss.loss_agg_mode
+        a, pl, agg = self.a, self.loss_cfg, self.loss_cfg.loss_agg_mode
         if isinstance(mb, ZeroAdvantageRows):
             return self.zero_advantage_loss(model, mb)
         mask = mb.response_mask
@@ -191,23 +165,22 @@ class Actor:
             logits = response_logits(model, mb)
         else:
             logits, extra, extra_metrics = self.joint(model, mb)
-        logp = token_logprobs(logits, mb.response_ids, s.temperature)
+        logp = token_logprobs(logits, mb.response_ids, self.temperature)
         old_logp = mb.old_logp if mb.old_logp is not None else logp.detach()  # on-policy: ratio 1
         loss, metrics = policy_loss(
-            logp, old_logp, mb.advantages, mask, s.loss.clip_low, s.loss.clip_high,
-            s.loss.dual_clip, s.loss.level, agg, s.max_len,
+            logp, old_logp, mb.advantages, mask, pl.clip_low, pl.clip_high, pl.dual_clip, pl.level, agg, self.max_len,
         )
         metrics["policy_loss"] = loss.detach()
-        with torch.set_grad_enabled(s.entropy_coeff != 0 and torch.is_grad_enabled()):
-            entropy = entropy_from_logits(logits if s.entropy_coeff else logits.detach(), s.temperature)
+        with torch.set_grad_enabled(a.entropy_coeff != 0 and torch.is_grad_enabled()):
+            entropy = entropy_from_logits(logits if a.entropy_coeff else logits.detach(), self.temperature)
         metrics["entropy"] = masked_mean(entropy.detach(), mask)
-        if s.entropy_coeff:
-            loss = loss - s.entropy_coeff * aggregate_loss(entropy, mask, agg, s.max_len)
-        if s.kl_in_loss:
+        if a.entropy_coeff:
+            loss = loss - a.entropy_coeff * aggregate_loss(entropy, mask, agg, self.max_len)
+        if self.kl.in_loss:
             # Padding may hold anything (even NaN), which a KL's gradient would carry.
             ref = torch.where(mask.bool(), mb.ref_logp, logp.detach())
-            kl = kl_penalty(logp, ref, s.kl_kind)
-            loss = loss + kl_coef * aggregate_loss(kl, mask, agg, s.max_len)
+            kl = kl_penalty(logp, ref, self.kl.kind or "k3")
+            loss = loss + kl_coef * aggregate_loss(kl, mask, agg, self.max_len)
             metrics["kl"] = masked_mean(kl.detach(), mask)
         if extra is not None:
             loss = loss + extra
@@ -220,17 +193,17 @@ class Actor:
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         """`loss` of rows with zero advantages, without the model: (0, w, metrics). On-policy
         the metrics are `policy_loss`'s own at ratio 1 (logp = old_logp, here both 0)."""
-        s, mask = self.s, part.batch.response_mask.to(self.device)
+        pl, mask = self.loss_cfg, part.batch.response_mask.to(self.device)
         metrics: dict[str, Any] = {}
         if part.batch.old_logp is None:
             z = torch.zeros(mask.shape, device=self.device)
-            _, metrics = policy_loss(z, z, z, mask, s.loss.clip_low, s.loss.clip_high, s.loss.dual_clip,
-                                     s.loss.level, s.loss.loss_agg_mode, s.max_len)
+            _, metrics = policy_loss(z, z, z, mask, pl.clip_low, pl.clip_high, pl.dual_clip, pl.level,
+                                     pl.loss_agg_mode, self.max_len)
         zero = torch.zeros((), device=self.device)
         if part.only_part:  # d(0 · Σθ)/dθ = 0 for every θ: AdamW steps as on the whole mini-batch
             zero = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
         metrics["policy_loss"] = zero.detach()
-        return zero, aggregation_weight(mask, s.loss.loss_agg_mode), metrics
+        return zero, aggregation_weight(mask, pl.loss_agg_mode), metrics
 
     def update(self, batch: RLBatch, mini_batch_rows: int, epochs: int, kl_coef: float, seed: int) -> dict[str, float]:
         """`epochs` passes of shuffled mini-batches, one optimizer step each; then one
@@ -248,14 +221,12 @@ class Actor:
             for mini in batch.select(order).split(mini_batch_rows):
                 result = train_step(
                     self.model, self.update_parts(mini), partial(self.loss, kl_coef=kl_coef),
-                    self.optimizer, None, self.s.max_grad_norm, self.s.precision,
+                    self.optimizer, None, self.cfg.trainer.max_grad_norm, self.cfg.trainer.precision,
                 )
-                self.guard.update(result, self.steps)
                 results.append(result)
         self.scheduler.step()
         self.steps += 1
         return average_steps(results)
-
 
     def _require_update_fields(self, batch: RLBatch, mini_batch_rows: int, epochs: int) -> None:
         """`update`'s fields (see there), checked before any forward pass."""
@@ -264,7 +235,7 @@ class Actor:
         if epochs > 1 or mini_batch_rows < len(batch):
             batch.require("old_logp", role=role, why=f"off-policy: {epochs} epoch(s) of {mini_batch_rows}-row "
                           f"mini-batches over {len(batch)} rows, so later steps need the behaviour policy's")
-        if self.s.kl_in_loss:
+        if self.kl.in_loss:
             batch.require("ref_logp", role=role, why="the KL term is in the loss")
         if self.joint is not None:
             batch.require("values", "returns", role=role, why="a shared value head trains with the actor")
@@ -272,7 +243,8 @@ class Actor:
 
 def average_steps(results: list[StepResult], role: str = "actor") -> dict[str, float]:
     """Mean over optimizer steps of grad_norm, lr and every loss_fn metric (skipped steps'
-    non-finite values left out), plus `<role>/optimizer_steps` and `<role>/skipped_steps`."""
+    non-finite values left out), plus `<role>/optimizer_steps`, `<role>/skipped_steps` and
+    `<role>/nonfinite_steps` (the RL step reports those to the loop's bad-step guard)."""
     out: dict[str, list[float]] = {}
     for r in results:
         for key, value in {"grad_norm": r.grad_norm, "lr": r.lr, **r.metrics}.items():
@@ -280,5 +252,6 @@ def average_steps(results: list[StepResult], role: str = "actor") -> dict[str, f
                 out.setdefault(key, []).append(value)
     merged = {k: sum(v) / len(v) for k, v in out.items()}
     merged[f"{role}/skipped_steps"] = float(sum(r.skipped for r in results))
+    merged[f"{role}/nonfinite_steps"] = float(sum(r.nonfinite for r in results))
     merged[f"{role}/optimizer_steps"] = float(len(results))
     return merged

@@ -14,12 +14,14 @@ read by a role or an algorithm (masks decide), so ops pad with 0.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from posttrain.data.batch import BatchOps
+from posttrain.data.prompts import collate_prompts
 
 __all__ = ["BatchOps", "RLBatch"]
 
@@ -78,6 +80,11 @@ class RLBatch(BatchOps):
     where it gave None), `total` (their weighted sum, before shaping), `correct` (0/1)."""
     meta: dict[str, Any] = field(default_factory=dict, metadata={"kind": "meta"})
     """Facts about the whole batch (e.g. {"n": 8})."""
+
+    @classmethod
+    def from_prompts(cls, examples: Sequence[dict], pad_id: int) -> RLBatch:
+        """A batch holding only prompts, from `data.prompts.load_prompts` examples."""
+        return cls(**collate_prompts(examples, pad_id))
 
     # -------------------------------------------------------------- derived views
 

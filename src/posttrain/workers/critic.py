@@ -20,22 +20,16 @@ Two layouts (`critic.share_backbone`):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 from typing import Any
 
 import torch
 from torch import nn
 
 from posttrain.algos import aggregation_weight, masked_mean, value_loss
-from posttrain.config.sections import TrainerConfig
+from posttrain.config.rl import RLConfig
 from posttrain.models.heads import ScalarHeadModel
-from posttrain.trainers.core import (
-    BadStepGuard,
-    autocast,
-    build_optimizer,
-    build_scheduler,
-    train_step,
-)
+from posttrain.training.core import autocast, build_optimizer, build_scheduler, train_step
 from posttrain.workers.actor import average_steps
 from posttrain.workers.batch import RLBatch
 from posttrain.workers.forward import (
@@ -46,19 +40,6 @@ from posttrain.workers.forward import (
     per_token_pass,
     position_ids,
 )
-
-
-@dataclass
-class CriticSettings:
-    """What the critic needs from the config."""
-
-    value_clip: float | None
-    vf_coef: float
-    loss_agg_mode: str
-    micro_batch_size: int
-    max_tokens_per_micro_batch: int
-    max_grad_norm: float
-    precision: str
 
 
 def response_hidden(model: ScalarHeadModel, batch: RLBatch) -> torch.Tensor:
@@ -81,28 +62,23 @@ class Critic:
 
     Args:
         model: the value model (`ScalarHeadModel`); for a shared critic, `head_on_policy(policy)`.
-        settings: see `CriticSettings`.
-        trainer: optimizer/schedule settings, learning_rate already the critic's.
+        cfg: the run's config: `critic.*` (value clip, vf_coef, learning rate, micro-batches),
+            the actor's `loss_agg_mode` and token budget per micro-batch, `trainer.*`.
         total_steps: RL steps the schedule spans.
         policy: the policy whose backbone `model` shares, or None for a separate critic.
     """
 
-    def __init__(
-        self,
-        model: ScalarHeadModel,
-        settings: CriticSettings,
-        trainer: TrainerConfig,
-        total_steps: int,
-        policy: nn.Module | None = None,
-        guard: BadStepGuard | None = None,
-    ):
-        self.model, self.s, self.policy = model, settings, policy
+    def __init__(self, model: ScalarHeadModel, cfg: RLConfig, total_steps: int, policy: nn.Module | None = None):
+        self.model, self.cfg, self.policy = model, cfg, policy
+        self.c, self.agg = cfg.critic, cfg.actor.policy_loss.loss_agg_mode
+        self.micro_batch_size = cfg.critic.micro_batch_size or cfg.actor.micro_batch_size
+        self.max_tokens = cfg.actor.max_tokens_per_micro_batch
         self.shared = policy is not None
         self.optimizer = self.scheduler = None
         if not self.shared:
+            trainer = dataclasses.replace(cfg.trainer, learning_rate=self.c.learning_rate or cfg.trainer.learning_rate)
             self.optimizer = build_optimizer(model, trainer)
             self.scheduler = build_scheduler(self.optimizer, trainer, total_steps)
-        self.guard = guard or BadStepGuard(trainer.max_bad_steps)
         self.steps = 0
 
     @property
@@ -116,22 +92,22 @@ class Critic:
         def values(mb: RLBatch) -> torch.Tensor:
             return self.model.score(response_hidden(self.model, mb)).squeeze(-1).float()
 
-        with autocast(self.s.precision, self.device):
-            (out,) = per_token_pass(batch, values, self.s.micro_batch_size, self.s.max_tokens_per_micro_batch, self.device)
+        with autocast(self.cfg.trainer.precision, self.device):
+            (out,) = per_token_pass(batch, values, self.micro_batch_size, self.max_tokens, self.device)
         return out
 
     def _value_term(self, values: torch.Tensor, mb: RLBatch) -> tuple[torch.Tensor, dict[str, Any]]:
         mask = mb.response_mask
-        loss, metrics = value_loss(values, mb.values, mb.returns, mask, self.s.value_clip, self.s.loss_agg_mode)
+        loss, metrics = value_loss(values, mb.values, mb.returns, mask, self.c.value_clip, self.agg)
         metrics["value_loss"] = loss.detach()
         metrics["values/mean"] = masked_mean(values.detach(), mask)
-        return self.s.vf_coef * loss, metrics
+        return self.c.vf_coef * loss, metrics
 
     def loss(self, model: ScalarHeadModel, mb: RLBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         """The `train_step` contract for a separate critic."""
         values = model.score(response_hidden(model, mb)).squeeze(-1).float()
         term, metrics = self._value_term(values, mb)
-        weight = aggregation_weight(mb.response_mask, self.s.loss_agg_mode)
+        weight = aggregation_weight(mb.response_mask, self.agg)
         return term * weight, weight, metrics
 
     def joint_forward(self, policy: nn.Module, mb: RLBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
@@ -153,10 +129,9 @@ class Critic:
         for epoch in range(epochs):
             order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(seed + epoch))
             for mini in batch.select(order).split(mini_batch_rows):
-                parts = micro_batches(mini, self.s.micro_batch_size, self.s.max_tokens_per_micro_batch, self.device)
+                parts = micro_batches(mini, self.micro_batch_size, self.max_tokens, self.device)
                 result = train_step(self.model, parts, self.loss, self.optimizer, None,
-                                    self.s.max_grad_norm, self.s.precision)
-                self.guard.update(result, self.steps)
+                                    self.cfg.trainer.max_grad_norm, self.cfg.trainer.precision)
                 results.append(result)
         self.scheduler.step()
         self.steps += 1

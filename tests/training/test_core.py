@@ -9,7 +9,7 @@ import torch
 
 from posttrain.config.sections import TrainerConfig
 from posttrain.models import BuiltinLM
-from posttrain.trainers.core import (
+from posttrain.training.core import (
     BadStepGuard,
     StepResult,
     TrainingDiverged,
