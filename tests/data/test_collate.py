@@ -53,12 +53,12 @@ def test_text_trains_every_token_and_appends_eos(tok):
 def test_text_collated_trains_all_but_padding(tok):
     examples, _ = tokenize_dataset([{"text": "hi"}, {"text": "a longer text"}], tok)
     batch = pad_collate(examples, tok.pad_token_id, pad_to_multiple_of=8)
-    assert batch["input_ids"].shape == (2, 16)
-    real = batch["attention_mask"].bool()
-    assert torch.equal(batch["labels"][real], batch["input_ids"][real])
-    assert (batch["labels"][~real] == IGNORE_INDEX).all()
-    assert (batch["input_ids"][~real] == tok.pad_token_id).all()
-    assert batch["attention_mask"].sum(1).tolist() == [4, 15]
+    assert batch.input_ids.shape == (2, 16)
+    real = batch.attention_mask.bool()
+    assert torch.equal(batch.labels[real], batch.input_ids[real])
+    assert (batch.labels[~real] == IGNORE_INDEX).all()
+    assert (batch.input_ids[~real] == tok.pad_token_id).all()
+    assert batch.attention_mask.sum(1).tolist() == [4, 15]
 
 
 def test_completion_only_loss_masks_exactly_the_prompt(tok):
@@ -231,9 +231,9 @@ def test_pad_collate_layout_and_errors():
     batch = pad_collate(
         [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [9]}], pad_token_id=0
     )
-    assert batch["input_ids"].tolist() == [[5, 6, 7], [9, 0, 0]]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
-    assert batch["labels"].tolist() == [[-100, 6, 7], [9, -100, -100]]
+    assert batch.input_ids.tolist() == [[5, 6, 7], [9, 0, 0]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch.labels.tolist() == [[-100, 6, 7], [9, -100, -100]]
     with pytest.raises(ValueError, match="set tokenizer.pad_token"):
         pad_collate([{"input_ids": [1]}], pad_token_id=None)
 
@@ -301,7 +301,7 @@ def test_padding_never_changes_the_loss_sum(one_thread, examples, multiple):
         ]
         batch = pad_collate(exs, pad_token_id=0, pad_to_multiple_of=multiple)
         padded_sum, padded_n = causal_lm_loss_sum(
-            model(batch["input_ids"], attention_mask=batch["attention_mask"]), batch["labels"]
+            model(batch.input_ids, attention_mask=batch.attention_mask), batch.labels
         )
     assert padded_n.item() == sum(n.item() for _, n in alone)
     assert padded_sum.item() == pytest.approx(sum(s.item() for s, _ in alone), abs=1e-4)

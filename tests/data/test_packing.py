@@ -40,10 +40,10 @@ def test_packed_row_layout():
     }
     assert rows[1]["position_ids"] == [0, 1]
     batch = pack_collate(rows, pad_token_id=0)
-    assert set(batch) == {"input_ids", "labels", "position_ids"}  # no attention_mask
-    assert batch["input_ids"][1].tolist() == [1, 30, 0, 0, 0, 0, 0]
-    assert batch["labels"][1].tolist() == [-100, 30] + [IGNORE_INDEX] * 5
-    assert batch["position_ids"][1].tolist() == [0, 1, 0, 1, 2, 3, 4]  # padding is its own document
+    assert batch.attention_mask is None and batch.position_ids is not None  # no attention_mask
+    assert batch.input_ids[1].tolist() == [1, 30, 0, 0, 0, 0, 0]
+    assert batch.labels[1].tolist() == [-100, 30] + [IGNORE_INDEX] * 5
+    assert batch.position_ids[1].tolist() == [0, 1, 0, 1, 2, 3, 4]  # padding is its own document
 
 
 def test_every_example_lands_in_exactly_one_row_whole():
@@ -100,19 +100,19 @@ def test_packed_loss_equals_unpacked_loss(one_thread):
     model = BuiltinLM.from_preset("tiny", vocab_size=len(tok)).eval()
     with torch.no_grad():
         batch = pad_collate(examples, tok.pad_token_id)
-        logits = model(batch["input_ids"], attention_mask=batch["attention_mask"])
-        sum_unpacked, n_unpacked = causal_lm_loss_sum(logits, batch["labels"])
+        logits = model(batch.input_ids, attention_mask=batch.attention_mask)
+        sum_unpacked, n_unpacked = causal_lm_loss_sum(logits, batch.labels)
 
         packed = pack_collate(pack_examples(examples, seq_length=64), pad_token_id=tok.pad_token_id)
-        assert packed["input_ids"].shape[0] < len(examples)  # several documents share rows
-        logits = model(packed["input_ids"], position_ids=packed["position_ids"])
-        sum_packed, n_packed = causal_lm_loss_sum(logits, packed["labels"])
+        assert packed.input_ids.shape[0] < len(examples)  # several documents share rows
+        logits = model(packed.input_ids, position_ids=packed.position_ids)
+        sum_packed, n_packed = causal_lm_loss_sum(logits, packed.labels)
     assert n_packed.item() == n_unpacked.item()
     assert (sum_packed / n_packed).item() == pytest.approx(
         (sum_unpacked / n_unpacked).item(), abs=1e-5
     )
     # Without block-diagonal attention the documents would see each other: the check has teeth.
     with torch.no_grad():
-        leaky = model(packed["input_ids"], attention_mask=torch.ones_like(packed["input_ids"]))
-        sum_leaky, _ = causal_lm_loss_sum(leaky, packed["labels"])
+        leaky = model(packed.input_ids, attention_mask=torch.ones_like(packed.input_ids))
+        sum_leaky, _ = causal_lm_loss_sum(leaky, packed.labels)
     assert abs((sum_leaky - sum_packed).item()) > 1e-3

@@ -80,11 +80,11 @@ def test_pair_collate_puts_chosen_then_rejected(tok):
     ]
     batch = pair_collate(examples, pad_token_id=0)
     P = IGNORE_INDEX
-    assert batch["input_ids"].tolist() == [[1, 10, 11, 2, 0], [1, 14, 2, 0, 0], [1, 10, 12, 13, 2], [1, 15, 2, 0, 0]]
-    assert batch["labels"].tolist() == [[P, P, 11, 2, P], [P, 14, 2, P, P], [P, P, 12, 13, 2], [P, 15, 2, P, P]]
-    assert batch["attention_mask"].sum(-1).tolist() == [4, 3, 5, 3]
-    assert batch["margin"].tolist() == [0.5, 1.0]
-    assert batch["ref_logps"].tolist() == [-1.0, -3.0, -2.0, -4.0]
+    assert batch.input_ids.tolist() == [[1, 10, 11, 2, 0], [1, 14, 2, 0, 0], [1, 10, 12, 13, 2], [1, 15, 2, 0, 0]]
+    assert batch.labels.tolist() == [[P, P, 11, 2, P], [P, 14, 2, P, P], [P, P, 12, 13, 2], [P, 15, 2, P, P]]
+    assert batch.attention_mask.sum(-1).tolist() == [4, 3, 5, 3]
+    assert batch.margin.tolist() == [0.5, 1.0]
+    assert batch.ref_logps.tolist() == [-1.0, -3.0, -2.0, -4.0]
 
 
 def test_bad_rows_name_the_row(tmp_path, tok):

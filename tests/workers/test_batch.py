@@ -124,3 +124,27 @@ def test_split_then_concat_is_identity(lens, size):
     b = make_batch([p for p, _ in lens], [r for _, r in lens])
     assert rows_of(RLBatch.concat(b.split(size))) == rows_of(b)
     assert rows_of(RLBatch.concat(b.chunk_by_tokens(6))) == rows_of(b)
+
+
+def test_construction_checks_every_field_has_b_rows():
+    b = make_batch([2, 3, 1], [1, 4, 2])
+    with pytest.raises(ValueError, match=r"RLBatch: field 'values' has 2 rows but 'prompt_ids' has 3"):
+        b.replace(values=torch.zeros(2, 4))
+    with pytest.raises(ValueError, match=r"field 'completions' has 4 rows but 'prompt_ids' has 3"):
+        b.replace(completions=["x"] * 4)
+    with pytest.raises(ValueError, match=r"field 'columns.answer' has 1 rows but 'prompt_ids' has 3"):
+        b.replace(columns={"answer": ["1"]})
+    with pytest.raises(ValueError, match=r"field 'scores' has 5 rows but 'prompt_ids' has 3"):
+        RLBatch(prompt_ids=b.prompt_ids, scores=torch.zeros(5))
+    assert len(RLBatch(scores=torch.zeros(5), meta={"n": 2})) == 5  # meta has no rows
+
+
+def test_require_names_the_role_and_the_missing_field():
+    b = make_batch([2, 3], [1, 4])
+    b.require("prompt_ids", "old_logp", role="actor.update")
+    with pytest.raises(ValueError, match=r"actor.update needs RLBatch.advantages, but it is None"):
+        b.require("prompt_ids", "advantages", role="actor.update")
+    with pytest.raises(ValueError, match=r"critic.update needs RLBatch.returns \(with PPO\)"):
+        b.require("returns", role="critic.update", why="with PPO")
+    with pytest.raises(AttributeError, match="no field 'advantage'"):
+        b.require("advantage", role="actor.update")

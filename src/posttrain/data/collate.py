@@ -28,7 +28,7 @@ Conventions (every trainer relies on these):
   counted in `TokenizeStats.n_truncated`) or dropped (`"drop"`, counted). An example left
   with no trained token (e.g. a prompt that fills `max_length`) is dropped and counted:
   it would add zero loss while looking like data. Drops and truncations are logged.
-- `pad_collate` pads on the right: `input_ids` with the pad id, `attention_mask` 0 and
+- `pad_collate` makes an `LMBatch` (`posttrain.data.batch`), padded on the right: `input_ids` with the pad id, `attention_mask` 0 and
   `labels` -100 on padding.
 """
 
@@ -43,12 +43,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from posttrain.data.batch import IGNORE_INDEX, LMBatch
 from posttrain.data.formats import DataFormatError, detect_format, is_conversational, validate_rows
 
 logger = logging.getLogger(__name__)
-
-IGNORE_INDEX = -100
-"""Label of a position that is not trained (PyTorch's `cross_entropy` default)."""
 
 TRUNCATION_MODES = ("truncate", "drop")
 _GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -352,13 +350,13 @@ def pad_collate(
     examples: Sequence[Mapping[str, Sequence[int]]],
     pad_token_id: int,
     pad_to_multiple_of: int | None = None,
-) -> dict[str, torch.Tensor]:
-    """Right-pad examples into a batch.
+) -> LMBatch:
+    """Right-pad examples into an `LMBatch`.
 
-    Returns `input_ids` (B, T) padded with `pad_token_id`, `attention_mask` (B, T) 1 on real
-    tokens, and `labels` (B, T) aligned with `input_ids`, -100 on padding and on untrained
-    positions (an example without `labels` is trained on every token). T is the longest
-    example, rounded up to `pad_to_multiple_of`.
+    `input_ids` (B, T) padded with `pad_token_id`, `attention_mask` (B, T) 1 on real
+    tokens, `labels` (B, T) aligned with `input_ids`, -100 on padding and on untrained
+    positions (an example without `labels` is trained on every token), `lengths` (B,).
+    T is the longest example, rounded up to `pad_to_multiple_of`.
     """
     if not examples:
         raise ValueError("pad_collate got no examples")
@@ -376,7 +374,7 @@ def pad_collate(
         input_ids[i, :n] = torch.as_tensor(ex["input_ids"], dtype=torch.long)
         attention_mask[i, :n] = 1
         labels[i, :n] = torch.as_tensor(ex.get("labels", ex["input_ids"]), dtype=torch.long)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    return LMBatch(input_ids=input_ids, labels=labels, lengths=attention_mask.sum(1), attention_mask=attention_mask)
 
 
 def causal_lm_loss_sum(

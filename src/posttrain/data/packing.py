@@ -18,7 +18,7 @@ A packed row is `{"input_ids", "labels", "position_ids"}` (lists of equal length
   never predicted at all (it is at t=0). Masking it makes the packed loss equal the
   unpacked one, token for token.
 
-`pack_collate` pads rows of a batch to a common length with a pseudo-document of pad
+`pack_collate` makes an `LMBatch` (`posttrain.data.batch`); it pads rows of a batch to a common length with a pseudo-document of pad
 tokens (labels -100, positions from 0), which no real token can attend to.
 """
 
@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from posttrain.data.collate import IGNORE_INDEX
+from posttrain.data.batch import IGNORE_INDEX, LMBatch
 
 
 def bfd_bins(lengths: Sequence[int], seq_length: int) -> list[list[int]]:
@@ -92,8 +92,9 @@ def pack_collate(
     rows: Sequence[Mapping[str, Sequence[int]]],
     pad_token_id: int = 0,
     pad_to_multiple_of: int | None = None,
-) -> dict[str, torch.Tensor]:
-    """Stack packed rows into `input_ids`, `labels`, `position_ids`, each (B, T) int64.
+) -> LMBatch:
+    """Stack packed rows into an `LMBatch`: `input_ids`, `labels`, `position_ids`, each
+    (B, T) int64, and `lengths` (B,), the real tokens of each row.
 
     Shorter rows are padded on the right with `pad_token_id` (any id: it is never attended
     to by a real token nor trained), labels -100 and positions 0, 1, ... (a separate
@@ -114,4 +115,5 @@ def pack_collate(
         labels[i, :n] = torch.as_tensor(r["labels"], dtype=torch.long)
         position_ids[i, :n] = torch.as_tensor(r["position_ids"], dtype=torch.long)
         position_ids[i, n:] = torch.arange(T - n)
-    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+    lengths = torch.tensor([len(r["input_ids"]) for r in rows], dtype=torch.long)
+    return LMBatch(input_ids=input_ids, labels=labels, lengths=lengths, position_ids=position_ids)

@@ -38,7 +38,8 @@ from typing import Any
 
 import torch
 
-from posttrain.data.collate import IGNORE_INDEX, TokenizeStats, pad_collate, tokenize_example
+from posttrain.data.batch import IGNORE_INDEX, PairBatch
+from posttrain.data.collate import TokenizeStats, pad_collate, tokenize_example
 from posttrain.data.formats import DataFormatError, split_implicit_prompt
 from posttrain.data.sources import load_and_validate
 
@@ -185,23 +186,27 @@ def prepare_pairs(source: Any, tokenizer: Any, data: Any) -> tuple[Any, list[dic
     return rows, examples, stats
 
 
-def pair_collate(examples: Sequence[Mapping[str, Any]], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """B pairs → one right-padded batch of 2B rows: the B chosen sequences, then the B rejected.
-
-    Returns `input_ids`, `attention_mask`, `labels` (2B, T) as `pad_collate` makes them, with
-    labels -100 on the prompt and padding (only response tokens are scored); `margin` (B,)
-    when the examples have one; `ref_logps` (2B,) when they carry precomputed reference
-    log-probs.
+def pair_collate(examples: Sequence[Mapping[str, Any]], pad_token_id: int) -> PairBatch:
+    """B pairs → one `PairBatch`, both sides right-padded to one width T as `pad_collate`
+    pads, labels -100 on the prompt and padding (only response tokens are scored);
+    `margin` (B,) when the examples have one; `ref_chosen_logps`, `ref_rejected_logps` (B,)
+    when they carry precomputed reference log-probs.
     """
     sides = [
         {"input_ids": ex["prompt_ids"] + ex[key], "labels": [IGNORE_INDEX] * len(ex["prompt_ids"]) + ex[key]}
         for key in ("chosen_ids", "rejected_ids")
         for ex in examples
     ]
-    batch = pad_collate(sides, pad_token_id)
+    chosen, rejected = pad_collate(sides, pad_token_id).split(len(examples))
+    margin = ref = None
     if "margin" in examples[0]:
-        batch["margin"] = torch.tensor([ex["margin"] for ex in examples], dtype=torch.float32)
+        margin = torch.tensor([ex["margin"] for ex in examples], dtype=torch.float32)
     if "ref_logps" in examples[0]:
-        ref = [ex["ref_logps"] for ex in examples]
-        batch["ref_logps"] = torch.tensor([c for c, _ in ref] + [r for _, r in ref], dtype=torch.float32)
-    return batch
+        ref = torch.tensor([ex["ref_logps"] for ex in examples], dtype=torch.float32)  # (B, 2)
+    return PairBatch(
+        chosen_ids=chosen.input_ids, chosen_mask=chosen.attention_mask, chosen_labels=chosen.labels,
+        rejected_ids=rejected.input_ids, rejected_mask=rejected.attention_mask, rejected_labels=rejected.labels,
+        margin=margin,
+        ref_chosen_logps=None if ref is None else ref[:, 0],
+        ref_rejected_logps=None if ref is None else ref[:, 1],
+    )

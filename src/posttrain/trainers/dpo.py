@@ -42,7 +42,7 @@ Departures from TRL's DPOTrainer:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -53,7 +53,7 @@ from posttrain.algos import dpo_loss, token_logprobs
 from posttrain.config import save_config, to_dict
 from posttrain.config.core import check
 from posttrain.config.preference import DPOAlgorithmConfig, DPOConfig
-from posttrain.data.collate import IGNORE_INDEX
+from posttrain.data.batch import IGNORE_INDEX, PairBatch
 from posttrain.data.preference import pair_collate, prepare_pairs
 from posttrain.evaluation import task_eval
 from posttrain.logging import get_logger
@@ -70,13 +70,14 @@ from posttrain.workers.reference import Reference
 log = get_logger(__name__)
 
 
-def sequence_logps(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Σ of response-token log-probs and the number of response tokens of each row, (2B,) each.
+def sequence_logps(model: torch.nn.Module, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ of response-token log-probs and the number of response tokens of each row, (2B,) each
+    (the B chosen rows, then the B rejected).
 
     The logits at t score the label at t + 1; labels are -100 on the prompt and padding.
     """
-    logits = forward_logits(model, batch["input_ids"], batch["attention_mask"])  # (2B, T, V)
-    labels = batch["labels"][:, 1:]
+    logits = forward_logits(model, batch.input_ids, batch.attention_mask)  # (2B, T, V)
+    labels = batch.labels[:, 1:]
     logp = token_logprobs(logits[:, :-1], labels)  # (2B, T-1), 0 where labels are -100
     return logp.sum(-1), (labels != IGNORE_INDEX).sum(-1)
 
@@ -100,19 +101,19 @@ LOGP_REDUCTIONS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
 
 def dpo_step_loss(
     model: torch.nn.Module,
-    batch: Mapping[str, torch.Tensor],
+    batch: PairBatch,
     reference: Reference | None,
     algo: DPOAlgorithmConfig,
 ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
     """The `train_step` contract for DPO: (Σ_pairs loss [+ RPO term], #pairs, metrics).
 
-    The reference log-probs come from `batch["ref_logps"]` when precomputed, else `reference`.
+    The reference log-probs come from `batch.ref_logps` when precomputed, else `reference`.
     The RPO term of a micro-batch is α · (P / N) · Σ chosen-token NLL, with P pairs and N
-    chosen tokens in the whole step (`batch["step_pairs"]`, `batch["step_chosen_tokens"]`), so
+    chosen tokens in the whole step (`batch.step_pairs`, `batch.step_chosen_tokens`), so
     that after train_step's division by P it is α · (the step's token-mean NLL).
     """
     logps, n_tokens = sequence_logps(model, batch)  # (2B,) each
-    ref = batch["ref_logps"] if "ref_logps" in batch else reference.run(sequence_logps, batch)[0]
+    ref = batch.ref_logps if batch.ref_logps is not None else reference.run(sequence_logps, batch)[0]
     reduce = LOGP_REDUCTIONS[algo.loss_type]
     chosen, rejected = reduce(logps, n_tokens).chunk(2)
     ref_chosen, ref_rejected = reduce(ref.to(logps.device), n_tokens).chunk(2)
@@ -130,22 +131,19 @@ def dpo_step_loss(
         "logps/rejected": rejected.detach().mean(),
     }
     if algo.rpo_alpha is not None:
-        scale = batch["step_pairs"] / batch["step_chosen_tokens"]
+        batch.require("step_pairs", "step_chosen_tokens", role="dpo_step_loss", why="with algorithm.rpo_alpha")
+        scale = batch.step_pairs / batch.step_chosen_tokens
         nll_sum = -logps[:n].sum()
         loss_sum = loss_sum + algo.rpo_alpha * scale * nll_sum
         metrics["nll_loss"] = scale * nll_sum.detach() / n
     return loss_sum, n, metrics
 
 
-def with_step_totals(micro_batches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
-    """Add the step's pair and chosen-token counts to each micro-batch (for the RPO token mean)."""
-    pairs = sum(mb["input_ids"].shape[0] // 2 for mb in micro_batches)
-    tokens = sum(int((mb["labels"][: mb["labels"].shape[0] // 2, 1:] != IGNORE_INDEX).sum()) for mb in micro_batches)
-    for mb in micro_batches:
-        device = mb["input_ids"].device
-        mb["step_pairs"] = torch.tensor(float(pairs), device=device)
-        mb["step_chosen_tokens"] = torch.tensor(float(max(tokens, 1)), device=device)
-    return micro_batches
+def with_step_totals(micro_batches: list[PairBatch]) -> list[PairBatch]:
+    """The micro-batches with their step's pair and chosen-token counts (for the RPO token mean)."""
+    pairs = sum(len(mb) for mb in micro_batches)
+    tokens = sum(int((mb.chosen_labels[:, 1:] != IGNORE_INDEX).sum()) for mb in micro_batches)
+    return [mb.replace(step_pairs=float(pairs), step_chosen_tokens=float(max(tokens, 1))) for mb in micro_batches]
 
 
 class StepTotalBatches(EpochBatches):
@@ -228,9 +226,8 @@ class DPOTrainer:
         log.info("precomputed reference log-probs of %d train and %d eval pairs",
                  len(self.train_examples), len(self.eval_examples))
 
-    def _collate(self, examples: list[dict]) -> dict[str, torch.Tensor]:
-        device = _device(self.model)
-        return {k: v.to(device) for k, v in pair_collate(examples, self.tokenizer.pad_token_id).items()}
+    def _collate(self, examples: list[dict]) -> PairBatch:
+        return pair_collate(examples, self.tokenizer.pad_token_id).to(_device(self.model))
 
     def evaluate(self, model: torch.nn.Module | None = None, step: int = 0) -> tuple[dict[str, float], list[dict]]:
         """Held-out `eval/loss`, `eval/rewards/*`, `eval/logps/*`; `eval/accuracy` (and samples)

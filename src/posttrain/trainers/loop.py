@@ -304,11 +304,6 @@ def fit(
 
 
 def _throughput(micro_batches: list[Any], seconds: float) -> dict[str, float]:
-    """Input tokens per second of the step (padding excluded when a mask says where it is)."""
-    tokens = 0
-    for mb in micro_batches:
-        if isinstance(mb, Mapping) and "attention_mask" in mb:
-            tokens += int(mb["attention_mask"].sum())
-        elif isinstance(mb, Mapping) and "input_ids" in mb:
-            tokens += mb["input_ids"].numel()
+    """Input tokens per second of the step, padding excluded (each batch's `num_tokens()`)."""
+    tokens = sum(mb.num_tokens() for mb in micro_batches)
     return {"timing/step": seconds, "throughput/tokens_per_s": tokens / max(seconds, 1e-9)}

@@ -35,7 +35,7 @@ Departures from TRL's RewardTrainer:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,7 @@ from posttrain.algos import bradley_terry_loss
 from posttrain.config import ConfigError, LoraConfig, ModelConfig, save_config, to_dict
 from posttrain.config.core import check
 from posttrain.config.preference import RMConfig
+from posttrain.data.batch import PairBatch
 from posttrain.data.preference import pair_collate, prepare_pairs
 from posttrain.logging import get_logger
 from posttrain.models.builtin import BuiltinLM
@@ -77,20 +78,20 @@ def pairwise_metrics(chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, 
 
 
 def bt_loss(
-    model: torch.nn.Module, batch: Mapping[str, torch.Tensor], center_rewards_coefficient: float = 0.0
+    model: torch.nn.Module, batch: PairBatch, center_rewards_coefficient: float = 0.0
 ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
     """The `train_step` contract for the reward model: (Σ_pairs ℓ, #pairs, metrics); ℓ as in the module doc."""
-    scores = model.scores(batch["input_ids"], batch["attention_mask"])  # (2B,)
+    scores = model.scores(batch.input_ids, batch.attention_mask)  # (2B,)
     chosen, rejected = scores.chunk(2)
     n = chosen.shape[0]
-    loss_sum = bradley_terry_loss(chosen, rejected, batch.get("margin")) * n
+    loss_sum = bradley_terry_loss(chosen, rejected, batch.margin) * n
     if center_rewards_coefficient:
         loss_sum = loss_sum + center_rewards_coefficient * ((chosen + rejected) ** 2).sum()
     return loss_sum, n, pairwise_metrics(chosen, rejected)
 
 
 def pairwise_eval(
-    model: torch.nn.Module, batches: Iterable[Mapping[str, torch.Tensor]], loss_fn: LossFn
+    model: torch.nn.Module, batches: Iterable[PairBatch], loss_fn: LossFn
 ) -> dict[str, float]:
     """`loss_fn` over held-out micro-batches: `eval/loss` (Σ loss ÷ Σ units) and every metric
     merged as the training step merges them, all prefixed `eval/`."""
@@ -184,11 +185,11 @@ class RewardTrainer:
             model = ScalarHeadModel.from_causal_lm(model)
         return with_lora(model, self.args.model.lora)
 
-    def _collate(self, examples: list[dict]) -> dict[str, torch.Tensor]:
+    def _collate(self, examples: list[dict]) -> PairBatch:
         device = next(self.model.parameters()).device
-        return {k: v.to(device) for k, v in pair_collate(examples, self.tokenizer.pad_token_id).items()}
+        return pair_collate(examples, self.tokenizer.pad_token_id).to(device)
 
-    def _micro_batches(self, examples: list[dict]) -> Iterable[dict[str, torch.Tensor]]:
+    def _micro_batches(self, examples: list[dict]) -> Iterable[PairBatch]:
         mb = self.args.trainer.micro_batch_size
         return (self._collate(examples[i : i + mb]) for i in range(0, len(examples), mb))
 

@@ -27,6 +27,7 @@ import torch
 
 from posttrain.config import ConfigError, SFTConfig, save_config, to_dict
 from posttrain.config.core import check
+from posttrain.data.batch import LMBatch
 from posttrain.data.collate import causal_lm_loss_sum, pad_collate, tokenize_dataset
 from posttrain.data.packing import pack_collate, pack_examples, packing_efficiency
 from posttrain.data.sources import load_and_validate
@@ -43,10 +44,10 @@ log = get_logger(__name__)
 _FORMATS = {"auto": None, "text": "text", "prompt_completion": "prompt_completion", "messages": "messages"}
 
 
-def lm_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def lm_loss(model: torch.nn.Module, batch: LMBatch) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """The `train_step` loss contract for next-token prediction: (Σ NLL, #trained tokens, {})."""
-    logits = forward_logits(model, batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids"))
-    loss_sum, n_tokens = causal_lm_loss_sum(logits, batch["labels"])
+    logits = forward_logits(model, batch.input_ids, batch.attention_mask, batch.position_ids)
+    loss_sum, n_tokens = causal_lm_loss_sum(logits, batch.labels)
     return loss_sum, n_tokens, {}
 
 
@@ -104,10 +105,10 @@ class SFTTrainer:
             counts["data/packing_efficiency"] = packing_efficiency(examples, d.max_length)
         return examples, counts
 
-    def _collate(self, examples: list[dict]) -> dict[str, torch.Tensor]:
+    def _collate(self, examples: list[dict]) -> LMBatch:
         pad = self.tokenizer.pad_token_id
         batch = pack_collate(examples, pad) if self.args.data.packing else pad_collate(examples, pad)
-        return {k: v.to(_device(self.model)) for k, v in batch.items()}
+        return batch.to(_device(self.model))
 
     def evaluate(
         self, model: torch.nn.Module | None = None, step: int = 0

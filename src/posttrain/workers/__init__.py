@@ -9,7 +9,9 @@
 
 Roles take and return `RLBatch` containers (batch.py) and plain numbers, never config
 trees other than the run's own config, or each other's internals, so a Ray-backed worker group exposing the same methods
-can replace any of them without changing the driver (`posttrain.trainers.rl`).
+can replace any of them without changing the driver (`posttrain.trainers.rl`). Each role
+method checks the fields it reads at its entry (`RLBatch.require`), so a stage run out of
+order fails there, naming the role, the method and the missing field.
 """
 
 from posttrain.workers.actor import Actor

@@ -63,6 +63,7 @@ from posttrain.training.core import (
 )
 from posttrain.workers.batch import RLBatch
 from posttrain.workers.forward import (
+    FORWARD_FIELDS,
     device_of,
     micro_batches,
     per_token_pass,
@@ -139,7 +140,10 @@ class Actor:
         return [*parts, ZeroAdvantageRows(mini.select(~moves), only_part=not parts)]
 
     def compute_logprobs(self, batch: RLBatch) -> torch.Tensor:
-        """(B, Tr) log softmax(logits / T)[y_t] of the current policy, 0 on padding (CPU)."""
+        """(B, Tr) log softmax(logits / T)[y_t] of the current policy, 0 on padding (CPU).
+        Needs the forward's fields (`FORWARD_FIELDS`)."""
+        batch.require(*FORWARD_FIELDS, role="actor.compute_logprobs")
+
         def logp(mb: RLBatch) -> torch.Tensor:
             return token_logprobs(response_logits(self.model, mb), mb.response_ids, self.temperature)
 
@@ -203,7 +207,13 @@ class Actor:
 
     def update(self, batch: RLBatch, mini_batch_rows: int, epochs: int, kl_coef: float, seed: int) -> dict[str, float]:
         """`epochs` passes of shuffled mini-batches, one optimizer step each; then one
-        scheduler step. Returns the metrics averaged over the optimizer steps."""
+        scheduler step. Returns the metrics averaged over the optimizer steps.
+
+        Needs the forward's fields and `advantages`; `old_logp` unless the update is one
+        optimizer step (one epoch, one mini-batch: the loss then uses its own log-probs,
+        detached); `ref_logp` with the KL in the loss; `values` and `returns` with a shared
+        value head (`joint`)."""
+        self._require_update_fields(batch, mini_batch_rows, epochs)
         self.model.train()
         results: list[StepResult] = []
         for epoch in range(epochs):
@@ -217,6 +227,18 @@ class Actor:
         self.scheduler.step()
         self.steps += 1
         return average_steps(results)
+
+    def _require_update_fields(self, batch: RLBatch, mini_batch_rows: int, epochs: int) -> None:
+        """`update`'s fields (see there), checked before any forward pass."""
+        role = "actor.update"
+        batch.require(*FORWARD_FIELDS, "advantages", role=role)
+        if epochs > 1 or mini_batch_rows < len(batch):
+            batch.require("old_logp", role=role, why=f"off-policy: {epochs} epoch(s) of {mini_batch_rows}-row "
+                          f"mini-batches over {len(batch)} rows, so later steps need the behaviour policy's")
+        if self.kl.in_loss:
+            batch.require("ref_logp", role=role, why="the KL term is in the loss")
+        if self.joint is not None:
+            batch.require("values", "returns", role=role, why="a shared value head trains with the actor")
 
 
 def average_steps(results: list[StepResult], role: str = "actor") -> dict[str, float]:

@@ -33,6 +33,7 @@ from posttrain.training.core import autocast, build_optimizer, build_scheduler, 
 from posttrain.workers.actor import average_steps
 from posttrain.workers.batch import RLBatch
 from posttrain.workers.forward import (
+    FORWARD_FIELDS,
     builtin_of,
     device_of,
     micro_batches,
@@ -85,7 +86,9 @@ class Critic:
         return device_of(self.model)
 
     def compute_values(self, batch: RLBatch) -> torch.Tensor:
-        """(B, Tr) V(s_t), 0 on padding (CPU)."""
+        """(B, Tr) V(s_t), 0 on padding (CPU). Needs the forward's fields (`FORWARD_FIELDS`)."""
+        batch.require(*FORWARD_FIELDS, role="critic.compute_values")
+
         def values(mb: RLBatch) -> torch.Tensor:
             return self.model.score(response_hidden(self.model, mb)).squeeze(-1).float()
 
@@ -116,9 +119,11 @@ class Critic:
 
     def update(self, batch: RLBatch, mini_batch_rows: int, epochs: int, seed: int) -> dict[str, float]:
         """ppo_epochs × shuffled mini-batches, one critic optimizer step each (separate
-        critic); nothing for a shared one (the actor's update trains it)."""
+        critic); nothing for a shared one (the actor's update trains it). Needs the
+        forward's fields, `values` (V_old, the clip's centre) and `returns` (the targets)."""
         if self.shared:
             return {}
+        batch.require(*FORWARD_FIELDS, "values", "returns", role="critic.update")
         self.model.train()
         results = []
         for epoch in range(epochs):

@@ -17,6 +17,9 @@ from torch import nn
 from posttrain.models import BuiltinLM
 from posttrain.workers.batch import RLBatch
 
+FORWARD_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "lengths")
+"""The RLBatch fields a teacher-forced pass reads (`response_logits`, `per_token_pass`)."""
+
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """(B, T) mask → (B, T) positions of the real tokens (cumsum − 1, 0 on left padding)."""

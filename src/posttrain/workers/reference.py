@@ -28,7 +28,7 @@ from posttrain.algos import token_logprobs
 from posttrain.models.lora import is_peft
 from posttrain.training.core import autocast
 from posttrain.workers.batch import RLBatch
-from posttrain.workers.forward import device_of, per_token_pass, response_logits
+from posttrain.workers.forward import FORWARD_FIELDS, device_of, per_token_pass, response_logits
 
 
 class Reference:
@@ -76,7 +76,10 @@ class Reference:
 
     @torch.no_grad()
     def compute_logprobs(self, batch: RLBatch) -> torch.Tensor:
-        """(B, Tr) log softmax(logits_ref / T)[y_t], 0 on padding (CPU)."""
+        """(B, Tr) log softmax(logits_ref / T)[y_t], 0 on padding (CPU). Needs the forward's
+        fields (`FORWARD_FIELDS`)."""
+        batch.require(*FORWARD_FIELDS, role="ref.compute_logprobs")
+
         def logp(mb: RLBatch) -> torch.Tensor:
             return token_logprobs(response_logits(self.model, mb), mb.response_ids, self.temperature)
 

@@ -61,7 +61,12 @@ class Reward:
         self.missing_eos_penalty = missing_eos_penalty
 
     def score(self, batch: RLBatch) -> tuple[RLBatch, dict[str, float]]:
-        """Fill `scores`, `token_rewards` and `rewards`; return the runner's metrics."""
+        """Fill `scores`, `token_rewards` and `rewards`; return the runner's metrics. Needs
+        `response_ids`, `lengths`, `prompts`, `completions` (and `truncated` with the
+        missing-EOS penalty); `columns` when the reward functions read any."""
+        batch.require("response_ids", "lengths", "prompts", "completions", role="reward.score")
+        if self.missing_eos_penalty:
+            batch.require("truncated", role="reward.score", why="reward.missing_eos_penalty is set")
         terms, metrics = self._reward_terms(batch)
         total = terms["total"].clone()
         buffer, alpha = self.overlong
@@ -94,6 +99,7 @@ class Reward:
         """token_rewards −= coef · kl_penalty(old_logp, ref_logp, kind) on valid tokens.
 
         Returns the batch and the mean KL over valid tokens."""
+        batch.require("response_mask", "old_logp", "ref_logp", "token_rewards", role="reward.apply_kl")
         mask = batch.response_mask.bool()
         kl = torch.where(mask, kl_penalty(batch.old_logp, batch.ref_logp, kind), 0.0)
         return batch.replace(token_rewards=batch.token_rewards - coef * kl), float(masked_mean(kl, mask))

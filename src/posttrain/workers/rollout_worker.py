@@ -41,7 +41,9 @@ class Rollout:
         """Responses to every prompt; rows [k·n, (k+1)·n) answer prompt k.
 
         `seed` makes the samples a function of (weights, prompts, seed). `params`
-        replaces the rollout's sampling settings for this call (evaluation)."""
+        replaces the rollout's sampling settings for this call (evaluation). Needs
+        `prompt_ids`, `prompt_mask` and `prompts`."""
+        prompts.require("prompt_ids", "prompt_mask", "prompts", role="rollout.generate")
         params = dataclasses.replace(params or self.params, seed=seed)
         n = params.n
         ids = [row[mask.bool()].tolist() for row, mask in zip(prompts.prompt_ids, prompts.prompt_mask)]
