@@ -70,7 +70,7 @@ class App:
     def generate(self, body: Any, chat: bool) -> dict:
         req = parse_request(body, self.info, chat, self._encode)
         try:
-            out = self.batcher.submit(req.prompts, req.params)
+            out = self.batcher.submit(req.prompts, req.params).result()
         except BatcherClosed as err:
             raise RequestError(str(err), 503, type="server_error") from None
         full = response(req, self.info.name, out.texts, out.finish_reasons, out.lengths)
