@@ -224,8 +224,8 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(model_dir,
         for p in prompts
     ]
     srv = ServerThread(model_dir, served_model_name=NAME, batch_wait_ms=300)
+    together = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=60)
     try:
-        together = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=60)
         replies: dict[int, str] = {}
         start = threading.Barrier(len(prompts))
 
@@ -242,8 +242,8 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(model_dir,
         for t in threads:
             t.join(60)
         stats = srv.stats()
-        together.close()
     finally:
+        together.close()
         srv.close()
     assert [replies.get(i) for i in range(len(prompts))] == alone
     assert stats["requests"] == len(prompts) and stats["generate_calls"] < len(prompts), stats
