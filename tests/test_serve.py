@@ -1,6 +1,8 @@
-"""`posttrain serve`: the real HTTP server on 127.0.0.1 (an ephemeral port) with a tiny saved
-model; answers equal the rollout engine's, concurrent requests share generate calls, bad
-requests get OpenAI-style 4xx errors, and `llm_judge` works against it."""
+"""`posttrain serve`: the real HTTP server (uvicorn) on 127.0.0.1 at an ephemeral port with a
+tiny saved model, asked through the official `openai` client as a real client would:
+answers equal the rollout engine's, streams concatenate to the unstreamed text, concurrent
+requests are batched and each still gets its own answer, bad requests get OpenAI-style 4xx
+errors, and `llm_judge` works against it."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import sys
 import threading
 import urllib.request
 
+import openai
 import pytest
 import torch
 
@@ -22,7 +25,7 @@ from posttrain.evaluation import prompt_input
 from posttrain.models import BuiltinConfig, BuiltinLM
 from posttrain.rewards import llm_judge
 from posttrain.rollout import SamplingParams, make_engine
-from posttrain.serve import ServerThread
+from posttrain.serve import Batcher, ServerThread
 
 NAME = "tiny"
 PROMPTS = ["12+3=", "hello world, how are", "a", "7*8=", "The cat", "xyz", "1", "what is 2+2?"]
@@ -63,12 +66,24 @@ def engine(model_dir):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    with ServerThread(model_dir, served_model_name=NAME, batch_wait_ms=5) as srv:
+    srv = ServerThread(model_dir, served_model_name=NAME, batch_wait_ms=5)
+    try:
         yield srv
+    finally:
+        srv.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+    try:
+        yield client
+    finally:
+        client.close()
 
 
 def request(srv, method, path, body=None, headers=None):
-    """(status, JSON reply, response headers); `body` may be raw bytes."""
+    """(status, JSON reply, response headers) of a raw request; `body` may be raw bytes."""
     conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
     conn.request(
@@ -77,13 +92,7 @@ def request(srv, method, path, body=None, headers=None):
     reply = conn.getresponse()
     raw = reply.read()
     conn.close()
-    return reply.status, json.loads(raw) if raw else None, dict(reply.getheaders())
-
-
-def complete(srv, **body):
-    status, reply, _ = request(srv, "POST", "/v1/completions", body)
-    assert status == 200, reply
-    return reply
+    return reply.status, json.loads(raw) if raw else None, reply.headers
 
 
 def greedy(engine, prompts, max_tokens=8, **params):
@@ -92,125 +101,179 @@ def greedy(engine, prompts, max_tokens=8, **params):
     )
 
 
-def test_health_and_models(server):
+def test_health_and_models(server, client):
     status, health, _ = request(server, "GET", "/health")
     assert status == 200 and health["status"] == "ok" and health["model"] == NAME
     assert health["engine"] == "native" and "generate_calls" in health["stats"]
-    status, models, _ = request(server, "GET", "/v1/models")
-    assert (
-        status == 200 and models["object"] == "list" and [m["id"] for m in models["data"]] == [NAME]
-    )
+    assert [m.id for m in client.models.list()] == [NAME]
 
 
-def test_greedy_completion_equals_the_engine(server, engine):
-    reply = complete(server, model=NAME, prompt=PROMPTS[0], max_tokens=8, temperature=0)
+def test_greedy_completion_equals_the_engine(client, engine):
+    reply = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=8, temperature=0)
     ref = greedy(engine, PROMPTS[:1])
-    assert reply["object"] == "text_completion" and reply["id"].startswith("cmpl-")
-    assert reply["model"] == NAME and isinstance(reply["created"], int)
-    [choice] = reply["choices"]
-    assert choice == {"index": 0, "text": ref.texts[0], "logprobs": None, "finish_reason": "length"}
-    prompt_tokens = len(ref.prompt_ids[0])
-    assert reply["usage"] == {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": 8,
-        "total_tokens": prompt_tokens + 8,
+    assert reply.object == "text_completion" and reply.id.startswith("cmpl-")
+    assert reply.model == NAME and isinstance(reply.created, int)
+    [choice] = reply.choices
+    assert choice.model_dump() == {
+        "index": 0,
+        "text": ref.texts[0],
+        "logprobs": None,
+        "finish_reason": "length",
     }
+    prompt_tokens = len(ref.prompt_ids[0])
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens, reply.usage.total_tokens) == (
+        prompt_tokens,
+        8,
+        prompt_tokens + 8,
+    )
     # A list of prompts, and token ids, give the same answers.
-    several = complete(server, prompt=PROMPTS[:3], max_tokens=8, temperature=0)
-    assert [c["text"] for c in several["choices"]] == greedy(engine, PROMPTS[:3]).texts
-    assert [c["index"] for c in several["choices"]] == [0, 1, 2]
-    ids = complete(server, prompt=ref.prompt_ids[0], max_tokens=8, temperature=0)
-    assert ids["choices"][0]["text"] == ref.texts[0]
+    several = client.completions.create(model=NAME, prompt=PROMPTS[:3], max_tokens=8, temperature=0)
+    assert [c.text for c in several.choices] == greedy(engine, PROMPTS[:3]).texts
+    assert [c.index for c in several.choices] == [0, 1, 2]
+    ids = client.completions.create(
+        model=NAME, prompt=ref.prompt_ids[0], max_tokens=8, temperature=0
+    )
+    assert ids.choices[0].text == ref.texts[0]
 
 
-def test_n_samples_with_a_seed_are_the_engines_and_repeatable(server, engine):
-    body = {"prompt": PROMPTS[1], "n": 2, "temperature": 1.0, "seed": 7, "max_tokens": 6}
-    first, second = complete(server, **body), complete(server, **body)
+def test_n_samples_with_a_seed_are_the_engines_and_repeatable(client, engine):
+    body = dict(model=NAME, prompt=PROMPTS[1], n=2, temperature=1.0, seed=7, max_tokens=6)
+    first, second = client.completions.create(**body), client.completions.create(**body)
     ref = engine.generate(
         [PROMPTS[1]], SamplingParams(n=2, temperature=1.0, seed=7, max_new_tokens=6)
     )
-    assert [c["text"] for c in first["choices"]] == ref.texts
-    assert [c["index"] for c in first["choices"]] == [0, 1]
-    assert first["choices"] == second["choices"]
-    assert first["usage"]["completion_tokens"] == 12
+    assert [c.text for c in first.choices] == ref.texts
+    assert [c.index for c in first.choices] == [0, 1]
+    assert first.choices == second.choices
+    assert first.usage.completion_tokens == 12
 
 
-def test_stop_string_ends_a_completion(server, engine):
-    reply = complete(server, prompt="1", max_tokens=8, temperature=0, stop=["22"])
+def test_stop_string_ends_a_completion(client, engine):
+    reply = client.completions.create(
+        model=NAME, prompt="1", max_tokens=8, temperature=0, stop=["22"]
+    )
     ref = greedy(engine, ["1"], stop=("22",))
     assert ref.finish_reason == ["stop"]  # the greedy text of "1" holds "22"
-    assert reply["choices"][0]["text"] == ref.texts[0] and "22" not in ref.texts[0]
-    assert reply["choices"][0]["finish_reason"] == "stop"
+    assert reply.choices[0].text == ref.texts[0] and "22" not in ref.texts[0]
+    assert reply.choices[0].finish_reason == "stop"
 
 
-def test_chat_completion_applies_the_chat_template(server, engine):
-    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "7*8="}]
-    status, reply, _ = request(
-        server,
-        "POST",
-        "/v1/chat/completions",
-        {"messages": messages, "max_tokens": 8, "temperature": 0},
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "7*8="}]
+
+
+def test_chat_completion_applies_the_chat_template(client, engine):
+    reply = client.chat.completions.create(
+        model=NAME, messages=MESSAGES, max_tokens=8, temperature=0
     )
-    assert status == 200, reply
-    ids = prompt_input(build_tokenizer(), messages)
+    ids = prompt_input(build_tokenizer(), MESSAGES)
     ref = greedy(engine, [ids])
-    assert reply["object"] == "chat.completion" and reply["id"].startswith("chatcmpl-")
-    assert reply["choices"][0]["message"] == {"role": "assistant", "content": ref.texts[0]}
-    assert reply["usage"]["prompt_tokens"] == len(ids)
+    assert reply.object == "chat.completion" and reply.id.startswith("chatcmpl-")
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].message.content == ref.texts[0]
+    assert reply.usage.prompt_tokens == len(ids)
     # Content as a list of text parts is the same conversation.
     parts = [
-        {**messages[0]},
+        MESSAGES[0],
         {
             "role": "user",
             "content": [{"type": "text", "text": "7*"}, {"type": "text", "text": "8="}],
         },
     ]
-    _, same, _ = request(
-        server,
-        "POST",
-        "/v1/chat/completions",
-        {"messages": parts, "max_tokens": 8, "temperature": 0},
-    )
-    assert same["choices"] == reply["choices"]
+    same = client.chat.completions.create(model=NAME, messages=parts, max_tokens=8, temperature=0)
+    assert same.choices == reply.choices
 
 
-def test_stream_sends_the_choices_as_server_sent_events(server, engine):
+def test_stream_concatenates_to_the_unstreamed_completion(client):
+    body = dict(model=NAME, prompt=PROMPTS[3], max_tokens=8, temperature=0)
+    whole = client.completions.create(**body).choices[0]
+    chunks = list(client.completions.create(**body, stream=True))
+    assert len(chunks) > 1 and all(c.object == "text_completion" for c in chunks)
+    assert "".join(c.choices[0].text for c in chunks) == whole.text
+    assert [c.choices[0].finish_reason for c in chunks][-1] == whole.finish_reason == "length"
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_chat_stream_concatenates_to_the_unstreamed_message(client):
+    body = dict(model=NAME, messages=MESSAGES, max_tokens=8, temperature=0, n=2, seed=3)
+    whole = client.chat.completions.create(**body)
+    chunks = list(client.chat.completions.create(**body, stream=True))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    for choice in whole.choices:
+        deltas = [c.choices[0] for c in chunks if c.choices[0].index == choice.index]
+        assert len(deltas) > 1 and deltas[0].delta.role == "assistant"
+        assert "".join(d.delta.content or "" for d in deltas) == choice.message.content
+        assert deltas[-1].finish_reason == choice.finish_reason
+
+
+def test_stream_is_server_sent_events_ending_with_done(server):
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     body = {"prompt": PROMPTS[3], "max_tokens": 8, "temperature": 0, "stream": True}
     conn.request("POST", "/v1/completions", body=json.dumps(body))
     reply = conn.getresponse()
-    assert reply.status == 200 and reply.getheader("Content-Type") == "text/event-stream"
-    events = [line.removeprefix("data: ") for line in reply.read().decode().splitlines() if line]
+    assert reply.status == 200 and reply.getheader("Content-Type").startswith("text/event-stream")
+    raw = reply.read().decode()
     conn.close()
-    assert events[-1] == "[DONE]"
-    chunks = [json.loads(e) for e in events[:-1]]
-    assert "".join(c["choices"][0]["text"] for c in chunks) == greedy(engine, PROMPTS[3:4]).texts[0]
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    events = raw.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""] and all(e.startswith("data: {") for e in events[:-2])
 
 
-def test_concurrent_requests_share_generate_calls(model_dir, engine):
-    with ServerThread(
-        model_dir, served_model_name=NAME, batch_wait_ms=300, max_batch_size=64
-    ) as srv:
-        replies: dict[int, dict] = {}
-        start = threading.Barrier(len(PROMPTS))
+def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(model_dir, client):
+    prompts = [f"{i}+{i % 7}=" if i % 2 else f"word {i} is" for i in range(32)]
+    alone = [  # one at a time, so each runs in a call of its own
+        client.completions.create(model=NAME, prompt=p, max_tokens=6, temperature=0).choices[0].text
+        for p in prompts
+    ]
+    srv = ServerThread(model_dir, served_model_name=NAME, batch_wait_ms=300)
+    together = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=60)
+    try:
+        replies: dict[int, str] = {}
+        start = threading.Barrier(len(prompts))
 
         def ask(i):
             start.wait()
-            replies[i] = complete(srv, prompt=PROMPTS[i], max_tokens=6, temperature=0)
+            reply = together.completions.create(
+                model=NAME, prompt=prompts[i], max_tokens=6, temperature=0
+            )
+            replies[i] = reply.choices[0].text
 
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
         for t in threads:
             t.start()
         for t in threads:
             t.join(60)
         stats = srv.stats()
-    ref = greedy(engine, PROMPTS, max_tokens=6)  # left-padded together, as the server does
-    assert [replies[i]["choices"][0]["text"] for i in range(len(PROMPTS))] == ref.texts
-    assert stats["requests"] == len(PROMPTS)
-    assert stats["generate_calls"] < len(PROMPTS) and stats["max_batch_rows"] > 1, stats
-    for i, prompt in enumerate(PROMPTS[:2]):  # and each equals its own unbatched answer
-        assert replies[i]["choices"][0]["text"] == greedy(engine, [prompt], max_tokens=6).texts[0]
+    finally:
+        together.close()
+        srv.close()
+    assert [replies.get(i) for i in range(len(prompts))] == alone
+    assert stats["requests"] == len(prompts) and stats["generate_calls"] < len(prompts), stats
+    assert stats["max_batch_rows"] > 1 and max(map(int, stats["requests_per_call"])) > 1, stats
+
+
+def test_a_cancelled_request_is_not_generated_and_the_batcher_goes_on(engine):
+    ref = greedy(engine, PROMPTS[:1], max_tokens=4)
+    batcher = Batcher(engine, batch_wait_ms=200)
+    try:
+        params = SamplingParams(temperature=0.0, max_new_tokens=4)
+        gone = batcher.submit(ref.prompt_ids, params)
+        assert gone.cancel()  # still waiting for its batch
+        assert batcher.submit(ref.prompt_ids, params).result(timeout=60).texts == ref.texts
+        assert batcher.stats()["requests"] == 1
+    finally:
+        batcher.close()
+
+
+def test_a_bad_request_raises_the_clients_error_with_our_message(client):
+    with pytest.raises(
+        openai.BadRequestError, match="`temperature`: Input should be greater"
+    ) as bad:
+        client.completions.create(model=NAME, prompt="x", temperature=-0.5)
+    assert bad.value.status_code == 400 and bad.value.param == "temperature"
+    with pytest.raises(openai.BadRequestError, match="`max_tokens` asks for 1000000 more"):
+        client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=10**6)
+    with pytest.raises(openai.NotFoundError, match="the model `gpt-4` does not exist") as missing:
+        client.completions.create(model="gpt-4", prompt="x")
+    assert missing.value.code == "model_not_found"
 
 
 BAD_REQUESTS = [
@@ -218,8 +281,8 @@ BAD_REQUESTS = [
     ("POST", "/v1/completions", b"{not json", 400, None, "not valid JSON"),
     ("POST", "/v1/completions", b"[1, 2]", 400, None, "must be a JSON object"),
     ("POST", "/v1/completions", b"", 400, None, "body is empty"),
-    ("POST", "/v1/completions", {"max_tokens": 4}, 400, "prompt", "`prompt` is required"),
-    ("POST", "/v1/completions", {"prompt": 5}, 400, "prompt", "`prompt` must be"),
+    ("POST", "/v1/completions", {"max_tokens": 4}, 400, "prompt", "`prompt`: Field required"),
+    ("POST", "/v1/completions", {"prompt": 5}, 400, "prompt", "`prompt`: must be a string"),
     ("POST", "/v1/completions", {"prompt": [1, 99999]}, 400, "prompt", "outside [0, 262)"),
     (
         "POST",
@@ -227,7 +290,7 @@ BAD_REQUESTS = [
         {"prompt": "x", "temperature": -0.5},
         400,
         "temperature",
-        "must be >= 0",
+        "greater than or equal to 0",
     ),
     (
         "POST",
@@ -235,7 +298,7 @@ BAD_REQUESTS = [
         {"prompt": "x", "temperature": "hot"},
         400,
         "temperature",
-        "finite number",
+        "number",
     ),
     (
         "POST",
@@ -243,7 +306,7 @@ BAD_REQUESTS = [
         {"prompt": "x", "max_tokens": 0},
         400,
         "max_tokens",
-        "must be >= 1",
+        "greater than or equal to 1",
     ),
     (
         "POST",
@@ -253,30 +316,39 @@ BAD_REQUESTS = [
         "max_tokens",
         "context is 2048 tokens",
     ),
-    (
-        "POST",
-        "/v1/completions",
-        {"prompt": "x", "max_tokens": 4.5},
-        400,
-        "max_tokens",
-        "must be an integer",
-    ),
-    ("POST", "/v1/completions", {"prompt": "x", "n": 0}, 400, "n", "must be in [1, 64]"),
-    ("POST", "/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", "in (0.0, 1.0]"),
-    ("POST", "/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop", "non-empty string"),
-    ("POST", "/v1/completions", {"prompt": "x", "seed": "1"}, 400, "seed", "must be an integer"),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 4.5}, 400, "max_tokens", "integer"),
+    ("POST", "/v1/completions", {"prompt": "x", "n": 0}, 400, "n", "greater than or equal to 1"),
+    ("POST", "/v1/completions", {"prompt": "x", "n": 65}, 400, "n", "less than or equal to 64"),
+    ("POST", "/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", "greater than 0"),
+    ("POST", "/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop[0]", "at least 1"),
+    ("POST", "/v1/completions", {"prompt": "x", "seed": "1"}, 400, "seed", "valid integer"),
     ("POST", "/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream", "boolean"),
     ("POST", "/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs", "not supported"),
     ("POST", "/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "does not exist"),
-    ("POST", "/v1/chat/completions", {"prompt": "x"}, 400, "messages", "`messages` is required"),
-    ("POST", "/v1/chat/completions", {"messages": []}, 400, "messages", "non-empty list"),
+    (
+        "POST",
+        "/v1/chat/completions",
+        {"prompt": "x"},
+        400,
+        "messages",
+        "`messages`: Field required",
+    ),
+    ("POST", "/v1/chat/completions", {"messages": []}, 400, "messages", "at least 1 item"),
     (
         "POST",
         "/v1/chat/completions",
         {"messages": [{"role": "user"}]},
         400,
-        "messages[0]",
-        "content` must be",
+        "messages[0].content",
+        "Field required",
+    ),
+    (
+        "POST",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        400,
+        "messages[0].content",
+        '{"type": "text", "text": str}',
     ),
     (
         "POST",
@@ -297,25 +369,37 @@ BAD_REQUESTS = [
 def test_bad_requests_get_4xx_with_a_message(server, method, path, body, status, param, fragment):
     got, reply, headers = request(server, method, path, body)
     assert got == status, reply
+    assert list(reply) == ["error"], reply  # OpenAI's shape, never FastAPI's {"detail": ...}
     error = reply["error"]
-    assert fragment in error["message"] and error["param"] == param
+    assert set(error) == {"message", "type", "param", "code"}
+    assert fragment in error["message"] and error["param"] == param, error
     assert error["type"] in ("invalid_request_error", "not_found_error")
     if status == 405:
         assert headers["Allow"] in ("GET", "POST")
 
 
-def test_body_too_large_is_413_and_the_server_keeps_serving(server):
+def test_a_form_body_is_refused_with_a_hint(server):
+    got, reply, _ = request(
+        server,
+        "POST",
+        "/v1/completions",
+        b'{"prompt": "x"}',
+        {"Content-Type": "application/x-www-form-urlencoded"},  # what curl -d sends
+    )
+    assert got == 400 and "Content-Type: application/json" in reply["error"]["message"]
+
+
+def test_body_too_large_is_413_and_the_server_keeps_serving(server, client):
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
     conn.putrequest("POST", "/v1/completions")
+    conn.putheader("Content-Type", "application/json")
     conn.putheader("Content-Length", str(1 << 30))  # announced, never sent
     conn.endheaders()
     reply = conn.getresponse()
     assert reply.status == 413 and "limit" in json.loads(reply.read())["error"]["message"]
     conn.close()
-    assert complete(server, prompt="x", max_tokens=1)["choices"][0]["finish_reason"] in (
-        "stop",
-        "length",
-    )
+    reply = client.completions.create(model=NAME, prompt="x", max_tokens=1)
+    assert reply.choices[0].finish_reason in ("stop", "length")
 
 
 def test_llm_judge_talks_to_the_server(server):

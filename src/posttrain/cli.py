@@ -446,13 +446,14 @@ def _add_serve_command(sub: Any) -> None:
     p = sub.add_parser(
         "serve",
         help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions) with batching",
-        description="Serve MODEL (a model folder or a RUN_DIR: its final/) over HTTP: POST /v1/completions, "
+        description="Serve MODEL (a model folder or a RUN_DIR: its final/) over HTTP (FastAPI on uvicorn): POST /v1/completions, "
         "POST /v1/chat/completions (the tokenizer's chat template), GET /v1/models, GET /health (with "
         "batching counters). Concurrent requests are gathered for up to --batch-wait-ms (or --max-batch-size "
         "rows) and those with the same sampling parameters run in one generate call. No authentication: "
         "keep the default host 127.0.0.1 unless the network is trusted. Ctrl-C stops it.",
         epilog="example: posttrain serve runs/sft/final --port 8000\n"
-        "         curl 127.0.0.1:8000/v1/completions -d '{\"prompt\": \"12+7=\", \"max_tokens\": 8, \"temperature\": 0}'",
+        "         curl 127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\\n"
+        "             -d '{\"prompt\": \"12+7=\", \"max_tokens\": 8, \"temperature\": 0}'",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("model", help="local causal LM folder or RUN_DIR")

@@ -1,9 +1,12 @@
-"""An OpenAI-compatible HTTP server for a local causal LM, with batched generation.
+"""An OpenAI-compatible HTTP server for a local causal LM, with batched generation:
+FastAPI routes served by uvicorn.
 
     posttrain serve runs/sft/final --port 8000
-    curl 127.0.0.1:8000/v1/completions -d '{"prompt": "12+7=", "max_tokens": 8, "temperature": 0}'
+    curl 127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \
+        -d '{"prompt": "12+7=", "max_tokens": 8, "temperature": 0}'
 
     with ServerThread("runs/sft/final") as srv:          # port 0: any free port
+        client = openai.OpenAI(base_url=srv.base_url, api_key="none")
         judge = llm_judge(base_url=srv.base_url, model=srv.model_name)
 
 Endpoints:
@@ -13,22 +16,27 @@ Endpoints:
                               prompt -> `chat.completion` with choices[i].message
   GET  /v1/models             the one served model
   GET  /health                {"status": "ok", "model", "engine", "stats": batching counters}
+  GET  /docs                  FastAPI's page of the request schemas
 Parameters, defaults and what is refused: `protocol.py`. Responses follow OpenAI's schema
 (id, object, created, model, choices with index and finish_reason "stop" | "length", usage
 with prompt/completion/total tokens; completion tokens include a final EOS). Errors are
-OpenAI's error object with a 4xx status: 400 bad body or parameter, 404 unknown path or
-model, 405 wrong method, 411 chunked body, 413 body over `max_body_bytes`; 500 when
-generation itself fails, 503 while shutting down.
+OpenAI's error object `{"error": {"message", "type", "param", "code"}}` with a 4xx status,
+FastAPI's own validation errors included: 400 bad body or parameter (or a body that is not
+sent as JSON), 404 unknown path or model, 405 wrong method, 413 a Content-Length over
+`max_body_bytes`; 500 when generation itself fails, 503 while shutting down.
 
 `stream: true` answers with server-sent events, `data: {chunk}` ... `data: [DONE]`, but
-the chunks come when the whole batch is done: one per choice with its entire text
-(generation is batched, not incremental), which is enough for clients that always stream.
+the chunks come when the whole batch is done: per choice, one with its entire text, then
+one with its finish_reason (the engines generate a batch at once, not token by token;
+`protocol.stream_chunks` takes any sequence of text pieces, so an engine that yields
+tokens as it decodes them can stream them through it).
 
 Batching: one generation thread gathers concurrent requests for up to `batch_wait_ms`
 (or `max_batch_size` rows = prompts x n) and runs requests with the same sampling
 parameters in one `engine.generate` call; see `batcher.py` for the grouping rules (seeded
-sampled requests run alone so their seed reproduces them). The server has no
-authentication: it binds 127.0.0.1 unless told otherwise.
+sampled requests run alone so their seed reproduces them). Requests wait for it on
+uvicorn's event loop. The server has no authentication: it binds 127.0.0.1 unless told
+otherwise.
 
 Engines: `native` (the built-in model and Llama checkpoints it implements; the default for
 them) or `hf` (transformers' generate; the default for anything else).

@@ -1,6 +1,7 @@
 """Batching: concurrent requests share one `engine.generate` call, made by one thread.
 
-HTTP handler threads `submit` a job (token-id prompts + SamplingParams) and wait. The
+Request handlers `submit` a job (token-id prompts + SamplingParams) and get a Future of
+its `Generated` (the server awaits it on its event loop, so waiting costs no thread). The
 generation thread takes the oldest waiting job, waits until `batch_wait_ms` after that
 job arrived or until the waiting jobs hold `max_batch_size` rows (prompts x n), takes
 jobs in arrival order while they fit in `max_batch_size` rows (always at least one, so a
@@ -27,6 +28,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from posttrain.rollout import RolloutEngine, SamplingParams
@@ -53,9 +55,7 @@ class _Job:
     prompts: list[list[int]]
     params: SamplingParams
     arrived: float = field(default_factory=time.monotonic)
-    done: threading.Event = field(default_factory=threading.Event)
-    result: Generated | None = None
-    error: BaseException | None = None
+    future: Future[Generated] = field(default_factory=Future)
 
     @property
     def rows(self) -> int:
@@ -90,21 +90,17 @@ class Batcher:
         self._thread = threading.Thread(target=self._loop, name="posttrain-generate", daemon=True)
         self._thread.start()
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams) -> Generated:
-        """Run one request's prompts x params.n samples; blocks until they are done.
-
-        Raises BatcherClosed when the batcher is closed, or the engine's error."""
+    def submit(self, prompts: list[list[int]], params: SamplingParams) -> Future[Generated]:
+        """Queue one request's prompts x params.n samples. The future fails with
+        BatcherClosed when the batcher is (or gets) closed first, or with the engine's error."""
         job = _Job(prompts, params)
         with self._cond:
             if self._closed:
-                raise BatcherClosed("the server is shutting down")
-            self._pending.append(job)
-            self._cond.notify()
-        job.done.wait()
-        if job.error is not None:
-            raise job.error
-        assert job.result is not None
-        return job.result
+                job.future.set_exception(BatcherClosed("the server is shutting down"))
+            else:
+                self._pending.append(job)
+                self._cond.notify()
+        return job.future
 
     def stats(self) -> dict:
         """Counters since start: requests, generate_calls, rows, max_batch_rows,
@@ -155,8 +151,8 @@ class Batcher:
                 self._cond.wait(left)
             if self._closed:
                 for job in self._pending:
-                    job.error = BatcherClosed("the server is shutting down")
-                    job.done.set()
+                    if job.future.set_running_or_notify_cancel():
+                        job.future.set_exception(BatcherClosed("the server is shutting down"))
                 self._pending.clear()
                 return None
             jobs = [self._pending.popleft()]
@@ -164,7 +160,8 @@ class Batcher:
             while self._pending and rows + self._pending[0].rows <= self.max_batch_size:
                 rows += self._pending[0].rows
                 jobs.append(self._pending.popleft())
-            return jobs
+        # A request cancelled while it waited (its client gone at shutdown) is not generated.
+        return [j for j in jobs if j.future.set_running_or_notify_cancel()]
 
     def _run(self, jobs: list[_Job]) -> None:
         """One engine call for jobs that share their batch key; results or the error to each."""
@@ -180,8 +177,7 @@ class Batcher:
         except Exception as err:
             log.exception("generation failed for %d request(s)", len(jobs))
             for job in jobs:
-                job.error = err
-                job.done.set()
+                job.future.set_exception(err)
             return
         lengths = out.lengths.tolist()
         with self._cond:  # counted before anyone is answered, so /health is never behind
@@ -191,8 +187,7 @@ class Batcher:
         start = 0
         for job in jobs:
             end = start + job.rows
-            job.result = Generated(
-                out.texts[start:end], out.finish_reason[start:end], lengths[start:end]
+            job.future.set_result(
+                Generated(out.texts[start:end], out.finish_reason[start:end], lengths[start:end])
             )
             start = end
-            job.done.set()

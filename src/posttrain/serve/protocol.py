@@ -1,16 +1,19 @@
-"""The OpenAI request and response shapes: validate a JSON body into a `GenerationRequest`,
-build `text_completion` / `chat.completion` objects and their stream chunks.
+"""The OpenAI request and response shapes: the request bodies as pydantic models (FastAPI
+validates them), `parse_request` from a body to token-id prompts and SamplingParams, and the
+`text_completion` / `chat.completion` objects and their stream chunks.
 
-Every problem with a request raises `RequestError`, whose `body()` is OpenAI's error object
-`{"error": {"message", "type", "param", "code"}}`; the message names the field.
+Every problem with a request becomes a `RequestError`, whose `body()` is OpenAI's error object
+`{"error": {"message", "type", "param", "code"}}`; the message names the field, and
+`validation_error` turns pydantic's errors into one.
 
-Parameters (both endpoints; defaults as in OpenAI's API where it has one):
+Parameters (both endpoints; defaults as in OpenAI's API where it has one; `null` = default):
   max_tokens (chat also max_completion_tokens): int >= 1, default 16 for completions and
     the server's `default_max_tokens` for chat; prompt + max_tokens must fit the model's
     context (config.json `max_position_embeddings`).
   temperature: >= 0, default 1 (0 = greedy); top_p in (0, 1], default 1; top_k (vLLM's
-    extension): -1 or 0 = off; min_p in [0, 1]; n: 1 ..  MAX_N; stop: a string or a list of
+    extension): -1 or 0 = off; min_p in [0, 1]; n: 1 .. MAX_N; stop: a string or a list of
     up to MAX_STOP non-empty strings; seed: int or null; stream: bool.
+Types are strict (JSON numbers for numbers, booleans for booleans: "1" is not 1).
 Accepted and ignored: `user`, `stream_options`, `response_format` of type "text", and any
 field not listed. Refused (400) when set to something other than their no-op default,
 because this server would silently not do them: echo, suffix, logprobs, top_logprobs,
@@ -19,12 +22,23 @@ best_of > 1, logit_bias, presence_penalty, frequency_penalty, tools, functions.
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    StrictInt,
+    StrictStr,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from posttrain.rollout import SamplingParams
 
@@ -61,13 +75,8 @@ class RequestError(Exception):
         code: str | None = None,
     ):
         super().__init__(message)
-        self.message, self.status, self.param, self.type, self.code = (
-            message,
-            status,
-            param,
-            type,
-            code,
-        )
+        self.message, self.status, self.param = message, status, param
+        self.type, self.code = type, code
 
     def body(self) -> dict:
         return {
@@ -78,6 +87,23 @@ class RequestError(Exception):
                 "code": self.code,
             }
         }
+
+
+def validation_error(errors: Sequence[Mapping]) -> RequestError:
+    """The first of pydantic's errors (as FastAPI reports them, `loc` starting with "body")
+    as a 400 naming the field, e.g. `messages[0].content`."""
+    err = errors[0]
+    if err["type"] == "json_invalid":
+        return RequestError(
+            f"the request body is not valid JSON: {err.get('ctx', {}).get('error')}"
+        )
+    loc = list(err["loc"])[1:] if err["loc"][:1] == ("body",) else list(err["loc"])
+    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
+    if param is None and err["type"] == "missing":
+        return RequestError("the request body is empty; send a JSON object")
+    if param is None:
+        return RequestError(f"the request body must be a JSON object: {err['msg']}")
+    return RequestError(f"`{param}`: {err['msg']}", param=param)
 
 
 @dataclass(frozen=True)
@@ -93,6 +119,90 @@ class ModelInfo:
     """Most tokens (prompt + completion) per sequence; None = no limit."""
     default_max_tokens: int = 256
     """max_tokens of a chat request that sets none (then capped by the context)."""
+
+
+# --- request bodies --------------------------------------------------------------------
+
+
+def _prompts(value: Any) -> list[str] | list[list[int]]:
+    """`prompt`: a string, a list of strings, a list of token ids, or a list of such lists."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value:
+        if all(isinstance(p, str) for p in value):
+            return value
+        if all(_is_int(t) for t in value):
+            return [value]
+        if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in value):
+            return value
+    raise PydanticCustomError(
+        "prompt_type",
+        "must be a string, a non-empty list of strings, a list of token ids, or a list of "
+        "non-empty token-id lists",
+    )
+
+
+def _joined_text_parts(value: Any) -> Any:
+    """Message content as [{"type": "text", "text": str}, ...] is its parts' joined text."""
+    if not isinstance(value, list):
+        return value
+    if not all(
+        isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        for p in value
+    ):
+        raise PydanticCustomError("content_parts", 'parts must be {"type": "text", "text": str}')
+    return "".join(p["text"] for p in value)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    role: str
+    content: Annotated[str, BeforeValidator(_joined_text_parts)]
+
+
+class _Body(BaseModel):
+    """The fields both endpoints share (module docstring); unknown fields are kept in
+    `model_extra`, so the unsupported ones can be refused by name."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: Annotated[
+        list[Annotated[StrictStr, Field(min_length=1)]],
+        BeforeValidator(lambda v: [v] if isinstance(v, str) else v),
+        Field(max_length=MAX_STOP),
+    ] = []
+    seed: int | None = None
+    stream: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class CompletionBody(_Body):
+    """A /v1/completions request."""
+
+    prompt: Annotated[list[str] | list[list[StrictInt]], PlainValidator(_prompts)]
+
+
+class ChatBody(_Body):
+    """A /v1/chat/completions request."""
+
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: int | None = Field(None, ge=1)
 
 
 @dataclass
@@ -111,32 +221,27 @@ class GenerationRequest:
         return len(self.prompts) * self.params.n
 
 
-def parse_request(body: Any, info: ModelInfo, chat: bool, encode: Callable) -> GenerationRequest:
-    """Validate a /v1/completions (chat False) or /v1/chat/completions body.
-
-    encode(prompt) -> token ids, for a string or a list of chat messages (the caller
-    serialises tokenizer access).
-    """
-    if not isinstance(body, Mapping):
-        raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
-    model = body.get("model")
-    if model is not None and model != info.name:
+def parse_request(
+    body: CompletionBody | ChatBody, info: ModelInfo, encode: Callable
+) -> GenerationRequest:
+    """Check what the body's types do not: the model, the unsupported fields, the token ids
+    and the context; encode(prompt) -> token ids, for a string or a list of chat messages."""
+    if body.model is not None and body.model != info.name:
         raise RequestError(
-            f"the model `{model}` does not exist; this server serves `{info.name}`",
+            f"the model `{body.model}` does not exist; this server serves `{info.name}`",
             404,
             "model",
             "not_found_error",
             "model_not_found",
         )
-    for name, is_default in _UNSUPPORTED.items():
-        if name in body and not is_default(body[name]):
+    for name, value in (body.model_extra or {}).items():
+        if name in _UNSUPPORTED and not _UNSUPPORTED[name](value):
             raise RequestError(f"`{name}` is not supported by this server", param=name)
+    chat = isinstance(body, ChatBody)
     if chat:
-        prompts = [_encode(encode, _messages(body), "messages")]
+        prompts = [_encode(encode, [m.model_dump() for m in body.messages], "messages")]
     else:
-        prompts = [
-            _encode(encode, p, "prompt") if isinstance(p, str) else p for p in _prompts(body)
-        ]
+        prompts = [_encode(encode, p, "prompt") if isinstance(p, str) else p for p in body.prompt]
         _check_ids(prompts, info.vocab_size)
     params = _sampling_params(body, info, chat, max(len(p) for p in prompts))
     if len(prompts) * params.n > MAX_ROWS_PER_REQUEST:
@@ -145,68 +250,7 @@ def parse_request(body: Any, info: ModelInfo, chat: bool, encode: Callable) -> G
             f"{MAX_ROWS_PER_REQUEST} one request may ask for",
             param="n",
         )
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise RequestError("`stream` must be a boolean", param="stream")
-    return GenerationRequest(chat, prompts, params, stream)
-
-
-# --- fields ----------------------------------------------------------------------------
-
-
-def _prompts(body: Mapping) -> list:
-    """`prompt`: a string, a list of strings, a list of token ids, or a list of such lists."""
-    prompt = body.get("prompt")
-    if prompt is None:
-        raise RequestError("`prompt` is required", param="prompt")
-    if isinstance(prompt, str):
-        return [prompt]
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(p, str) for p in prompt):
-            return prompt
-        if all(_is_int(t) for t in prompt):
-            return [prompt]
-        if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
-            return prompt
-    raise RequestError(
-        "`prompt` must be a string, a non-empty list of strings, a list of token ids, or a "
-        "list of non-empty token-id lists",
-        param="prompt",
-    )
-
-
-def _messages(body: Mapping) -> list[dict]:
-    """`messages` as [{"role", "content": str}]; content parts of type text are joined."""
-    messages = body.get("messages")
-    if messages is None:
-        raise RequestError("`messages` is required", param="messages")
-    if not isinstance(messages, list) or not messages:
-        raise RequestError(
-            "`messages` must be a non-empty list of {role, content} objects", param="messages"
-        )
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
-            raise RequestError(f"`{where}` must be an object with a string `role`", param=where)
-        content = m.get("content")
-        if isinstance(content, list):
-            if not all(
-                isinstance(p, Mapping)
-                and p.get("type") == "text"
-                and isinstance(p.get("text"), str)
-                for p in content
-            ):
-                raise RequestError(
-                    f'`{where}.content` parts must be {{"type": "text", "text": str}}', param=where
-                )
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise RequestError(
-                f"`{where}.content` must be a string or a list of text parts", param=where
-            )
-        out.append({"role": m["role"], "content": content})
-    return out
+    return GenerationRequest(chat, prompts, params, body.stream)
 
 
 def _encode(encode: Callable, prompt: Any, param: str) -> list[int]:
@@ -230,7 +274,9 @@ def _check_ids(prompts: list[list[int]], vocab_size: int) -> None:
             )
 
 
-def _sampling_params(body: Mapping, info: ModelInfo, chat: bool, prompt_len: int) -> SamplingParams:
+def _sampling_params(
+    body: CompletionBody | ChatBody, info: ModelInfo, chat: bool, prompt_len: int
+) -> SamplingParams:
     room = None if info.context_length is None else info.context_length - prompt_len
     if room is not None and room < 1:
         raise RequestError(
@@ -238,12 +284,8 @@ def _sampling_params(body: Mapping, info: ModelInfo, chat: bool, prompt_len: int
             f"of {info.context_length} tokens",
             param="messages" if chat else "prompt",
         )
-    name = (
-        "max_completion_tokens"
-        if chat and body.get("max_completion_tokens") is not None
-        else "max_tokens"
-    )
-    max_tokens = _int(body, name, None, low=1)
+    name = "max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens"
+    max_tokens = getattr(body, name)
     if max_tokens is None:
         max_tokens = info.default_max_tokens if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
         max_tokens = max_tokens if room is None else min(max_tokens, room)
@@ -253,78 +295,16 @@ def _sampling_params(body: Mapping, info: ModelInfo, chat: bool, prompt_len: int
             f"and `{name}` asks for {max_tokens} more (at most {room})",
             param=name,
         )
-    top_k = _int(body, "top_k", 0, low=-1)
     return SamplingParams(
-        n=_int(body, "n", 1, low=1, high=MAX_N),
-        temperature=_number(body, "temperature", 1.0, low=0.0),
-        top_p=_number(body, "top_p", 1.0, low=0.0, high=1.0, open_low=True),
-        top_k=max(top_k, 0),
-        min_p=_number(body, "min_p", 0.0, low=0.0, high=1.0),
+        n=body.n,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=max(body.top_k, 0),
+        min_p=body.min_p,
         max_new_tokens=max_tokens,
-        stop=_stop(body),
-        seed=_int(body, "seed", None),
+        stop=tuple(body.stop),
+        seed=body.seed,
         logprobs=False,
-    )
-
-
-def _stop(body: Mapping) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise RequestError("`stop` must be a non-empty string or a list of them", param="stop")
-    if len(stops) > MAX_STOP:
-        raise RequestError(f"`stop` has {len(stops)} strings; at most {MAX_STOP}", param="stop")
-    return tuple(stops)
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _int(
-    body: Mapping, name: str, default: int | None, low: int | None = None, high: int | None = None
-) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not _is_int(value):
-        raise RequestError(f"`{name}` must be an integer, got {_kind(value)}", param=name)
-    if (low is not None and value < low) or (high is not None and value > high):
-        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise RequestError(f"`{name}` must be {bounds}, got {value}", param=name)
-    return value
-
-
-def _number(
-    body: Mapping,
-    name: str,
-    default: float,
-    low: float,
-    high: float | None = None,
-    open_low: bool = False,
-) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise RequestError(f"`{name}` must be a finite number, got {_kind(value)}", param=name)
-    too_low = value <= low if open_low else value < low
-    if too_low or (high is not None and value > high):
-        lo = f"({low}" if open_low else f"[{low}"
-        bounds = f">= {low}" if high is None else f"in {lo}, {high}]"
-        raise RequestError(f"`{name}` must be {bounds}, got {value}", param=name)
-    return float(value)
-
-
-def _kind(value: Any) -> str:
-    return (
-        "null"
-        if value is None
-        else {bool: "a boolean", str: "a string", list: "a list", dict: "an object"}.get(
-            type(value), repr(value)
-        )
     )
 
 
@@ -364,22 +344,35 @@ def _choice(chat: bool, index: int, text: str, reason: str) -> dict:
     return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
 
 
-def stream_chunks(full: dict) -> Iterator[dict]:
-    """The stream of a finished response: one chunk per choice carrying its whole text and
-    finish_reason (generation is batched, so there are no partial texts to send earlier)."""
+Piece = tuple[int, str, str | None]
+"""A step of a streamed answer: (choice index, text to append, finish_reason or None)."""
+
+
+def whole_texts(full: dict) -> Iterator[Piece]:
+    """The pieces of a finished response: each choice's whole text, then its finish_reason.
+    (The engines generate a batch at once; an engine that yields tokens as it decodes them
+    would stream its own pieces into `stream_chunks` instead.)"""
+    for choice in full["choices"]:
+        text = choice["message"]["content"] if "message" in choice else choice["text"]
+        yield choice["index"], text, None
+        yield choice["index"], "", choice["finish_reason"]
+
+
+def stream_chunks(full: dict, pieces: Iterable[Piece]) -> Iterator[dict]:
+    """`chat.completion.chunk` / `text_completion` stream chunks, one per piece, with the id,
+    created and model of `full`; a chat choice's first chunk carries the assistant role."""
     chat = full["object"] == "chat.completion"
     head = {k: full[k] for k in ("id", "created", "model")}
-    for choice in full["choices"]:
+    started: set[int] = set()
+    for index, text, reason in pieces:
         if chat:
-            delta = {"role": "assistant", "content": choice["message"]["content"]}
-            part = {
-                "index": choice["index"],
-                "delta": delta,
-                "logprobs": None,
-                "finish_reason": choice["finish_reason"],
-            }
+            delta = (
+                {"content": text} if index in started else {"role": "assistant", "content": text}
+            )
+            started.add(index)
+            part = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
         else:
-            part = choice
+            part = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
         yield {
             **head,
             "object": "chat.completion.chunk" if chat else "text_completion",

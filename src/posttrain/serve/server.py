@@ -1,33 +1,47 @@
-"""The HTTP side: routes, the request handler, the server, `serve` and `ServerThread`."""
+"""The HTTP side: the FastAPI routes and error handlers, the uvicorn server, `serve` and
+`ServerThread`."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import signal
-import sys
+import socket
 import threading
 import time
-from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
 from posttrain.serve.batcher import Batcher, BatcherClosed
-from posttrain.serve.protocol import ModelInfo, RequestError, parse_request, response, stream_chunks
+from posttrain.serve.protocol import (
+    ChatBody,
+    CompletionBody,
+    ModelInfo,
+    RequestError,
+    parse_request,
+    response,
+    stream_chunks,
+    validation_error,
+    whole_texts,
+)
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 << 20
 ENGINES = ("native", "hf")
-
-
-class Events(list):
-    """A streamed answer: the chunks to send as server-sent events."""
+ROUTES = ("/health", "/v1/models", "/v1/completions", "/v1/chat/completions")
 
 
 class App:
-    """What the server does, apart from HTTP: validate, batch, answer (JSON-able dicts)."""
+    """What the server does: validate, batch, answer. `asgi` is the FastAPI app serving it."""
 
     def __init__(
         self,
@@ -36,19 +50,13 @@ class App:
         engine_kind: str,
         max_batch_size: int,
         batch_wait_ms: float,
+        max_body_bytes: int = MAX_BODY_BYTES,
     ):
         self.info = info
         self.engine_kind = engine_kind
         self.batcher = Batcher(engine, max_batch_size, batch_wait_ms)
         self.started = int(time.time())
-        # Fast tokenizers may refuse concurrent use from several threads ("Already borrowed").
-        self._tokenizer_lock = threading.Lock()
-        self.routes: dict[str, tuple[str, Callable[[Any], Any]]] = {
-            "/health": ("GET", lambda _: self.health()),
-            "/v1/models": ("GET", lambda _: self.models()),
-            "/v1/completions": ("POST", lambda body: self.generate(body, chat=False)),
-            "/v1/chat/completions": ("POST", lambda body: self.generate(body, chat=True)),
-        }
+        self.asgi = _fastapi_app(self, max_body_bytes)
 
     def health(self) -> dict:
         return {
@@ -67,14 +75,19 @@ class App:
         }
         return {"object": "list", "data": [card]}
 
-    def generate(self, body: Any, chat: bool) -> dict:
-        req = parse_request(body, self.info, chat, self._encode)
+    async def generate(self, body: CompletionBody | ChatBody) -> dict | Iterator[dict]:
+        """The response object, or its stream chunks when the request streams."""
+        # Tokenizing here, on the event loop's one thread, keeps requests from using the
+        # tokenizer concurrently (fast tokenizers may refuse: "Already borrowed").
+        req = parse_request(body, self.info, self._encode)
         try:
-            out = self.batcher.submit(req.prompts, req.params)
+            out = await asyncio.wrap_future(self.batcher.submit(req.prompts, req.params))
         except BatcherClosed as err:
             raise RequestError(str(err), 503, type="server_error") from None
+        except Exception as err:  # logged by the batcher
+            raise RequestError(f"generation failed: {err}", 500, type="server_error") from None
         full = response(req, self.info.name, out.texts, out.finish_reasons, out.lengths)
-        return Events(stream_chunks(full)) if req.stream else full
+        return stream_chunks(full, whole_texts(full)) if req.stream else full
 
     def _encode(self, prompt: str | list[dict]) -> list[int]:
         from posttrain.evaluation import prompt_input
@@ -84,158 +97,128 @@ class App:
             raise RequestError(
                 "this model's tokenizer has no chat template; use /v1/completions", param="messages"
             )
-        with self._tokenizer_lock:
-            ids = prompt_input(tok, prompt)
-            return tok(ids)["input_ids"] if isinstance(ids, str) else ids
+        ids = prompt_input(tok, prompt)
+        return tok(ids)["input_ids"] if isinstance(ids, str) else ids
 
     def close(self) -> None:
         self.batcher.close()
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive: every response carries a Content-Length
-    server_version = "posttrain"
-    server: ModelServer
+def _fastapi_app(app: App, max_body_bytes: int) -> FastAPI:
+    """The routes, and error handlers that answer every failure with OpenAI's error object."""
+    # A body without Content-Type is read as JSON, as before; form and text bodies are
+    # refused, so a web page cannot post to this unauthenticated server from a browser.
+    api = FastAPI(title="posttrain serve", strict_content_type=False)
 
-    def do_GET(self) -> None:
-        self._dispatch("GET")
+    @api.get("/health")
+    async def health() -> dict:
+        return app.health()
 
-    def do_POST(self) -> None:
-        self._dispatch("POST")
+    @api.get("/v1/models")
+    async def models() -> dict:
+        return app.models()
 
-    def do_PUT(self) -> None:
-        self._dispatch("PUT")
+    @api.post("/v1/completions")
+    async def completions(body: CompletionBody) -> Any:
+        return _answer(await app.generate(body))
 
-    def do_DELETE(self) -> None:
-        self._dispatch("DELETE")
+    @api.post("/v1/chat/completions")
+    async def chat_completions(body: ChatBody) -> Any:
+        return _answer(await app.generate(body))
 
-    def do_PATCH(self) -> None:
-        self._dispatch("PATCH")
+    @api.exception_handler(RequestError)
+    async def refused(request: Request, err: RequestError) -> JSONResponse:
+        return JSONResponse(err.body(), err.status)
 
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s %s", self.address_string(), format % args)
+    @api.exception_handler(RequestValidationError)
+    async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+        sent = request.headers.get("content-type", "application/json")
+        if "json" not in sent:  # e.g. curl -d, which sends a form type
+            message = f"send the body as JSON with Content-Type: application/json, not {sent}"
+            return await refused(request, RequestError(message))
+        return await refused(request, validation_error(err.errors()))
 
-    def _dispatch(self, method: str) -> None:
-        app = self.server.app
-        headers: dict[str, str] = {}
-        try:
-            raw = self._read_body()
-            path = self.path.split("?", 1)[0].rstrip("/") or "/"
-            if path not in app.routes:
-                raise RequestError(
-                    f"unknown path {path}; this server has {', '.join(app.routes)}",
-                    404,
-                    type="not_found_error",
-                )
-            allowed, handle = app.routes[path]
-            if method != allowed:
-                headers["Allow"] = allowed
-                raise RequestError(f"{method} is not allowed on {path}; use {allowed}", 405)
-            result = handle(_parse_json(raw) if allowed == "POST" else None)
-        except RequestError as err:
-            self._send_json(err.status, err.body(), headers)
-            return
-        except Exception as err:  # a bug or an engine failure: the client still gets JSON
-            log.exception("error serving %s %s", method, self.path)
-            self._send_json(
-                500, RequestError(f"internal error: {err}", 500, type="server_error").body(), {}
+    @api.exception_handler(HTTPException)
+    async def http_error(request: Request, err: HTTPException) -> JSONResponse:
+        path, status, kind = request.url.path, err.status_code, "invalid_request_error"
+        message = str(err.detail)
+        if status == 404:
+            message, kind = (
+                f"unknown path {path}; this server has {', '.join(ROUTES)}",
+                "not_found_error",
             )
-            return
-        if isinstance(result, Events):
-            self._send_events(result)
-        else:
-            self._send_json(200, result, {})
+        elif status == 405:
+            allowed = (err.headers or {}).get("Allow", "")
+            message = f"{request.method} is not allowed on {path}; use {allowed}"
+        return JSONResponse(RequestError(message, status, type=kind).body(), status, err.headers)
 
-    def _read_body(self) -> bytes:
-        """The request body (empty without one); 411/413 close the connection, since the
-        unread body would be taken for the next request."""
-        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-            self.close_connection = True
-            raise RequestError("chunked request bodies are not supported; send Content-Length", 411)
-        length = self.headers.get("Content-Length")
-        if length is None:
-            return b""
-        try:
-            size = int(length)
-        except ValueError:
-            self.close_connection = True
-            raise RequestError(f"invalid Content-Length {length!r}") from None
-        limit = self.server.max_body_bytes
-        if size > limit or size < 0:
-            self.close_connection = True
-            raise RequestError(f"the request body has {size} bytes; the limit is {limit}", 413)
-        return self.rfile.read(size)
+    @api.middleware("http")
+    async def limit_body(request: Request, call_next: Any) -> Any:
+        # Not FastAPI's max_body_size: its 413 is plain text. Chunked bodies are not limited.
+        size = request.headers.get("content-length", "")
+        if size.isdigit() and int(size) > max_body_bytes:
+            message = f"the request body has {size} bytes; the limit is {max_body_bytes}"
+            return await refused(request, RequestError(message, 413))
+        return await call_next(request)
 
-    def _send_json(self, status: int, payload: dict, headers: dict[str, str]) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        for key, value in headers.items():
-            self.send_header(key, value)
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(data)
+    @api.exception_handler(Exception)
+    async def crashed(request: Request, err: Exception) -> JSONResponse:  # a bug: still JSON
+        body = RequestError(f"internal error: {err}", 500, type="server_error").body()
+        return JSONResponse(body, 500)
 
-    def _send_events(self, chunks: list[dict]) -> None:
-        """Server-sent events, then `data: [DONE]`; the connection closes to end the body."""
-        self.close_connection = True
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Connection", "close")
-        self.end_headers()
-        for chunk in chunks:
-            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-        self.wfile.write(b"data: [DONE]\n\n")
-        self.wfile.flush()
+    return api
 
 
-def _parse_json(raw: bytes) -> Any:
-    if not raw:
-        raise RequestError("the request body is empty; send a JSON object")
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as err:
-        raise RequestError(f"the request body is not valid JSON: {err}") from None
+def _answer(result: dict | Iterator[dict]) -> JSONResponse | StreamingResponse:
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    return StreamingResponse(
+        _server_sent_events(result),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache"},
+    )
 
 
-class ModelServer(ThreadingHTTPServer):
-    """A ThreadingHTTPServer answering with `app`; `url` is its address once bound."""
+def _server_sent_events(chunks: Iterator[dict]) -> Iterator[str]:
+    for chunk in chunks:
+        yield f"data: {json.dumps(chunk)}\n\n"
+    yield "data: [DONE]\n\n"
 
-    daemon_threads = True
 
-    def __init__(
-        self,
-        app: App,
-        host: str = "127.0.0.1",
-        port: int = 8000,
-        max_body_bytes: int = MAX_BODY_BYTES,
-    ):
+class ModelServer:
+    """uvicorn serving `app` on a socket bound (and listening) at construction, so `url`
+    is known at once and clients that connect early wait until it serves."""
+
+    def __init__(self, app: App, host: str = "127.0.0.1", port: int = 8000):
         self.app = app
-        self.max_body_bytes = max_body_bytes
         try:
-            super().__init__((host, port), _Handler)
+            self.socket = socket.create_server((host, port))
         except OSError as err:
             app.close()
             raise ValueError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+        config = uvicorn.Config(
+            app.asgi, log_level="warning", lifespan="off", timeout_graceful_shutdown=10
+        )
+        self.uvicorn = uvicorn.Server(config)
 
     @property
     def url(self) -> str:
-        host, port = self.server_address[:2]
+        host, port = self.socket.getsockname()[:2]
         return f"http://{host}:{port}"
 
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        if isinstance(sys.exc_info()[1], ConnectionError):  # the client went away mid-answer
-            log.debug("client %s disconnected", client_address)
-        else:
-            log.exception("error handling a request from %s", client_address)
+    def serve_forever(self) -> None:
+        """Serve until `shutdown` (or, in the main thread, SIGINT / SIGTERM, which uvicorn
+        raises again once it has stopped)."""
+        self.uvicorn.run(sockets=[self.socket])
+
+    def shutdown(self) -> None:
+        """Ask `serve_forever` to finish the requests in progress and return."""
+        self.uvicorn.should_exit = True
 
     def close(self) -> None:
-        """Stop accepting, fail waiting requests, close the socket (serve_forever must have returned)."""
+        """Fail waiting requests and close the socket (serve_forever must have returned)."""
         self.app.close()
-        self.server_close()
+        self.socket.close()
 
 
 def load_server(
@@ -291,8 +274,8 @@ def load_server(
         generator = make_engine(engine, model, tokenizer)
     except TypeError as err:  # e.g. the native engine asked to run a non-Llama model
         raise ValueError(str(err)) from None
-    app = App(generator, info, engine, max_batch_size, batch_wait_ms)
-    return ModelServer(app, host, port, max_body_bytes)
+    app = App(generator, info, engine, max_batch_size, batch_wait_ms, max_body_bytes)
+    return ModelServer(app, host, port)
 
 
 def serve(
@@ -313,9 +296,10 @@ def serve(
         previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         server.serve_forever()
-    except KeyboardInterrupt:
-        print("posttrain serve: shutting down", flush=True)
+    except KeyboardInterrupt:  # uvicorn raises the signal it stopped on again
+        pass
     finally:
+        print("posttrain serve: shutting down", flush=True)
         server.close()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
@@ -330,7 +314,7 @@ class ServerThread:
     notebooks). Binds port 0 (any free port) on 127.0.0.1 by default.
 
         with ServerThread("runs/sft/final") as srv:
-            requests.post(f"{srv.base_url}/completions", json={"prompt": "1+1="})
+            client = openai.OpenAI(base_url=srv.base_url, api_key="none")
     """
 
     def __init__(
@@ -341,6 +325,15 @@ class ServerThread:
             target=self.server.serve_forever, name="posttrain-serve", daemon=True
         )
         self._thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.uvicorn.started and self._thread.is_alive():
+            time.sleep(0.01)
+            if time.monotonic() > deadline:
+                break
+        if not self.server.uvicorn.started:
+            url = self.url
+            self.close()
+            raise RuntimeError(f"the server at {url} did not start")
 
     @property
     def url(self) -> str:
@@ -353,7 +346,7 @@ class ServerThread:
 
     @property
     def port(self) -> int:
-        return self.server.server_address[1]
+        return self.server.socket.getsockname()[1]
 
     @property
     def model_name(self) -> str:
