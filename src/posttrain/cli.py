@@ -297,8 +297,7 @@ def _load_model(args: argparse.Namespace) -> tuple[Any, Any]:
 
 def _make_engine(args: argparse.Namespace, model: Any, tokenizer: Any) -> tuple[str, Any]:
     """--engine, else native for the built-in model and hf otherwise; vLLM reads MODEL itself."""
-    from posttrain.evaluation import engine_kind_for
-    from posttrain.rollout import make_engine
+    from posttrain.rollout import engine_kind_for, make_engine
 
     kind = args.engine or engine_kind_for(model)
     opts = {"model_path": args.model} if kind == "vllm" else {}

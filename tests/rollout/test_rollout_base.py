@@ -5,7 +5,13 @@ import math
 import pytest
 import torch
 
-from posttrain.rollout import SamplingParams, filter_logits, make_engine, sample_next
+from posttrain.rollout import (
+    SamplingParams,
+    engine_kind_for,
+    filter_logits,
+    make_engine,
+    sample_next,
+)
 from posttrain.rollout.base import StopStrings, build_completions
 
 NEG = float("-inf")
@@ -177,3 +183,13 @@ def test_build_completions_pads_masks_and_cuts_texts():
 def test_make_engine_names_the_choices(model, tok):
     with pytest.raises(ValueError, match="native"):
         make_engine("sglang", model, tok)
+
+
+def test_engine_kind_for_lives_beside_make_engine(model, hf_model):
+    from posttrain.models.lora import LoraConfig, apply_lora
+
+    from .conftest import randomized
+
+    assert engine_kind_for.__module__ == "posttrain.rollout"
+    assert engine_kind_for(model) == "native" and engine_kind_for(hf_model) == "hf"
+    assert engine_kind_for(apply_lora(randomized(), LoraConfig(r=2))) == "native"  # peft: its base decides

@@ -204,9 +204,8 @@ class _Sampler:
 
     def __init__(self, model_path: str, samples: int, max_new_tokens: int, batch_size: int, seed: int):
         from posttrain.config import ModelConfig
-        from posttrain.evaluation import engine_kind_for
         from posttrain.models.factory import build_model_and_tokenizer
-        from posttrain.rollout import make_engine
+        from posttrain.rollout import engine_kind_for, make_engine
 
         model, tokenizer = build_model_and_tokenizer(ModelConfig(path=model_path))
         self.engine = make_engine(engine_kind_for(model.eval()), model, tokenizer)
