@@ -6,7 +6,7 @@ and dpo, which always train):
           seed 0 and 500 test rows, so the pairs' held-out prompts are the SFT test problems
   sft     recipes/sft_arithmetic.yaml on the SFT rows (or --sft PATH: an existing checkpoint)
   sample  on-policy pairs: 8 samples per prompt from the SFT checkpoint at temperature 1
-          (`make_preferences(model=...)`), --sampled-pairs of them
+          (`sample_preferences`), --sampled-pairs of them
   rm      recipes/rm_arithmetic.yaml from the SFT checkpoint on the constructed pairs; target
           >= 90% pairwise accuracy on the 500 held-out pairs, measured through
           `posttrain.rewards.reward_model` (what `posttrain ppo reward.model_path=...` loads);
@@ -39,6 +39,7 @@ from posttrain.config.core import parse_override
 from posttrain.data.make_preferences import make_preferences
 from posttrain.data.sources import load_rows
 from posttrain.data.tasks import make_task
+from posttrain.sample_preferences import sample_preferences
 
 N_TEST = 500
 QUIET = ["trainer.progress=false", "trainer.report_to=[]", "trainer.resume=never"]
@@ -69,8 +70,8 @@ def stage_sft(out: Path, a: argparse.Namespace) -> dict[str, Any]:
 def stage_sample(out: Path, a: argparse.Namespace) -> dict[str, Any]:
     if (out / "data" / "sampled" / "train.jsonl").exists():
         return {}
-    info = make_preferences("arithmetic", out / "data" / "sampled", n_train=a.sampled_pairs, n_test=N_TEST, seed=0,
-                            model=str(a.sft_path), samples=8, max_new_tokens=48, **a.task_options)
+    info = sample_preferences("arithmetic", out / "data" / "sampled", str(a.sft_path), n_train=a.sampled_pairs,
+                              n_test=N_TEST, seed=0, samples=8, max_new_tokens=48, **a.task_options)
     return {"sampled_prompt_counts": info["counts"], "sampled_pairs": [info["n_train"], info["n_test"]]}
 
 

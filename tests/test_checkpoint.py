@@ -2,13 +2,16 @@
 
 import json
 import logging
+import os
 import random
+import stat
 
 import numpy as np
 import pytest
 import torch
 
 from posttrain.checkpoint import (
+    atomic_dir,
     find_latest_checkpoint,
     load_checkpoint,
     load_weights,
@@ -154,6 +157,43 @@ def test_same_step_saved_twice_is_replaced(tmp_path):
     path = save(tmp_path, 5, model, opt, sched, metrics={"v": 2})
     assert json.loads((path / "trainer_state.json").read_text())["metrics"] == {"v": 2}
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-5"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_final_and_checkpoints_get_mkdir_permissions_not_mkdtemp_ones(tmp_path, tokenizer, umask):
+    # mkdtemp makes 0o700 folders; final/ and step-N/ are read by other programs and users.
+    model, opt, sched = trained(steps=0)
+    old = os.umask(umask)
+    try:
+        step = save(tmp_path, 1, model, opt, sched, tokenizer)
+        final = save_final(tmp_path, model, tokenizer)
+    finally:
+        os.umask(old)
+    for path in (step, final):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o777 & ~umask != 0o700, path
+    assert os.umask(old) == old  # the umask is as it was
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names fsynced files through /proc")
+def test_atomic_dir_fsyncs_then_replaces_and_keeps_the_old_folder_on_error(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    with atomic_dir(out) as tmp:
+        (tmp / "a.txt").write_text("one")
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real_fsync(fd))
+    with pytest.raises(RuntimeError, match="boom"):
+        with atomic_dir(out) as tmp:
+            (tmp / "a.txt").write_text("half")
+            raise RuntimeError("boom")
+    assert (out / "a.txt").read_text() == "one" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert synced == []  # nothing published, nothing synced
+    with atomic_dir(out) as tmp:
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "b.txt").write_text("two")
+    assert [p.name for p in out.rglob("*")] == ["sub", "b.txt"] and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    # The file, both folders (under their temporary name) and, after the rename, the parent.
+    assert synced[0].endswith("/sub/b.txt") and synced[-1] == str(tmp_path) and len(synced) == 4
 
 
 def test_final_loads_in_plain_transformers(tmp_path, tokenizer):

@@ -266,6 +266,34 @@ def test_reward_model_lora_checkpoint_merges_into_a_sequence_classifier(
     torch.testing.assert_close(got[str(merged.out)]["scores"], trained, atol=1e-4, rtol=0)
 
 
+def test_overwrite_replaces_atomically_and_a_failed_export_keeps_the_old_folder(sft_run, tmp_path, monkeypatch):
+    import os
+    import stat
+
+    import posttrain.export as export
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "stale.txt").write_text("from before")
+    old = os.umask(0o022)
+    try:
+        export_model(sft_run, out, overwrite=True)
+    finally:
+        os.umask(old)
+    assert not (out / "stale.txt").exists() and (out / "model.safetensors").is_file()
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755  # not mkdtemp's 0o700
+    before = (out / "model.safetensors").read_bytes()
+
+    def broken(*args):
+        raise RuntimeError("tokenizer failed")
+
+    monkeypatch.setattr(export, "_write_tokenizer", broken)
+    with pytest.raises(RuntimeError, match="tokenizer failed"):
+        export_model(sft_run / "checkpoints" / "step-2", out, dtype="bfloat16", overwrite=True)
+    assert (out / "model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no .tmp-* left behind
+
+
 def test_clear_errors_name_the_path(sft_run, tmp_path):
     with pytest.raises(FileNotFoundError, match="nope"):
         resolve_model_dir(tmp_path / "nope")

@@ -10,13 +10,13 @@ Layout of one checkpoint (`RUN_DIR/checkpoints/step-N/`):
     trainer_state.json                    step, metrics, data_state, time (for people)
     COMPLETE                              written last: {"step": N, "files": {name: bytes}}
 
-A checkpoint is written into `checkpoints/.tmp-step-N-<random>/`, every file is
-fsynced, COMPLETE is written last, and the folder is renamed to `step-N` in one
-`os.rename`, so a crash leaves either the whole checkpoint or a `.tmp-*` folder
-that is ignored and removed by the next save. A `step-N` folder whose COMPLETE
-is missing, or whose files are missing or of another size than COMPLETE
-records (a truncated copy), is skipped with a warning when looking for the
-newest checkpoint.
+A checkpoint is written into `checkpoints/.tmp-step-N-<random>/`, COMPLETE is
+written last, every file is fsynced, and the folder is renamed to `step-N` in one
+`os.rename` (`atomic_dir`, which `final/` and `posttrain export` use too), so a
+crash leaves either the whole checkpoint or a `.tmp-*` folder that is ignored and
+removed by the next save. A `step-N` folder whose COMPLETE is missing, or whose
+files are missing or of another size than COMPLETE records (a truncated copy), is
+skipped with a warning when looking for the newest checkpoint.
 
 trainer_state.pt loads with `torch.load(weights_only=True)`: the data_state a
 trainer passes must hold plain Python values (dict, list, str, int, float,
@@ -25,6 +25,7 @@ bool, None) and tensors only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,8 +75,8 @@ def save_checkpoint(
     root = Path(run_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     _remove_temp_dirs(root)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}step-{step}-", dir=root))
-    try:
+    final = root / f"step-{step}"
+    with atomic_dir(final) as tmp:
         _save_pretrained(tmp, model, tokenizer)
         state = {
             "step": step,
@@ -92,10 +94,6 @@ def save_checkpoint(
         }
         (tmp / STATE_JSON).write_text(json.dumps(readable, indent=2) + "\n")
         _seal(tmp, step)
-        final = _publish(tmp, root / f"step-{step}")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     if keep > 0:
         complete = [p for p in _step_dirs(root) if _incomplete_reason(p) is None]
         for old in complete[:-keep]:
@@ -221,11 +219,30 @@ def save_final(run_dir: str | Path, model: torch.nn.Module, tokenizer: Any) -> P
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     _remove_temp_dirs(run_dir)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{FINAL}-", dir=run_dir))
-    try:
+    with atomic_dir(run_dir / FINAL) as tmp:
         _save_pretrained(tmp, model, tokenizer)
+    return run_dir / FINAL
+
+
+@contextlib.contextmanager
+def atomic_dir(final: str | Path) -> Iterator[Path]:
+    """Write a folder that appears at `final` whole or not at all.
+
+    Yields a fresh `.tmp-<name>-*` folder beside `final` to write into. On a clean exit
+    every file and folder in it is fsynced, it gets the mode `mkdir` would give it
+    (0o777 less the umask: mkdtemp makes it 0o700, private, and checkpoints and exports
+    are read by other programs and users), and it is renamed to `final` in one
+    `os.rename`; an old `final` is moved aside first and removed only after. On an
+    exception the temporary folder is removed and `final` is left as it was.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{final.name}-", dir=final.parent))
+    try:
+        yield tmp
+        tmp.chmod(0o777 & ~_umask())
         _fsync_tree(tmp)
-        return _publish(tmp, run_dir / FINAL)
+        _publish(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -344,25 +361,20 @@ def _incomplete_reason(path: Path) -> str | None:
 
 
 def _seal(directory: Path, step: int) -> None:
-    """fsync every file, then write the COMPLETE manifest (last) and fsync it."""
-    sizes = _fsync_tree(directory)
-    with open(directory / COMPLETE, "w") as f:
-        json.dump({"step": step, "files": sizes}, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync_dir(directory)
+    """Write the COMPLETE manifest, {"step": N, "files": {relative path: size}}, last
+    (`atomic_dir` fsyncs it with the rest before the rename)."""
+    files = sorted(p for p in directory.rglob("*") if p.is_file())
+    sizes = {p.relative_to(directory).as_posix(): p.stat().st_size for p in files}
+    (directory / COMPLETE).write_text(json.dumps({"step": step, "files": sizes}, indent=1, sort_keys=True))
 
 
-def _fsync_tree(directory: Path) -> dict[str, int]:
-    """fsync every file under `directory`; return {relative path: size}."""
-    sizes = {}
+def _fsync_tree(directory: Path) -> None:
+    """fsync every file and folder under `directory`, and `directory` itself."""
     for file in sorted(p for p in directory.rglob("*") if p.is_file()):
         with open(file, "rb") as f:
             os.fsync(f.fileno())
-        sizes[file.relative_to(directory).as_posix()] = file.stat().st_size
     for sub in [directory, *(p for p in directory.rglob("*") if p.is_dir())]:
         _fsync_dir(sub)
-    return sizes
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -374,6 +386,13 @@ def _fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _umask() -> int:
+    """The process umask (os.umask only reads it by setting it, so it is set back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _publish(tmp: Path, final: Path) -> Path:

@@ -179,11 +179,15 @@ def _handle_make_preferences(args: argparse.Namespace) -> int:
     from posttrain.data.make_preferences import make_preferences
 
     options = dict(parse_override(o) for o in args.options)
-    info = make_preferences(
-        args.task, args.out, n_train=args.n_train, n_test=args.n_test, seed=args.seed, model=args.model,
-        samples=args.samples, max_new_tokens=args.max_new_tokens, pairs_per_prompt=args.pairs_per_prompt,
-        bare_fraction=args.bare_fraction, **options,
-    )
+    common = dict(n_train=args.n_train, n_test=args.n_test, seed=args.seed, pairs_per_prompt=args.pairs_per_prompt,
+                  bare_fraction=args.bare_fraction)
+    if args.model is None:
+        info = make_preferences(args.task, args.out, **common, **options)
+    else:  # pairs_per_prompt and bare_fraction go along so that make_preferences rejects them
+        from posttrain.sample_preferences import sample_preferences
+
+        info = sample_preferences(args.task, args.out, args.model, samples=args.samples,
+                                  max_new_tokens=args.max_new_tokens, **common, **options)
     print(f"wrote {info['n_train']} train and {info['n_test']} test pairs of {args.task} to {args.out}")
     if "counts" in info:
         print("sampled prompts: " + ", ".join(f"{k} {v}" for k, v in info["counts"].items()))
@@ -297,8 +301,7 @@ def _load_model(args: argparse.Namespace) -> tuple[Any, Any]:
 
 def _make_engine(args: argparse.Namespace, model: Any, tokenizer: Any) -> tuple[str, Any]:
     """--engine, else native for the built-in model and hf otherwise; vLLM reads MODEL itself."""
-    from posttrain.evaluation import engine_kind_for
-    from posttrain.rollout import make_engine
+    from posttrain.rollout import engine_kind_for, make_engine
 
     kind = args.engine or engine_kind_for(model)
     opts = {"model_path": args.model} if kind == "vllm" else {}

@@ -47,15 +47,13 @@ import torch
 
 from posttrain.logging import Progress
 from posttrain.rewards import RewardResult, RewardRunner, task_reward
-from posttrain.rollout import Completions, RolloutEngine, SamplingParams, make_engine
-
-
-def engine_kind_for(model: torch.nn.Module) -> str:
-    """`native` for the built-in model (peft-wrapped or not), `hf` for anything else."""
-    from posttrain.models import BuiltinLM
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "native" if isinstance(base, BuiltinLM) else "hf"
+from posttrain.rollout import (
+    Completions,
+    RolloutEngine,
+    SamplingParams,
+    engine_kind_for,
+    make_engine,
+)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

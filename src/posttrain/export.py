@@ -33,23 +33,21 @@ What is written, by the kind read from the folder (`detect_kind`):
 Loading through transformers is the check: a key missing from the checkpoint (which
 transformers would silently initialise at random) or of the wrong shape is an error.
 Nothing is downloaded: every `from_pretrained` gets a local path and `local_files_only=True`.
-The output folder is written next to OUT under a temporary name and renamed when complete.
+The output folder is written next to OUT under a temporary name, fsynced and renamed when
+complete (`checkpoint.atomic_dir`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from posttrain.checkpoint import CHECKPOINTS, FINAL, find_latest_checkpoint
+from posttrain.checkpoint import CHECKPOINTS, FINAL, atomic_dir, find_latest_checkpoint
 from posttrain.models.llama_checkpoint import DTYPE_NAMES, checkpoint_dtype
 
 log = logging.getLogger(__name__)
@@ -139,19 +137,12 @@ def export_model(
     kind = detect_kind(source)
     if kind != LORA_ADAPTER and (merge_lora or base is not None):
         raise ValueError(f"{source} is a full model, not a LoRA adapter: drop --merge-lora/--base")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the export is for other programs (and users)
-    try:
+    with atomic_dir(out) as tmp:
         if kind == LORA_ADAPTER:
             result = _export_adapter(source, tmp, merge_lora, base, dtype)
         else:
             result = _export_full(source, tmp, kind, dtype)
         _write_tokenizer(_tokenizer_source(source, result.base), tmp, result)
-        _replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     result.out = out
     return result
 
@@ -366,17 +357,6 @@ def _check_out(out: Path, source: Path, overwrite: bool) -> None:
         raise ValueError(f"--out {out} is a file")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ValueError(f"--out {out} exists and is not empty; pass --overwrite to replace it")
-
-
-def _replace(tmp: Path, out: Path) -> None:
-    """Rename the finished `tmp` folder to `out`, removing an old `out` only afterwards."""
-    old = None
-    if out.exists():
-        old = out.with_name(f".tmp-old-{out.name}-{os.getpid()}")
-        os.rename(out, old)
-    os.rename(tmp, out)
-    if old is not None:
-        shutil.rmtree(old)
 
 
 def _is_model_dir(path: Path) -> bool:

@@ -4,7 +4,6 @@ import json
 import random
 
 import pytest
-import torch
 
 from posttrain.cli import main
 from posttrain.data.collate import IGNORE_INDEX, tokenize_example
@@ -201,47 +200,60 @@ def test_bare_fraction_mixes_forms_evenly_and_keeps_every_pair_right_and_wrong(t
         make_preferences("arithmetic", tmp_path / "x", n_train=4, n_test=0, bare_fraction=1.5)
 
 
-class _FakeEngine:
-    """Answers `2+3=` right on even samples, wrong on odd ones; `9-9=` always wrong."""
-
-    def generate(self, prompts, params):
-        from types import SimpleNamespace
-
-        texts, reasons = [], []
-        for p in prompts:
-            for i in range(params.n):
-                right = p == "2+3=" and i % 2 == 1
-                texts.append("Answer: 5" if right else "Answer: 7")
-                reasons.append("stop" if i != 0 else "length")
-        return SimpleNamespace(texts=texts, finish_reason=reasons)
+def _fake_sample(prompts):
+    """`2+3=` right on odd samples, wrong on even ones (the first cut at the token limit); `9-9=` always wrong."""
+    return [[("Answer: 5" if p == "2+3=" and i % 2 == 1 else "Answer: 7", "stop" if i else "length")
+             for i in range(4)] for p in prompts]
 
 
 def test_sampled_pairs_need_a_right_and_a_wrong_sample():
-    sampler = _Sampler.__new__(_Sampler)
-    sampler.engine, sampler.samples, sampler.max_new_tokens, sampler.batch_size, sampler.seed = _FakeEngine(), 4, 8, 8, 0
-    sampler.calls, sampler.counts = 0, {"prompts": 0, "all_right": 0, "all_wrong": 0}
+    sampler = _Sampler(_fake_sample, batch_size=8)
     rows = [{"prompt": "2+3=", "answer": "5", "completion": "Answer: 5"}, {"prompt": "9-9=", "answer": "0", "completion": "Answer: 0"}]
     pairs = sampler.pairs(get_task("arithmetic"), rows)
     assert len(pairs) == 1 and sampler.counts == {"prompts": 2, "all_right": 0, "all_wrong": 1}
+    # The wrong sample that stopped on its own (sample 2) is preferred to the cut one (sample 0): same text here.
     assert pairs[0]["chosen"] == "Answer: 5" and pairs[0]["rejected"] == "Answer: 7" and pairs[0]["source"] == "sampled"
 
 
-def test_sampling_from_a_saved_model_is_deterministic(tmp_path, tok):
-    from posttrain.models import BuiltinLM
+def test_sampled_pairs_come_from_any_sample_callable(tmp_path):
+    """No model: `sample` is a plain function; prompts reach it `batch_size` at a time."""
+    calls = []
 
-    torch.manual_seed(0)
-    model = BuiltinLM.from_preset("tiny", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                  num_attention_heads=2, num_key_value_heads=2, eos_token_id=tok.eos_token_id,
-                                  bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
-    model.save_pretrained(tmp_path / "m")
-    tok.save_pretrained(tmp_path / "m")
-    infos = [make_preferences("arithmetic", tmp_path / o, n_train=2, n_test=2, seed=0, model=str(tmp_path / "m"),
-                              samples=2, max_new_tokens=4, max_prompts_factor=2) for o in ("a", "b")]
-    # A random model is never right: every prompt tried (2 test, 2 · 2 train) is all wrong, none kept.
-    assert infos[0]["counts"] == infos[1]["counts"] == {"prompts": 6, "all_right": 0, "all_wrong": 6}
-    assert infos[0]["n_train"] == 0
-    meta = json.loads((tmp_path / "a" / "preferences.json").read_text())
-    assert meta["source"] == "sampled" and meta["sampling"]["all_wrong"] == 6
+    def sample(prompts):  # right on even samples: every prompt gives a pair
+        calls.append(len(prompts))
+        return [[(f"Answer: {eval(p.rstrip('='))}", "stop"), ("Answer: -99999", "stop")] for p in prompts]
+
+    info = make_preferences("arithmetic", tmp_path / "s", n_train=10, n_test=3, seed=0, sample=sample, batch_size=4,
+                            sample_meta={"model": "fake", "samples": 2})
+    assert (info["n_train"], info["n_test"]) == (10, 3) and max(calls) <= 4
+    assert info["counts"] == {"prompts": sum(calls), "all_right": 0, "all_wrong": 0}
+    assert {r["rejected"] for r in load_rows(info["train"])} == {"Answer: -99999"}
+    meta = json.loads(info["meta"].read_text())
+    assert (meta["source"], meta["model"], meta["samples"]) == ("sampled", "fake", 2)
+    with pytest.raises(ValueError, match="pairs_per_prompt > 1 is for constructed"):
+        make_preferences("arithmetic", tmp_path / "x", n_train=4, n_test=0, sample=sample, pairs_per_prompt=2)
+
+
+# sha256 prefixes of train.jsonl, test.jsonl and preferences.json as `posttrain data make-preferences` wrote
+# them before the sampling moved out of data/ (commit 015f5f7): the same arguments give the same bytes.
+PINNED = {
+    "easy": ("8680620a863cff8b", "4d6ecf2373f2e662", "f244e235d6679a52"),
+    "bare": ("3b1700abd87e1e12", "6e0486cbf8804890", "32845b865b20fb7e"),
+}
+
+
+def sha(path):
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def test_constructed_pairs_keep_their_bytes(tmp_path):
+    easy = make_preferences("arithmetic", tmp_path / "easy", n_train=50, n_test=10, seed=0, difficulty="easy")
+    bare = make_preferences("arithmetic", tmp_path / "bare", n_train=50, n_test=10, seed=2, pairs_per_prompt=3,
+                            bare_fraction=0.5)
+    for name, info in (("easy", easy), ("bare", bare)):
+        assert tuple(sha(info[k]) for k in ("train", "test", "meta")) == PINNED[name], name
 
 
 def test_cli_make_preferences(tmp_path, capsys):

@@ -34,6 +34,16 @@ def gpt2_dir(tmp_path_factory):
     return path
 
 
+def test_device_of_is_where_the_parameters_are():
+    from posttrain.models.loading import device_of
+    from posttrain.workers import forward
+
+    assert device_of(torch.nn.Linear(2, 2)) == torch.device("cpu")
+    if torch.cuda.is_available():
+        assert device_of(torch.nn.Linear(2, 2).cuda()).type == "cuda"
+    assert forward.device_of is device_of  # the roles' import: one function, not a copy
+
+
 def test_resolve_device_and_dtype():
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert resolve_device("auto").type == expected

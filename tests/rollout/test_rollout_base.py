@@ -6,7 +6,13 @@ import math
 import pytest
 import torch
 
-from posttrain.rollout import SamplingParams, filter_logits, make_engine, sample_next
+from posttrain.rollout import (
+    SamplingParams,
+    engine_kind_for,
+    filter_logits,
+    make_engine,
+    sample_next,
+)
 from posttrain.rollout.base import StopStrings, build_completions
 
 NEG = float("-inf")
@@ -196,3 +202,13 @@ def test_every_sampling_field_of_the_rollout_config_reaches_sampling_params():
             assert getattr(params, name) == (tuple(value) if name == "stop" else value) != getattr(defaults, name)
             assert value != getattr(cls(), name)
         assert params.seed is None and params.stop_token_ids is None and params.logprobs  # not in the config
+
+
+def test_engine_kind_for_lives_beside_make_engine(model, hf_model):
+    from posttrain.models.lora import LoraConfig, apply_lora
+
+    from .conftest import randomized
+
+    assert engine_kind_for.__module__ == "posttrain.rollout"
+    assert engine_kind_for(model) == "native" and engine_kind_for(hf_model) == "hf"
+    assert engine_kind_for(apply_lora(randomized(), LoraConfig(r=2))) == "native"  # peft: its base decides

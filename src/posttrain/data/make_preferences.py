@@ -1,7 +1,11 @@
 """Synthetic preference pairs for a bundled task: a right completion as `chosen`, a wrong one as `rejected`.
 
-    make_preferences("arithmetic", "data/arith_pref", n_train=5000, seed=0)           # constructed
-    make_preferences("arithmetic", "data/arith_pref", model="runs/sft/final", samples=8)  # sampled
+    make_preferences("arithmetic", "data/arith_pref", n_train=5000, seed=0)  # constructed
+    make_preferences("arithmetic", "data/arith_pref", sample=sample)          # sampled by `sample`
+
+`posttrain.sample_preferences` samples from a model (`sample_preferences(task, out_dir,
+"runs/sft/final", samples=8)`): loading models and running engines is a command's work, so
+this module only turns the samples it is given into pairs.
 
 Writes `train.jsonl` and `test.jsonl` (columns prompt, chosen, rejected, answer, task, source,
 and `error` for constructed pairs, `form` too with `bare_fraction`) and `preferences.json`
@@ -19,9 +23,9 @@ Two sources:
   completion scores 0 with the task's scorer (checked). With `bare_fraction` > 0 either side
   may be written without its steps (the answer line alone), and a guessed final answer joins
   the mistakes (see `arithmetic_pair`). Arithmetic only.
-- sampled (`model`): `samples` completions per prompt at temperature 1 from the model (native
-  engine for Llama checkpoints, else transformers' generate), scored with the task's scorer;
-  a prompt with at least one right and one wrong sample gives a pair (the first of each, a
+- sampled (`sample`, a `Sample`: K completions per prompt, e.g. drawn from a model at
+  temperature 1 by `posttrain.sample_preferences`), scored with the task's scorer; a prompt
+  with at least one right and one wrong sample gives a pair (the first of each, a
   wrong sample that stopped on its own preferred). The test split holds the pairs found among
   the `n_test` held-out prompts (fewer than n_test pairs when some prompts are all right or all
   wrong); training prompts are drawn in rounds until `n_train` pairs exist or
@@ -199,43 +203,32 @@ def _pair(row: Mapping[str, Any], task: Task, chosen: str, rejected: str, source
             **extras, "task": task.name, "source": source, **extra}
 
 
+Sample = Callable[[list[str]], list[list[tuple[str, str]]]]
+"""prompts -> for each prompt its K samples as (text, finish_reason): "stop" when the sample
+ended on its own, "length" when it hit the token limit."""
+
+
 class _Sampler:
-    """Samples K completions per prompt from a local model and turns prompts into pairs."""
+    """Turns prompts into pairs from `sample`'s completions, `batch_size` prompts a call."""
 
-    def __init__(self, model_path: str, samples: int, max_new_tokens: int, batch_size: int, seed: int):
-        from posttrain.config import ModelConfig
-        from posttrain.evaluation import engine_kind_for
-        from posttrain.models.factory import build_model_and_tokenizer
-        from posttrain.rollout import make_engine
-
-        model, tokenizer = build_model_and_tokenizer(ModelConfig(path=model_path))
-        self.engine = make_engine(engine_kind_for(model.eval()), model, tokenizer)
-        self.samples, self.max_new_tokens, self.batch_size, self.seed = samples, max_new_tokens, batch_size, seed
-        self.calls = 0
+    def __init__(self, sample: Sample, batch_size: int):
+        self.sample, self.batch_size = sample, batch_size
         self.counts = {"prompts": 0, "all_right": 0, "all_wrong": 0}
 
     def pairs(self, task: Task, rows: list[dict]) -> list[dict]:
-        from posttrain.rollout import SamplingParams
-
         out = []
         for start in range(0, len(rows), self.batch_size):
             chunk = rows[start : start + self.batch_size]
-            params = SamplingParams(n=self.samples, temperature=1.0, max_new_tokens=self.max_new_tokens,
-                                    seed=self.seed * 1_000_003 + self.calls)
-            self.calls += 1
-            gen = self.engine.generate([r["prompt"] for r in chunk], params)
-            k = self.samples
-            for i, row in enumerate(chunk):
-                texts, reasons = gen.texts[i * k : (i + 1) * k], gen.finish_reason[i * k : (i + 1) * k]
-                pair = self._pair(task, row, texts, reasons)
+            for row, samples in zip(chunk, self.sample([r["prompt"] for r in chunk]), strict=True):
+                pair = self._pair(task, row, samples)
                 if pair is not None:
                     out.append(pair)
         return out
 
-    def _pair(self, task: Task, row: dict, texts: list[str], reasons: list[str]) -> dict | None:
+    def _pair(self, task: Task, row: dict, samples: list[tuple[str, str]]) -> dict | None:
         extras = {k: v for k, v in row.items() if k not in ("prompt", "completion", "answer")}
-        right = [t for t in texts if task.score(t, row["answer"], **extras) == 1.0]
-        wrong = [(r != "stop", t) for t, r in zip(texts, reasons) if task.score(t, row["answer"], **extras) != 1.0]
+        right = [t for t, _ in samples if task.score(t, row["answer"], **extras) == 1.0]
+        wrong = [(r != "stop", t) for t, r in samples if task.score(t, row["answer"], **extras) != 1.0]
         self.counts["prompts"] += 1
         self.counts["all_right"] += not wrong
         self.counts["all_wrong"] += not right
@@ -261,13 +254,12 @@ def make_preferences(
     n_train: int = 5000,
     n_test: int = 500,
     seed: int = 0,
-    model: str | None = None,
-    samples: int = 8,
-    max_new_tokens: int = 64,
+    sample: Sample | None = None,
     batch_size: int = 64,
     max_prompts_factor: int = 20,
     pairs_per_prompt: int = 1,
     bare_fraction: float = 0.0,
+    sample_meta: Mapping[str, Any] | None = None,
     **options: Any,
 ) -> dict[str, Any]:
     """Write preference pairs for `task` into `out_dir` (see the module doc).
@@ -277,24 +269,27 @@ def make_preferences(
     right one, so n_train pairs come from n_train / pairs_per_prompt prompts: more distinct
     pairs than a task has prompts. The test split keeps one pair per prompt, so held-out
     figures do not depend on it. `bare_fraction` (constructed pairs only; both splits) writes
-    each side without its steps with that probability (`arithmetic_pair`). Returns {"train",
+    each side without its steps with that probability (`arithmetic_pair`). `sample` (see
+    `Sample`) makes sampled pairs instead, asked for `batch_size` prompts at a time;
+    `sample_meta` is what preferences.json records of it (`sample_preferences`: "model" and
+    "samples"; None for both when absent). Returns {"train",
     "test", "meta": Path, "n_train", "n_test": pairs written, and, when sampled, "counts"}.
     """
-    if n_train < 0 or n_test < 0 or samples < 2 or pairs_per_prompt < 1:
-        raise ValueError(f"need n_train, n_test >= 0, samples >= 2 and pairs_per_prompt >= 1; "
-                         f"got {n_train}, {n_test}, {samples}, {pairs_per_prompt}")
-    if model is not None and pairs_per_prompt != 1:
+    if n_train < 0 or n_test < 0 or pairs_per_prompt < 1:
+        raise ValueError(f"need n_train, n_test >= 0 and pairs_per_prompt >= 1; "
+                         f"got {n_train}, {n_test}, {pairs_per_prompt}")
+    if sample is not None and pairs_per_prompt != 1:
         raise ValueError("pairs_per_prompt > 1 is for constructed pairs; sampled pairs are one per prompt "
                          "(drop the model, or pairs_per_prompt)")
     if not 0 <= bare_fraction <= 1:
         raise ValueError(f"bare_fraction must be in [0, 1], got {bare_fraction}")
-    if model is not None and bare_fraction > 0:
+    if sample is not None and bare_fraction > 0:
         raise ValueError("bare_fraction is for constructed pairs; sampled pairs are the model's own text "
                          "(drop the model, or bare_fraction)")
     t = get_task(task, **options)
     rng, seen = random.Random(seed), set()
     n_prompts = -(-n_train // pairs_per_prompt) + n_test  # ceil: what the splits ask of the task
-    sampler = _Sampler(model, samples, max_new_tokens, batch_size, seed) if model is not None else None
+    sampler = _Sampler(sample, batch_size) if sample is not None else None
     splits = {}
     for split, n in (("test", n_test), ("train", n_train)):  # test first: it never depends on n_train
         if sampler is None:
@@ -311,8 +306,8 @@ def make_preferences(
     for split in ("train", "test"):
         write_jsonl(paths[split], splits[split])
     counts = {split: len(rows) for split, rows in splits.items()}
-    meta = {"task": task, "options": t.options, "seed": seed, "source": "sampled" if model else "constructed",
-            "model": model, "samples": samples if model else None, "counts": counts,
+    meta = {"task": task, "options": t.options, "seed": seed, "source": "sampled" if sampler else "constructed",
+            "model": None, "samples": None, **(sample_meta or {}), "counts": counts,
             "pairs_per_prompt": pairs_per_prompt,
             **({"bare_fraction": bare_fraction} if bare_fraction > 0 else {}),
             **({"sampling": sampler.counts} if sampler else {})}

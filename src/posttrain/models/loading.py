@@ -24,6 +24,11 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     return torch.device(device)
 
 
+def device_of(model: nn.Module) -> torch.device:
+    """The device of `model`'s first parameter (where its inputs go)."""
+    return next(model.parameters()).device
+
+
 def resolve_dtype(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device | None = None,

@@ -50,6 +50,14 @@ ENGINES = {"native": _native, "hf": _hf, "vllm": _vllm}
 """Engine constructors by name (the valid values of `rollout.engine`)."""
 
 
+def engine_kind_for(model: nn.Module) -> str:
+    """`native` for the built-in model (peft-wrapped or not), `hf` for anything else."""
+    from posttrain.models import BuiltinLM
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "native" if isinstance(base, BuiltinLM) else "hf"
+
+
 def make_engine(kind: str, model: nn.Module, tokenizer, **opts) -> RolloutEngine:
     """Build the rollout engine `kind` ("native" | "hf" | "vllm") over `model`.
 
@@ -67,6 +75,7 @@ __all__ = [
     "Prompts",
     "RolloutEngine",
     "SamplingParams",
+    "engine_kind_for",
     "filter_logits",
     "make_engine",
     "sample_next",

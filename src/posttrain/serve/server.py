@@ -237,10 +237,9 @@ def load_server(
     """Load the causal LM at `model_path` (a model folder or a run directory: its final/ or
     newest checkpoint) and bind a server for it (not yet serving)."""
     from posttrain.config import ModelConfig
-    from posttrain.evaluation import engine_kind_for
     from posttrain.export import LORA_ADAPTER, SEQUENCE_CLASSIFIER, detect_kind, resolve_model_dir
     from posttrain.models.factory import build_model_and_tokenizer
-    from posttrain.rollout import make_engine
+    from posttrain.rollout import engine_kind_for, make_engine
 
     if engine is not None and engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose one of {ENGINES}")

@@ -58,7 +58,7 @@ from posttrain.data.preference import pair_collate, prepare_pairs
 from posttrain.evaluation import task_eval
 from posttrain.logging import get_logger
 from posttrain.models.factory import build_model
-from posttrain.models.loading import forward_logits
+from posttrain.models.loading import device_of, forward_logits
 from posttrain.models.lora import apply_lora, is_peft
 from posttrain.trainers.batches import EpochBatches
 from posttrain.trainers.loop import FitResult, RefSync, fit
@@ -218,7 +218,7 @@ class DPOTrainer:
         for examples in (self.train_examples, self.eval_examples):
             for i in range(0, len(examples), mb):
                 chunk = examples[i : i + mb]
-                with autocast(self.args.trainer.precision, _device(self.model)):
+                with autocast(self.args.trainer.precision, device_of(self.model)):
                     ref = reference.run(sequence_logps, self._collate(chunk))[0].float().cpu()
                 for j, ex in enumerate(chunk):
                     ex["ref_logps"] = [ref[j].item(), ref[j + len(chunk)].item()]
@@ -227,7 +227,7 @@ class DPOTrainer:
                  len(self.train_examples), len(self.eval_examples))
 
     def _collate(self, examples: list[dict]) -> PairBatch:
-        return pair_collate(examples, self.tokenizer.pad_token_id).to(_device(self.model))
+        return pair_collate(examples, self.tokenizer.pad_token_id).to(device_of(self.model))
 
     def evaluate(self, model: torch.nn.Module | None = None, step: int = 0) -> tuple[dict[str, float], list[dict]]:
         """Held-out `eval/loss`, `eval/rewards/*`, `eval/logps/*`; `eval/accuracy` (and samples)
@@ -281,7 +281,3 @@ def run_dpo(cfg: DPOConfig) -> FitResult:
     result = DPOTrainer(args=cfg).train()
     print(f"model: {result.final_dir}\nmetrics: {result.run_dir / 'metrics.jsonl'}")
     return result
-
-
-def _device(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device

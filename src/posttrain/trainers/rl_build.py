@@ -64,7 +64,7 @@ def build_reward(cfg: RLConfig, reward_funcs: Any) -> Reward:
 
 
 def build_rollout(cfg: RLConfig, model: torch.nn.Module, tokenizer: Any) -> Rollout:
-    from posttrain.evaluation import engine_kind_for
+    from posttrain.rollout import engine_kind_for
 
     rc = cfg.rollout
     kind = engine_kind_for(model) if rc.engine == "auto" else rc.engine

@@ -34,7 +34,7 @@ from posttrain.data.sources import load_and_validate
 from posttrain.evaluation import task_eval
 from posttrain.logging import get_logger
 from posttrain.models.factory import build_model
-from posttrain.models.loading import forward_logits
+from posttrain.models.loading import device_of, forward_logits
 from posttrain.trainers.batches import EpochBatches
 from posttrain.trainers.loop import FitResult, fit
 from posttrain.trainers.setup import prepare_run
@@ -108,7 +108,7 @@ class SFTTrainer:
     def _collate(self, examples: list[dict]) -> LMBatch:
         pad = self.tokenizer.pad_token_id
         batch = pack_collate(examples, pad) if self.args.data.packing else pad_collate(examples, pad)
-        return batch.to(_device(self.model))
+        return batch.to(device_of(self.model))
 
     def evaluate(
         self, model: torch.nn.Module | None = None, step: int = 0
@@ -163,7 +163,3 @@ def run_sft(cfg: SFTConfig) -> FitResult:
         print("held-out: " + "  ".join(f"{k.split('/')[1]}={v:.4g}" for k, v in shown.items()))
     print(f"model: {result.final_dir}\nmetrics: {result.run_dir / 'metrics.jsonl'}")
     return result
-
-
-def _device(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from posttrain.models import BuiltinLM
+from posttrain.models.loading import device_of  # noqa: F401  (re-exported for the roles)
 from posttrain.workers.batch import RLBatch
 
 FORWARD_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "lengths")
@@ -65,10 +66,6 @@ def micro_batches(
     batch = batch.by_length() if by_length else batch
     parts = batch.chunk_by_tokens(max_tokens) if max_tokens else batch.split(rows)
     return [p.trimmed() if device is None else p.trimmed().to(device) for p in parts]
-
-
-def device_of(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
 
 
 @torch.no_grad()
