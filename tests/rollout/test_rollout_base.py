@@ -13,7 +13,7 @@ from posttrain.rollout import (
     make_engine,
     sample_next,
 )
-from posttrain.rollout.base import StopStrings, build_completions
+from posttrain.rollout.base import StopStrings, TextStream, build_completions, replay_tokens
 
 NEG = float("-inf")
 
@@ -212,3 +212,49 @@ def test_engine_kind_for_lives_beside_make_engine(model, hf_model):
     assert engine_kind_for.__module__ == "posttrain.rollout"
     assert engine_kind_for(model) == "native" and engine_kind_for(hf_model) == "hf"
     assert engine_kind_for(apply_lora(randomized(), LoraConfig(r=2))) == "native"  # peft: its base decides
+
+
+class CleanupTokenizer:
+    """Byte tokens (id = byte) decoded like a tokenizer with clean-up: " ." becomes "."."""
+
+    eos_token_id, pad_token_id = 0, 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        text = bytes(i for i in ids if i).decode("utf-8", errors="replace")
+        return text.replace(" .", ".")
+
+
+def streamed(stream, tokens):
+    """The pieces `TextStream.push` returns, fed one token at a time."""
+    return [stream.push(t) for t in tokens]
+
+
+def test_text_stream_waits_for_whole_utf8_characters():
+    stream = TextStream(CleanupTokenizer(), SamplingParams())
+    tokens = list("é€a".encode())  # 2 + 3 + 1 bytes
+    assert streamed(stream, tokens) == ["", "é", "", "", "€", "a"]
+    assert stream.finish("é€a") == ""
+
+
+def test_text_stream_holds_back_what_decoding_may_still_change():
+    stream = TextStream(CleanupTokenizer(), SamplingParams())
+    # The space waits: the next token's clean-up removes it.
+    assert streamed(stream, list(b"ab .c")) == ["a", "b", "", ".", "c"]
+    assert stream.finish("ab.c ") == " "
+
+
+def test_text_stream_stops_at_stop_strings_and_stop_tokens():
+    stream = TextStream(CleanupTokenizer(), SamplingParams(stop=["xyz"]))
+    # "xy" could begin the stop string: it is held back; then the text ends before "xyz".
+    assert streamed(stream, list(b"axyb xyz!")) == ["a", "", "", "xyb", "", "", "", " ", ""]
+    assert stream.finish("axyb ") == ""
+    eos = TextStream(CleanupTokenizer(), SamplingParams(stop_token_ids=[ord("!")]))
+    assert streamed(eos, list(b"a!b")) == ["a", "", ""]
+    assert eos.finish("a") == ""
+
+
+def test_replay_tokens_walks_the_responses_step_by_step():
+    seen = []
+    replay_tokens(lambda rows, toks: seen.append((rows, toks)), torch.tensor([[5, 6, 7], [8, 0, 0]]),
+                  torch.tensor([3, 1]))
+    assert seen == [([0, 1], [5, 8]), ([0], [6]), ([0], [7])]

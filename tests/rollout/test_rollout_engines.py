@@ -288,3 +288,39 @@ def test_generate_keeps_the_training_mode(tok):
     m = randomized().train()
     make_engine("native", m, tok).generate(PROMPTS[:1], SamplingParams(max_new_tokens=2))
     assert m.training
+
+
+def heard(engine, params, prompts=PROMPTS):
+    """The output, and each row's tokens as `on_tokens` reported them, step by step."""
+    rows: dict[int, list[int]] = {}
+    calls = []
+
+    def on_tokens(ids, toks):
+        calls.append(ids)
+        for r, t in zip(ids, toks):
+            rows.setdefault(r, []).append(t)
+
+    return engine.generate(prompts, params, on_tokens=on_tokens), rows, calls
+
+
+@pytest.mark.parametrize("kind", ["native", "hf"])
+def test_on_tokens_hears_every_token_as_it_is_decoded(engines, kind):
+    params = SamplingParams(n=2, temperature=1.0, seed=5, max_new_tokens=12,
+                            stop_token_ids=list(range(100, 140)))
+    out, rows, calls = heard(engines[kind], params)
+    assert "stop" in out.finish_reason and "length" in out.finish_reason
+    for r in range(len(out)):  # every row's tokens, stop token included, nothing after
+        assert rows[r] == out.response_ids[r, : int(out.lengths[r])].tolist()
+    assert len(calls) == int(out.lengths.max())  # one call per decode step
+    assert all(ids == sorted(ids) for ids in calls)
+    assert calls[0] == list(range(len(out)))
+
+
+def test_on_tokens_numbers_rows_across_chunks_and_compaction(model, tok):
+    params = SamplingParams(n=2, temperature=1.0, seed=2, max_new_tokens=40, stop_token_ids=list(range(100, 140)))
+    engine = make_engine("native", model, tok, max_batch_size=3, compact_fraction=0.0)
+    out, rows, _ = heard(engine, params)
+    assert out.meta["compactions"] >= 1
+    assert [rows[r] for r in range(len(out))] == [
+        out.response_ids[r, : int(out.lengths[r])].tolist() for r in range(len(out))
+    ]

@@ -11,7 +11,9 @@ Engines (one interface, `RolloutEngine`; config key `rollout.engine`):
 - hf: transformers' `generate`, for any causal LM.
 - vllm: a vLLM engine with in-place weight sync (optional extra, CUDA).
 All three return the same `Completions`, whose logprobs are log softmax(logits / T)
-of the sampled tokens (see base.py).
+of the sampled tokens (see base.py). `generate(..., on_tokens=f)` calls f with each
+step's new tokens as they are decoded (vllm: replayed after the call); `TextStream`
+turns them into text (`posttrain serve` streams it).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from posttrain.rollout.base import (
     Prompts,
     RolloutEngine,
     SamplingParams,
+    TextStream,
+    TokenCallback,
     filter_logits,
     sample_next,
 )
@@ -75,6 +79,8 @@ __all__ = [
     "Prompts",
     "RolloutEngine",
     "SamplingParams",
+    "TextStream",
+    "TokenCallback",
     "engine_kind_for",
     "filter_logits",
     "make_engine",

@@ -21,7 +21,7 @@ equals it only while no filter is active (see `vllm.py`).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -35,6 +35,12 @@ Prompts = Sequence[str] | Sequence[Sequence[int]]
 or token-id lists (used as they are)."""
 
 FINISH_REASONS = ("stop", "length")
+
+TokenCallback = Callable[[list[int], list[int]], None]
+"""`on_tokens(rows, token_ids)`, which `generate` calls after each decode step: the rows
+(indices into the call's output rows, grouped by prompt) that got a token in that step,
+and those tokens, stop tokens included. It runs on the generating thread and must be
+quick. `TextStream` turns one row's tokens into the text `Completions.texts` will hold."""
 
 
 @dataclass(frozen=True)
@@ -161,8 +167,11 @@ class RolloutEngine(Protocol):
 
     tokenizer: object
 
-    def generate(self, prompts: Prompts, params: SamplingParams) -> Completions:
-        """Sample `params.n` completions of every prompt (rows grouped by prompt)."""
+    def generate(
+        self, prompts: Prompts, params: SamplingParams, on_tokens: TokenCallback | None = None
+    ) -> Completions:
+        """Sample `params.n` completions of every prompt (rows grouped by prompt); `on_tokens`
+        hears each step's new tokens while decoding (vllm: replayed after the call)."""
         ...
 
     def sync_weights(self, model: torch.nn.Module) -> None:
@@ -289,6 +298,82 @@ class StopStrings:
             return text
         start, stop = min(hits)
         return text[: start + len(stop)] if keep else text[:start]
+
+
+class TextStream:
+    """One row's text as its tokens arrive (streaming), pieces that only ever extend it.
+
+    `push(token)` returns the new text that is final: the response so far decoded as
+    `build_completions` decodes it (special tokens skipped, cut before a stop string),
+    holding back what may still change: a trailing partial UTF-8 character (U+FFFD, as
+    byte-level tokens decode mid-character), trailing whitespace (tokenizer clean-up may
+    remove it: " ." becomes "."), and a tail that may be the start of a stop string. A
+    stop token adds nothing. `finish(text)` gives the rest of the row's final text, so
+    the pieces always join to exactly `Completions.texts[row]`. Each push decodes the
+    whole prefix: O(T²) decoded tokens per row, fine for a server's replies.
+    """
+
+    def __init__(self, tokenizer, params: SamplingParams):
+        self.tokenizer = tokenizer
+        self.stop_ids = set(params.resolved_stop_token_ids(tokenizer))
+        self.stops = StopStrings(tokenizer, params.stop)
+        self.keep_stop = params.include_stop_str_in_output
+        self.ids: list[int] = []
+        self.sent = ""
+        self.ended = False
+
+    def push(self, token: int) -> str:
+        if self.ended:
+            return ""
+        if token in self.stop_ids:
+            self.ended = True
+            return ""
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        cut = self.stops.cut(text, self.keep_stop)
+        if cut != text:  # a stop string: the row ends here
+            self.ended = True
+            safe = cut
+        else:
+            safe = _without_partial_stop(text.rstrip("\ufffd"), self.stops.stops).rstrip()
+        if not safe.startswith(self.sent):  # decoding changed earlier text; wait for it to settle
+            return ""
+        new, self.sent = safe[len(self.sent) :], safe
+        return new
+
+    def finish(self, text: str) -> str:
+        """What is left of the row's final `text` after the pieces already returned."""
+        if not text.startswith(self.sent):  # cannot happen with the rules above; say so if it does
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "streamed text %r is not a prefix of the final text %r", self.sent, text
+            )
+            return ""
+        rest, self.sent = text[len(self.sent) :], text
+        return rest
+
+
+def _without_partial_stop(text: str, stops: Sequence[str]) -> str:
+    """`text` without its longest tail that is a proper prefix of a stop string."""
+    cut = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), cut, -1):
+            if text.endswith(s[:k]):
+                cut = k
+                break
+    return text[: len(text) - cut]
+
+
+def replay_tokens(on_tokens: TokenCallback, response_ids: torch.Tensor, lengths: torch.Tensor) -> None:
+    """Call `on_tokens` step by step over finished responses (N, W) valid up to `lengths` (N,),
+    for an engine that cannot report tokens while it decodes."""
+    lengths_list = lengths.tolist()
+    for step in range(response_ids.shape[1] if len(lengths_list) else 0):
+        rows = [r for r, n in enumerate(lengths_list) if n > step]
+        if not rows:
+            break
+        on_tokens(rows, response_ids[rows, step].tolist())
 
 
 def _common_prefix_len(a: str, b: str) -> int:

@@ -13,6 +13,8 @@ W generated width, V vocab.
 - Stop strings and stop tokens are checked by a StoppingCriteria that applies the
   same rule as the other engines (`base.StopStrings`) to the response only;
   transformers' own `stop_strings` would also match across the prompt boundary.
+- `on_tokens` (base.TokenCallback) is called from that StoppingCriteria, which sees
+  every step's tokens: the rows that had not stopped before the step got one.
 - Logprobs come from a teacher-forced forward of the same model over prompt +
   response after generation, through `posttrain.algos.token_logprobs` (the very
   function an RL trainer uses), in row chunks of bounded size. `output_logits`
@@ -39,6 +41,7 @@ from posttrain.rollout.base import (
     Prompts,
     SamplingParams,
     StopStrings,
+    TokenCallback,
     build_completions,
     encode_prompts,
     resolve_seed,
@@ -65,14 +68,16 @@ class HFEngine:
             )
         self.model = model
 
-    def generate(self, prompts: Prompts, params: SamplingParams) -> Completions:
+    def generate(
+        self, prompts: Prompts, params: SamplingParams, on_tokens: TokenCallback | None = None
+    ) -> Completions:
         prompt_ids = encode_prompts(self.tokenizer, prompts)
         rows = [p for p in prompt_ids for _ in range(params.n)]
         pad_id = pad_id_of(self.tokenizer)
         device = next(self.model.parameters()).device
         ids, mask = left_pad(rows, pad_id, device)  # (N, P)
         stop_ids = params.resolved_stop_token_ids(self.tokenizer)
-        criteria = _StopCriteria(ids.shape[1], stop_ids, StopStrings(self.tokenizer, params.stop))
+        criteria = _StopCriteria(ids.shape[1], stop_ids, StopStrings(self.tokenizer, params.stop), on_tokens)
         was_training = self.model.training
         self.model.eval()
         start = time.perf_counter()
@@ -151,10 +156,13 @@ class HFEngine:
 class _StopCriteria(StoppingCriteria):
     """transformers StoppingCriteria: a row is done when its newest token is a stop token
     or completes a stop string in the response (the tokens after the P prompt columns).
-    It records where each row stopped, so the output needs no second scan."""
+    It records where each row stopped, so the output needs no second scan, and hands each
+    step's tokens of the rows still running to `on_tokens`."""
 
-    def __init__(self, prompt_width: int, stop_ids, stops: StopStrings):
-        self.prompt_width, self.stops = prompt_width, stops
+    def __init__(
+        self, prompt_width: int, stop_ids, stops: StopStrings, on_tokens: TokenCallback | None = None
+    ):
+        self.prompt_width, self.stops, self.on_tokens = prompt_width, stops, on_tokens
         self.stop_ids = torch.tensor(list(stop_ids), dtype=torch.long)
         self.stop_at: list[int | None] = []  # per row: index of its stopping token
         self.texts: list[list[int]] = []  # per row: response so far (stop strings only)
@@ -166,14 +174,19 @@ class _StopCriteria(StoppingCriteria):
             self.stop_at = [None] * len(newest)
             self.texts = [[] for _ in newest]
         hits = torch.isin(newest, self.stop_ids.to(newest.device)).tolist()
+        fresh: tuple[list[int], list[int]] = ([], [])
         for row, (tok, hit) in enumerate(zip(newest.tolist(), hits)):
             if self.stop_at[row] is not None:
                 continue
+            fresh[0].append(row)
+            fresh[1].append(tok)
             if self.stops:
                 self.texts[row].append(tok)
                 hit = hit or self.stops.completes(self.texts[row])
             if hit:
                 self.stop_at[row] = step
+        if self.on_tokens is not None and fresh[0]:
+            self.on_tokens(*fresh)
         done = [s is not None for s in self.stop_at]
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 

@@ -26,6 +26,9 @@ One `generate` chunk:
      finished (default 1/4; benchmarks/rollout.py measures the choice), and stops as
      soon as every row has finished.
 
+`on_tokens` (see `base.TokenCallback`) hears every step's tokens of the rows still
+alive, numbered as the output rows, as soon as they are sampled.
+
 Sampling noise is drawn for all R rows of the chunk every step from one
 torch.Generator seeded per call, and each row reads its own noise row, so a row's
 sample does not depend on compaction (tests check outputs are identical with and
@@ -56,6 +59,7 @@ from posttrain.rollout.base import (
     Prompts,
     SamplingParams,
     StopStrings,
+    TokenCallback,
     build_completions,
     encode_prompts,
     resolve_seed,
@@ -124,7 +128,9 @@ class NativeEngine:
         """Point the engine at `model` (weights are shared, so nothing is copied)."""
         self.model = as_builtin(model)
 
-    def generate(self, prompts: Prompts, params: SamplingParams) -> Completions:
+    def generate(
+        self, prompts: Prompts, params: SamplingParams, on_tokens: TokenCallback | None = None
+    ) -> Completions:
         prompt_ids = encode_prompts(self.tokenizer, prompts)
         pad_id = pad_id_of(self.tokenizer)
         per_chunk = max(1, (self.max_batch_size or len(prompt_ids) * params.n) // params.n)
@@ -138,7 +144,9 @@ class NativeEngine:
                 weights = DecodeWeights.of(self.model)  # the weights do not change during the call
                 for first in range(0, len(prompt_ids), per_chunk):
                     chunk = prompt_ids[first : first + per_chunk]
-                    part = self._generate_chunk(chunk, params, gen, pad_id, weights)
+                    part = self._generate_chunk(
+                        chunk, params, gen, pad_id, weights, on_tokens, first * params.n
+                    )
                     steps += part.pop("steps")
                     compactions += part.pop("compactions")
                     parts.append(part)
@@ -190,8 +198,11 @@ class NativeEngine:
         gen: torch.Generator,
         pad_id: int,
         weights: DecodeWeights | None,
+        on_tokens: TokenCallback | None = None,
+        row_offset: int = 0,
     ) -> dict:
-        """Sample n completions of each prompt: per-row tokens/logprobs (R, S), lengths, stopped."""
+        """Sample n completions of each prompt: per-row tokens/logprobs (R, S), lengths, stopped.
+        `on_tokens` hears each step's tokens, rows numbered from `row_offset` (the chunk's first)."""
         model, device = self.model, self.model.device
         max_new, rows = params.max_new_tokens, len(prompt_ids) * params.n
         cache, logits, key_mask, next_pos = self._prefill(prompt_ids, params.n, max_new, pad_id)
@@ -221,6 +232,9 @@ class NativeEngine:
             tokens[row_ids, step] = torch.where(alive, tok, pad_id)
             logprobs[row_ids, step] = torch.where(alive, logp, 0.0)
             lengths[row_ids] += alive
+            if on_tokens is not None:
+                live = alive.nonzero()[:, 0]
+                on_tokens((row_ids[live] + row_offset).tolist(), tok[live].tolist())
             hit = alive & torch.isin(tok, stop_ids)
             if stops:
                 hit |= _stop_string_hits(stops, texts, row_ids, alive, tok)

@@ -20,6 +20,8 @@ Notation: B prompts, n samples per prompt, N = B·n rows.
 - Stop tokens: vLLM's implicit eos is switched off (`ignore_eos`) and
   `stop_token_ids` is passed explicitly, so stopping means what it means in the
   other engines (also `stop_token_ids=()`: never stop).
+- `on_tokens` is a fallback: `LLM.generate` returns whole responses, so their tokens
+  are replayed step by step after the call (no earlier than the answer itself).
 - Logprobs: the engine is built with `logprobs_mode="processed_logprobs"`: the
   log-softmax of the logits vLLM samples from, after temperature. That is our
   definition (base.py) exactly when top_k, top_p and min_p are off; with a filter
@@ -42,8 +44,10 @@ from posttrain.rollout.base import (
     Completions,
     Prompts,
     SamplingParams,
+    TokenCallback,
     build_completions,
     encode_prompts,
+    replay_tokens,
 )
 
 INSTALL_HINT = "pip install 'posttrain[vllm]' on a CUDA machine"
@@ -162,7 +166,9 @@ class VLLMEngine:
                 model.unmerge_adapter()
         self.llm.reset_prefix_cache()
 
-    def generate(self, prompts: Prompts, params: SamplingParams) -> Completions:
+    def generate(
+        self, prompts: Prompts, params: SamplingParams, on_tokens: TokenCallback | None = None
+    ) -> Completions:
         prompt_ids = encode_prompts(self.tokenizer, prompts)
         pad_id = pad_id_of(self.tokenizer)
         filtered = params.top_k > 0 or params.top_p < 1 or params.min_p > 0
@@ -194,6 +200,8 @@ class VLLMEngine:
                 logprobs[r, : len(ids)] = torch.tensor(
                     [step[tok].logprob for tok, step in zip(ids, sample.logprobs)]
                 )
+        if on_tokens is not None:
+            replay_tokens(on_tokens, response_ids, lengths)
         return build_completions(
             prompt_ids=rows,
             response_ids=response_ids,
