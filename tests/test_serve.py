@@ -6,6 +6,7 @@ errors, and `llm_judge` works against it."""
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import os
@@ -447,3 +448,75 @@ def test_cli_serve_prints_the_url_and_stops_on_ctrl_c(model_dir):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0 and "shutting down" in rest and "Traceback" not in rest
+
+
+class PausedEngine:
+    """The served engine, pausing after each decode step (up to `wait_s`) until the client
+    has its first chunk; `steps_before_seen` counts the steps decoded until then."""
+
+    def __init__(self, engine, wait_s=2.0):
+        self.engine, self.tokenizer, self.wait_s = engine, engine.tokenizer, wait_s
+        self.seen = threading.Event()
+        self.steps_before_seen = 0
+
+    def generate(self, prompts, params, on_tokens=None):
+        def hook(rows, tokens):
+            on_tokens(rows, tokens)
+            if not self.seen.is_set():
+                self.steps_before_seen += 1
+                self.seen.wait(self.wait_s)
+
+        return self.engine.generate(prompts, params, on_tokens=hook if on_tokens else None)
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_stream_sends_text_as_it_is_decoded(server, client, chat):
+    max_tokens = 8
+    body = dict(model=NAME, max_tokens=max_tokens, temperature=0)
+    if chat:
+        create, body["messages"] = client.chat.completions.create, MESSAGES
+        def text(c): return c.choices[0].delta.content or ""
+        whole = create(**body).choices[0].message.content
+    else:
+        create, body["prompt"] = client.completions.create, PROMPTS[0]
+        def text(c): return c.choices[0].text
+        whole = create(**body).choices[0].text
+    batcher = server.server.app.batcher
+    paused = batcher.engine = PausedEngine(batcher.engine)
+    try:
+        stream = iter(create(**body, stream=True))
+        chunks = [next(stream)]
+        paused.seen.set()
+        chunks += list(stream)
+    finally:
+        batcher.engine = paused.engine
+    # The first chunk reached the client while the engine was still decoding ...
+    assert 1 <= paused.steps_before_seen < max_tokens
+    assert text(chunks[0])
+    # ... and the rest came in several pieces, in order, the same text as unstreamed.
+    pieces = [text(c) for c in chunks]
+    assert sum(bool(p) for p in pieces) >= 3
+    assert "".join(pieces) == whole
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_batched_streaming_jobs_each_hear_their_own_rows(engine):
+    batcher = Batcher(engine, batch_wait_ms=200)
+    try:
+        params = SamplingParams(temperature=0.0, max_new_tokens=5)
+        prompts = [greedy(engine, [p]).prompt_ids for p in PROMPTS[:3]]
+        heard = [{} for _ in prompts]
+
+        def listener(i):
+            return lambda rows, toks: [heard[i].setdefault(r, []).append(t) for r, t in zip(rows, toks)]
+
+        jobs = [batcher.submit(p, dataclasses.replace(params, n=2 if i == 1 else 1), listener(i))
+                for i, p in enumerate(prompts)]
+        results = [j.result(timeout=60) for j in jobs]
+        assert batcher.stats()["generate_calls"] == 1
+    finally:
+        batcher.close()
+    tok = build_tokenizer()
+    for got, result in zip(heard, results):
+        assert sorted(got) == list(range(len(result.texts)))
+        assert [tok.decode(got[r], skip_special_tokens=True) for r in sorted(got)] == result.texts

@@ -25,11 +25,13 @@ FastAPI's own validation errors included: 400 bad body or parameter (or a body t
 sent as JSON), 404 unknown path or model, 405 wrong method, 413 a Content-Length over
 `max_body_bytes`; 500 when generation itself fails, 503 while shutting down.
 
-`stream: true` answers with server-sent events, `data: {chunk}` ... `data: [DONE]`, but
-the chunks come when the whole batch is done: per choice, one with its entire text, then
-one with its finish_reason (the engines generate a batch at once, not token by token;
-`protocol.stream_chunks` takes any sequence of text pieces, so an engine that yields
-tokens as it decodes them can stream them through it).
+`stream: true` answers with server-sent events, `data: {chunk}` ... `data: [DONE]`, sent
+while the engine decodes: after each decode step, every choice's new text (the engine's
+`on_tokens`; `rollout.TextStream` holds back what may still change: half a UTF-8
+character, a possible stop string), then per choice the rest of its text and a chunk
+with its finish_reason. The pieces join to exactly the unstreamed text. A failure before
+the first token is an HTTP error as for an unstreamed request; after it, the stream ends
+with OpenAI's error object.
 
 Batching: one generation thread gathers concurrent requests for up to `batch_wait_ms`
 (or `max_batch_size` rows = prompts x n) and runs requests with the same sampling

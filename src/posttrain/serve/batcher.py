@@ -16,6 +16,11 @@ request larger than the limit runs alone), and groups them:
 - jobs with different params (temperature, max_tokens, stop, ...) run as separate calls,
   one after another, in the order their first job arrived.
 
+A job submitted with `on_tokens` hears its rows' new tokens after every decode step of
+its call (rows numbered within the job, as its results), so the server can stream them
+while the call runs; a call passes `on_tokens` to the engine only when one of its jobs
+has one.
+
 Jobs not taken wait for the next round, whose wait is again counted from the arrival of
 its oldest job. `stats()` counts requests, generate calls and their sizes (shown by the
 server's /health), so batching is observable.
@@ -31,7 +36,7 @@ from collections import Counter, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from posttrain.rollout import RolloutEngine, SamplingParams
+from posttrain.rollout import RolloutEngine, SamplingParams, TokenCallback
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +59,7 @@ class Generated:
 class _Job:
     prompts: list[list[int]]
     params: SamplingParams
+    on_tokens: TokenCallback | None = None
     arrived: float = field(default_factory=time.monotonic)
     future: Future[Generated] = field(default_factory=Future)
 
@@ -90,10 +96,16 @@ class Batcher:
         self._thread = threading.Thread(target=self._loop, name="posttrain-generate", daemon=True)
         self._thread.start()
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams) -> Future[Generated]:
-        """Queue one request's prompts x params.n samples. The future fails with
+    def submit(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        on_tokens: TokenCallback | None = None,
+    ) -> Future[Generated]:
+        """Queue one request's prompts x params.n samples; `on_tokens(rows, token_ids)` hears
+        them as they are decoded (on the generation thread). The future fails with
         BatcherClosed when the batcher is (or gets) closed first, or with the engine's error."""
-        job = _Job(prompts, params)
+        job = _Job(prompts, params, on_tokens)
         with self._cond:
             if self._closed:
                 job.future.set_exception(BatcherClosed("the server is shutting down"))
@@ -173,7 +185,10 @@ class Batcher:
             else [p for j in jobs for p in j.prompts for _ in range(j.params.n)]
         )
         try:
-            out = self.engine.generate(rows, params)
+            if any(j.on_tokens is not None for j in jobs):
+                out = self.engine.generate(rows, params, on_tokens=_dispatch(jobs))
+            else:
+                out = self.engine.generate(rows, params)
         except Exception as err:
             log.exception("generation failed for %d request(s)", len(jobs))
             for job in jobs:
@@ -191,3 +206,26 @@ class Batcher:
                 Generated(out.texts[start:end], out.finish_reason[start:end], lengths[start:end])
             )
             start = end
+
+
+def _dispatch(jobs: list[_Job]) -> TokenCallback:
+    """The call's `on_tokens`: each row's token to its job, rows renumbered within the job.
+    A failing job callback is logged and does not stop the call."""
+    owner: list[_Job] = [j for j in jobs for _ in range(j.rows)]
+    local: list[int] = [r for j in jobs for r in range(j.rows)]
+
+    def on_tokens(rows: list[int], tokens: list[int]) -> None:
+        per_job: dict[int, tuple[_Job, list[int], list[int]]] = {}
+        for row, tok in zip(rows, tokens):
+            job = owner[row]
+            if job.on_tokens is not None:
+                entry = per_job.setdefault(id(job), (job, [], []))
+                entry[1].append(local[row])
+                entry[2].append(tok)
+        for job, job_rows, job_tokens in per_job.values():
+            try:
+                job.on_tokens(job_rows, job_tokens)
+            except Exception:
+                log.exception("a streaming callback failed")
+
+    return on_tokens

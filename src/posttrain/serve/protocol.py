@@ -311,19 +311,21 @@ def _sampling_params(
 # --- responses -------------------------------------------------------------------------
 
 
+def response_head(req: GenerationRequest, model: str) -> dict:
+    """The id, object, created and model of a response (and of its stream chunks)."""
+    prefix, obj = ("chatcmpl", "chat.completion") if req.chat else ("cmpl", "text_completion")
+    return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()), "model": model}
+
+
 def response(
     req: GenerationRequest, model: str, texts: list[str], reasons: list[str], lengths: list[int]
 ) -> dict:
     """The `text_completion` or `chat.completion` object for N = prompts x n results
     (choice index = prompt index x n + sample index, as OpenAI numbers them)."""
-    prefix, obj = ("chatcmpl", "chat.completion") if req.chat else ("cmpl", "text_completion")
     prompt_tokens = sum(len(p) for p in req.prompts)
     completion_tokens = sum(lengths)
     return {
-        "id": f"{prefix}-{uuid.uuid4().hex}",
-        "object": obj,
-        "created": int(time.time()),
-        "model": model,
+        **response_head(req, model),
         "choices": [_choice(req.chat, i, t, r) for i, (t, r) in enumerate(zip(texts, reasons))],
         "usage": {
             "prompt_tokens": prompt_tokens,
@@ -348,33 +350,31 @@ Piece = tuple[int, str, str | None]
 """A step of a streamed answer: (choice index, text to append, finish_reason or None)."""
 
 
-def whole_texts(full: dict) -> Iterator[Piece]:
-    """The pieces of a finished response: each choice's whole text, then its finish_reason.
-    (The engines generate a batch at once; an engine that yields tokens as it decodes them
-    would stream its own pieces into `stream_chunks` instead.)"""
-    for choice in full["choices"]:
-        text = choice["message"]["content"] if "message" in choice else choice["text"]
-        yield choice["index"], text, None
-        yield choice["index"], "", choice["finish_reason"]
+class ChunkWriter:
+    """Turns the pieces of one streamed answer into `chat.completion.chunk` /
+    `text_completion` chunks with the id, created and model of `head` (`response_head`);
+    a chat choice's first chunk carries the assistant role."""
 
+    def __init__(self, head: dict):
+        self.head = {k: head[k] for k in ("id", "created", "model")}
+        self.chat = head["object"] == "chat.completion"
+        self.started: set[int] = set()
 
-def stream_chunks(full: dict, pieces: Iterable[Piece]) -> Iterator[dict]:
-    """`chat.completion.chunk` / `text_completion` stream chunks, one per piece, with the id,
-    created and model of `full`; a chat choice's first chunk carries the assistant role."""
-    chat = full["object"] == "chat.completion"
-    head = {k: full[k] for k in ("id", "created", "model")}
-    started: set[int] = set()
-    for index, text, reason in pieces:
-        if chat:
-            delta = (
-                {"content": text} if index in started else {"role": "assistant", "content": text}
-            )
-            started.add(index)
+    def __call__(self, piece: Piece) -> dict:
+        index, text, reason = piece
+        if self.chat:
+            delta = {"content": text} if index in self.started else {"role": "assistant", "content": text}
             part = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
         else:
             part = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
-        yield {
-            **head,
-            "object": "chat.completion.chunk" if chat else "text_completion",
+        self.started.add(index)
+        return {
+            **self.head,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
             "choices": [part],
         }
+
+
+def stream_chunks(head: dict, pieces: Iterable[Piece]) -> Iterator[dict]:
+    """The chunks of `pieces` (see `ChunkWriter`); `head` may be a whole response."""
+    return map(ChunkWriter(head), pieces)

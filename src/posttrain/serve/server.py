@@ -10,7 +10,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -20,17 +20,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from posttrain.serve.batcher import Batcher, BatcherClosed
+from posttrain.rollout import TextStream
+from posttrain.serve.batcher import Batcher, BatcherClosed, Generated
 from posttrain.serve.protocol import (
     ChatBody,
+    ChunkWriter,
     CompletionBody,
+    GenerationRequest,
     ModelInfo,
     RequestError,
     parse_request,
     response,
-    stream_chunks,
+    response_head,
     validation_error,
-    whole_texts,
 )
 
 log = logging.getLogger(__name__)
@@ -75,19 +77,62 @@ class App:
         }
         return {"object": "list", "data": [card]}
 
-    async def generate(self, body: CompletionBody | ChatBody) -> dict | Iterator[dict]:
+    async def generate(self, body: CompletionBody | ChatBody) -> dict | AsyncIterator[dict]:
         """The response object, or its stream chunks when the request streams."""
         # Tokenizing here, on the event loop's one thread, keeps requests from using the
         # tokenizer concurrently (fast tokenizers may refuse: "Already borrowed").
         req = parse_request(body, self.info, self._encode)
+        if req.stream:
+            return await self._stream(req)
+        out = await _result(self.batcher.submit(req.prompts, req.params))
+        return response(req, self.info.name, out.texts, out.finish_reasons, out.lengths)
+
+    async def _stream(self, req: GenerationRequest) -> AsyncIterator[dict]:
+        """Submit a streamed request and wait for its first tokens: a failure before them is
+        an HTTP error, as for an unstreamed request; then its chunks as they are decoded."""
+        loop = asyncio.get_running_loop()
+        steps: asyncio.Queue[tuple[list[int], list[int]] | None] = asyncio.Queue()
+
+        def put(item: tuple[list[int], list[int]] | None) -> None:  # on the generation thread
+            try:
+                loop.call_soon_threadsafe(steps.put_nowait, item)
+            except RuntimeError:  # the loop is closed: nobody is listening
+                pass
+
+        future = self.batcher.submit(req.prompts, req.params, lambda rows, ids: put((rows, ids)))
+        future.add_done_callback(lambda _: put(None))  # after every step: the queue keeps order
         try:
-            out = await asyncio.wrap_future(self.batcher.submit(req.prompts, req.params))
-        except BatcherClosed as err:
-            raise RequestError(str(err), 503, type="server_error") from None
-        except Exception as err:  # logged by the batcher
-            raise RequestError(f"generation failed: {err}", 500, type="server_error") from None
-        full = response(req, self.info.name, out.texts, out.finish_reasons, out.lengths)
-        return stream_chunks(full, whole_texts(full)) if req.stream else full
+            first = await steps.get()
+        except asyncio.CancelledError:  # the client left before the first token
+            future.cancel()
+            raise
+        if first is None:
+            await _result(future)
+        return self._chunks(req, first, steps, future)
+
+    async def _chunks(
+        self, req: GenerationRequest, step: Any, steps: asyncio.Queue, future: Any
+    ) -> AsyncIterator[dict]:
+        """Each row's new text (`TextStream`) as its tokens arrive, then the rest of its final
+        text and its finish_reason; an error after the first chunk ends the stream with
+        OpenAI's error object."""
+        write = ChunkWriter(response_head(req, self.info.name))
+        streams = [TextStream(self.info.tokenizer, req.params) for _ in range(req.rows)]
+        while step is not None:
+            for row, token in zip(*step):
+                if text := streams[row].push(token):
+                    yield write((row, text, None))
+            step = await steps.get()
+        try:
+            out = await _result(future)
+        except RequestError as err:
+            yield err.body()
+            return
+        for row, (stream, text, reason) in enumerate(zip(streams, out.texts, out.finish_reasons)):
+            rest = stream.finish(text)
+            if rest or row not in write.started:
+                yield write((row, rest, None))
+            yield write((row, "", reason))
 
     def _encode(self, prompt: str | list[dict]) -> list[int]:
         from posttrain.evaluation import prompt_input
@@ -169,7 +214,17 @@ def _fastapi_app(app: App, max_body_bytes: int) -> FastAPI:
     return api
 
 
-def _answer(result: dict | Iterator[dict]) -> JSONResponse | StreamingResponse:
+async def _result(future: Any) -> Generated:
+    """A batcher job's result, its failure as the HTTP error to answer with."""
+    try:
+        return await asyncio.wrap_future(future)
+    except BatcherClosed as err:
+        raise RequestError(str(err), 503, type="server_error") from None
+    except Exception as err:  # logged by the batcher
+        raise RequestError(f"generation failed: {err}", 500, type="server_error") from None
+
+
+def _answer(result: dict | AsyncIterator[dict]) -> JSONResponse | StreamingResponse:
     if isinstance(result, dict):
         return JSONResponse(result)
     return StreamingResponse(
@@ -179,8 +234,8 @@ def _answer(result: dict | Iterator[dict]) -> JSONResponse | StreamingResponse:
     )
 
 
-def _server_sent_events(chunks: Iterator[dict]) -> Iterator[str]:
-    for chunk in chunks:
+async def _server_sent_events(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+    async for chunk in chunks:
         yield f"data: {json.dumps(chunk)}\n\n"
     yield "data: [DONE]\n\n"
 
