@@ -112,3 +112,27 @@ def test_data_make_unknown_rg_dataset_lists_close_names(tmp_path, capsys):
     assert main(["data", "make", "rg:leg_countin", "--out", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "unknown reasoning-gym dataset 'leg_countin'" in err and "rg:leg_counting" in err
+
+
+def test_eval_default_out_is_per_model_and_never_replaced_silently(model_dir, test_file, tmp_path, monkeypatch,
+                                                                    capsys):
+    import shutil
+
+    for run in ("sft_a", "sft_b"):  # two runs' final/ folders: the same name, different models
+        shutil.copytree(model_dir, tmp_path / "runs" / run / "final")
+    shutil.copytree(model_dir, tmp_path / "runs" / "sft_a" / "checkpoints" / "step-3")
+    monkeypatch.chdir(tmp_path)
+    base = ["--data", str(test_file), "--task", "arithmetic", "--max-new-tokens", "2", "--num-examples", "1"]
+    for model in ("runs/sft_a/final", "runs/sft_b/final", "runs/sft_a/checkpoints/step-3"):
+        assert main(["eval", model, *base]) == 0
+    assert sorted(p.name for p in (tmp_path / "runs" / "eval").iterdir()) == ["sft_a", "sft_a-step-3", "sft_b"]
+    assert json.loads((tmp_path / "runs/eval/sft_b/eval.json").read_text())["settings"]["model"] == "runs/sft_b/final"
+    capsys.readouterr()
+    # A second eval into the same folder says so and stops, unless told to replace it.
+    before = (tmp_path / "runs/eval/sft_a/eval.json").read_text()
+    assert main(["eval", "runs/sft_a/final", *base]) == 1
+    err = capsys.readouterr().err
+    assert "runs/eval/sft_a already holds an eval" in err and "--overwrite" in err
+    assert (tmp_path / "runs/eval/sft_a/eval.json").read_text() == before
+    assert main(["eval", "runs/sft_a/final", *base, "--overwrite"]) == 0
+    assert "replaced runs/eval/sft_a/eval.json" in capsys.readouterr().out

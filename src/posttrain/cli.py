@@ -14,6 +14,7 @@ import sys
 import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from posttrain.config import ConfigError, build_config, iter_fields
@@ -233,7 +234,10 @@ def _add_eval_commands(sub: Any) -> None:
         help="sample a model on a dataset and report accuracy, pass@k, lengths and rewards",
         description="Sample --n completions of every prompt in --data, score them with reward functions "
         "and report accuracy, pass@k (unbiased estimator), response length, truncation rate and reward "
-        "statistics. Writes OUT/eval.json (metrics + settings) and OUT/samples.jsonl (one line per sample).",
+        "statistics. Writes OUT/eval.json (metrics + settings) and OUT/samples.jsonl (one line per sample). "
+        "OUT defaults to runs/eval/NAME, NAME from the model folder: the run's name for RUN/final "
+        "(runs/sft/final -> runs/eval/sft), RUN-step-N for RUN/checkpoints/step-N, else the folder's name. "
+        "An OUT that already holds an eval is refused unless --overwrite.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=textwrap.dedent("""\
             rewards: --task NAME scores with task_reward(task=NAME) (a bundled task or rg:<name>); each
@@ -261,7 +265,9 @@ def _add_eval_commands(sub: Any) -> None:
     ev.add_argument("--batch-size", type=int, default=32, metavar="B", help="prompts per generation call (default 32)")
     ev.add_argument("--reward-timeout", type=float, default=60.0, metavar="S",
                     help="seconds a reward function may take per batch (default 60)")
-    ev.add_argument("--out", default=None, metavar="DIR", help="output directory (default runs/eval/<model dir name>)")
+    ev.add_argument("--out", default=None, metavar="DIR",
+                    help="output directory (default runs/eval/NAME, see above)")
+    ev.add_argument("--overwrite", action="store_true", help="replace the eval.json and samples.jsonl already in OUT")
     ev.set_defaults(handler=_handle_eval)
 
     gen = sub.add_parser(
@@ -328,14 +334,36 @@ def _reward_specs(args: argparse.Namespace, rows: Any) -> list[Any]:
     return specs
 
 
-def _handle_eval(args: argparse.Namespace) -> int:
-    from pathlib import Path
+def default_eval_dir(model: str) -> Path:
+    """runs/eval/NAME for a model folder: RUN for RUN/final, RUN-step-N for
+    RUN/checkpoints/step-N, else the folder's own name."""
+    path = Path(model).resolve()
+    if path.name == "final":
+        name = path.parent.name
+    elif path.parent.name == "checkpoints":
+        name = f"{path.parent.parent.name}-{path.name}"
+    else:
+        name = path.name
+    return Path("runs") / "eval" / name
 
+
+def _eval_out(args: argparse.Namespace) -> Path:
+    """Where eval writes; an earlier eval there is refused unless --overwrite."""
+    out = Path(args.out) if args.out else default_eval_dir(args.model)
+    found = [f for f in ("eval.json", "samples.jsonl") if (out / f).exists()]
+    if found and not args.overwrite:
+        raise ValueError(f"{out} already holds an eval ({', '.join(found)}); pass --out DIR for a new "
+                         "folder, or --overwrite to replace it")
+    return out
+
+
+def _handle_eval(args: argparse.Namespace) -> int:
     from posttrain.data.sources import load_rows
     from posttrain.evaluation import evaluate
     from posttrain.rewards import RewardRunner
 
     temperature = _sampling_checks(args)
+    out = _eval_out(args)
     rows = load_rows(args.data)
     missing = next((i for i, r in enumerate(rows) if "prompt" not in r), None)
     if missing is not None:
@@ -351,10 +379,10 @@ def _handle_eval(args: argparse.Namespace) -> int:
         correct_threshold=args.correct_threshold, progress=True,
     )
     report.settings.update({"engine": kind, "model": args.model, "data": args.data, "reward_specs": specs})
-    out = Path(args.out) if args.out else Path("runs") / "eval" / Path(args.model).resolve().name
+    replaced = (out / "eval.json").exists() or (out / "samples.jsonl").exists()
     paths = report.write(out)
     print(report.table())
-    print(f"wrote {paths['eval']} and {paths['samples']} ({len(report.samples)} samples)")
+    print(f"{'replaced' if replaced else 'wrote'} {paths['eval']} and {paths['samples']} ({len(report.samples)} samples)")
     return 0
 
 
