@@ -136,3 +136,22 @@ def test_eval_default_out_is_per_model_and_never_replaced_silently(model_dir, te
     assert (tmp_path / "runs/eval/sft_a/eval.json").read_text() == before
     assert main(["eval", "runs/sft_a/final", *base, "--overwrite"]) == 0
     assert "replaced runs/eval/sft_a/eval.json" in capsys.readouterr().out
+
+
+def test_generate_output_ends_each_sample_on_its_own_line(model_dir, capsys):
+    import unicodedata
+
+    from posttrain.rollout import SamplingParams, make_engine
+
+    args = ["12+3=", "--n", "4", "--max-new-tokens", "24", "--temperature", "1"]
+    engine = make_engine("native", BuiltinLM.from_pretrained(model_dir), build_tokenizer())
+    raw = engine.generate(["12+3="], SamplingParams(n=4, temperature=1.0, max_new_tokens=24, seed=0)).texts
+    controls = {c for t in raw for c in t if unicodedata.category(c) == "Cc"} - {"\n", "\t"}
+    assert controls  # the random model writes carriage returns, escapes, ... a terminal would obey
+    assert main(["generate", str(model_dir), *args]) == 0
+    out = capsys.readouterr().out
+    assert out.endswith("\n") and not {c for c in out if unicodedata.category(c) == "Cc"} - {"\n", "\t"}
+    lines = out.split("\n")
+    headers = [i for i, line in enumerate(lines) if line.startswith("--- sample")]
+    assert len(headers) == 4 and all(b - a >= 2 for a, b in zip(headers, headers[1:]))
+    assert repr(sorted(controls)[0])[1:-1] in out  # shown as an escape, not sent to the terminal

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 import textwrap
+import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -399,8 +400,18 @@ def _handle_generate(args: argparse.Namespace) -> int:
     out = engine.generate([prompt_input(tokenizer, prompt)], params)
     for i, (text, length, reason) in enumerate(zip(out.texts, out.lengths.tolist(), out.finish_reason)):
         print(f"--- sample {i + 1}/{args.n} ({length} tokens, finish: {reason}) ---")
-        print(text)
+        print(printable(text))
     return 0
+
+
+def printable(text: str) -> str:
+    """`text` with its control characters other than newline and tab written as escapes
+    (\\r, \\x1b, ...), so a terminal shows what the model wrote instead of obeying it (a
+    carriage return or an escape sequence would overwrite lines or swallow the newline)."""
+    return "".join(
+        c.encode("unicode_escape").decode() if c not in "\n\t" and unicodedata.category(c) == "Cc" else c
+        for c in text
+    )
 
 
 def _add_report_command(sub: Any) -> None:
