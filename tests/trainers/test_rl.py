@@ -317,3 +317,14 @@ def test_prompt_loading_follows_the_truncation_rule():
     cfg.truncation = "drop"
     examples, stats = load_prompts([dict(r) for r in rows], word_tokenizer(), cfg)
     assert len(examples) == 1 and stats["data/n_dropped"] == 1
+
+
+def test_rl_logs_its_setup_before_the_loop(tmp_path, caplog):
+    model = tiny_model()
+    cfg = config(tmp_path / "run", **{"trainer.max_steps": 1, "trainer.save_steps": 0})
+    with caplog.at_level("INFO", logger="posttrain.trainers.rl"):
+        trainer_for(cfg, model=model).train()
+    n = f"{sum(p.numel() for p in model.parameters()):,}"
+    first = caplog.messages[0]
+    assert first == (f"RL (grpo): BuiltinLM, {n} parameters; 64 prompts, 1 steps of 8 x 8; "
+                     "rollout engine native, on cpu, torch.float32"), caplog.messages

@@ -54,6 +54,9 @@ _LOGPROB_CHUNK_ELEMENTS = 1 << 26
 class HFEngine:
     """Sampling through `model.generate` (module docstring)."""
 
+    kind = "hf"
+    """The name `make_engine` knows it by."""
+
     def __init__(self, model: nn.Module, tokenizer):
         """model: a transformers causal LM (peft-wrapped or not); tokenizer: its tokenizer."""
         self.tokenizer = tokenizer

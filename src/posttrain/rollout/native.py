@@ -98,6 +98,9 @@ def as_builtin(model: nn.Module) -> BuiltinLM:
 class NativeEngine:
     """Batched KV-cache sampling from a BuiltinLM (module docstring)."""
 
+    kind = "native"
+    """The name `make_engine` knows it by."""
+
     def __init__(
         self,
         model: nn.Module,

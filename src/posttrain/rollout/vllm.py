@@ -100,6 +100,9 @@ def _load_weights_on_worker(worker, weights: list[tuple[str, torch.Tensor]]) -> 
 class VLLMEngine:
     """Sampling through vLLM (module docstring)."""
 
+    kind = "vllm"
+    """The name `make_engine` knows it by."""
+
     def __init__(
         self,
         model: nn.Module,

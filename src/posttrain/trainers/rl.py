@@ -151,7 +151,20 @@ class RLTrainer:
         """Run the RL loop (`trainers/loop.run`): trainer.max_steps steps of `rl_step`."""
         a = self.args
         save_config(a, Path(a.trainer.output_dir) / "config.yaml")
+        log.info("%s", self.setup_line())
         return run(self, a.trainer, to_dict(a), RefSync(a.algorithm.ref_sync_steps, a.algorithm.ref_sync_alpha))
+
+    def setup_line(self) -> str:
+        """What is trained, on what, with what (as `posttrain sft` logs it)."""
+        a, model = self.args, self.model
+        base = model.get_base_model() if is_peft(model) else model
+        name = a.model.path or (f"built-in {a.model.init}" if a.model.init else type(base).__name__)
+        params = list(model.parameters())
+        total, trained = sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+        count = f"{total:,} parameters" + (f" ({trained:,} trained)" if trained != total else "")
+        return (f"RL ({a.algorithm.adv_estimator}): {name}, {count}; {len(self.examples)} prompts, "
+                f"{a.trainer.max_steps} steps of {a.data.train_batch_size} x {a.rollout.n}; rollout engine "
+                f"{self.roles.rollout.engine.kind}, on {params[0].device}, {params[0].dtype}")
 
     def step(self, step: int) -> StepOutput:
         metrics, self.last_batch = rl_step(self, step)
