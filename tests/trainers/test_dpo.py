@@ -227,3 +227,18 @@ def test_logps_ignore_padding(tok):
     together = sequence_logps(model, pair_collate(examples, tok.pad_token_id))[0]
     alone = torch.cat([sequence_logps(model, pair_collate([ex], tok.pad_token_id))[0][None] for ex in examples])
     torch.testing.assert_close(together.view(2, -1), alone.T, atol=1e-5, rtol=0)
+
+
+def test_cli_dpo_prints_the_held_out_summary_and_counts_pairs(tmp_path, capsys):
+    data = tmp_path / "pairs"
+    make_preferences("arithmetic", data, n_train=8, n_test=4, seed=0, difficulty="easy")
+    run = tmp_path / "run"
+    assert main(["dpo", "model.init=tiny", f"data.train_files=[{data / 'train.jsonl'}]",
+                 f"data.eval_files=[{data / 'test.jsonl'}]", "data.train_batch_size=4", "trainer.micro_batch_size=2",
+                 "trainer.max_steps=1", f"trainer.output_dir={run}", "trainer.report_to=[]",
+                 "trainer.progress=false"]) == 0
+    out = capsys.readouterr().out
+    last = metrics(run)[-1]
+    assert f"held-out: loss={last['eval/loss']:.4g}  rewards/accuracies=" in out and "rewards/margins=" in out
+    first = metrics(run)[0]
+    assert first["n_pairs"] == 4 and "n_tokens" not in first  # the loss's units are pairs

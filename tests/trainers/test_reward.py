@@ -196,3 +196,19 @@ def test_ppo_trains_against_the_saved_reward_model(tmp_path, tok):
     assert all(r["reward/reward_model/errors"] == 0 for r in lines)
     scores = [r["reward/reward_model/mean"] for r in lines]
     assert sum(scores[-5:]) / 5 > sum(scores[:5]) / 5 + 0.5, scores
+
+
+def test_cli_rm_prints_the_held_out_summary_and_counts_pairs(tmp_path, capsys):
+    data = tmp_path / "pairs"
+    make_preferences("arithmetic", data, n_train=8, n_test=4, seed=0, difficulty="easy")
+    run = tmp_path / "run"
+    assert main(["rm", "model.init=tiny", f"data.train_files=[{data / 'train.jsonl'}]",
+                 f"data.eval_files=[{data / 'test.jsonl'}]", "data.train_batch_size=4", "trainer.micro_batch_size=2",
+                 "trainer.max_steps=1", f"trainer.output_dir={run}", "trainer.report_to=[]",
+                 "trainer.progress=false"]) == 0
+    out = capsys.readouterr().out
+    last = metrics(run)[-1]
+    assert (f"held-out: loss={last['eval/loss']:.4g}  accuracy={last['eval/accuracy']:.4g}  margin="
+            f"{last['eval/margin']:.4g}\n") in out
+    first = metrics(run)[0]
+    assert first["n_pairs"] == 4 and "n_tokens" not in first  # the loss's units are pairs

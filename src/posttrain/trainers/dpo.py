@@ -264,7 +264,7 @@ class DPOTrainer:
             self.model, self.tokenizer, a.trainer, batches, self.loss_fn,
             evaluate=partial(DPOTrainer.evaluate, self) if has_eval else None,
             config_dict=to_dict(a), start_metrics=self.data_stats, desc="dpo", reference=self.reference,
-            ref_sync=RefSync(a.algorithm.ref_sync_steps, a.algorithm.ref_sync_alpha),
+            ref_sync=RefSync(a.algorithm.ref_sync_steps, a.algorithm.ref_sync_alpha), unit="pairs",
         )
 
     def _reference_kind(self) -> str:
@@ -279,5 +279,7 @@ def run_dpo(cfg: DPOConfig) -> FitResult:
     check(cfg.model.path is not None or cfg.model.init is not None, "model.path",
           "set model.path (a local HF model directory, e.g. an SFT run's final/) or model.init (tiny|small)")
     result = DPOTrainer(args=cfg).train()
+    if summary := result.held_out(("eval/loss", "eval/rewards/accuracies", "eval/rewards/margins", "eval/accuracy")):
+        print(summary)
     print(f"model: {result.final_dir}\nmetrics: {result.run_dir / 'metrics.jsonl'}")
     return result

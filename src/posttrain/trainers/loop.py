@@ -80,6 +80,11 @@ class FitResult:
     metrics: dict[str, float]
     """The last step's metrics and the last evaluation's."""
 
+    def held_out(self, names: tuple[str, ...]) -> str | None:
+        """"held-out: loss=… accuracy=…" of the eval metrics `names` the run has, or None."""
+        shown = [f"{k.removeprefix('eval/')}={self.metrics[k]:.4g}" for k in names if k in self.metrics]
+        return "held-out: " + "  ".join(shown) if shown else None
+
 
 class Task(Protocol):
     """What a trainer supplies to `run`."""
@@ -236,8 +241,10 @@ class OptimizerTask:
         start_metrics: Mapping[str, float] | None = None,
         desc: str = "train",
         reference: Any = None,
+        unit: str = "tokens",
     ):
         self._model, self.tokenizer, self.cfg = model, tokenizer, cfg
+        self.unit = unit  # what the loss's n_units count: the metric n_<unit>
         self.batches, self.loss_fn, self._evaluate = batches, loss_fn, evaluate
         self.start_metrics = dict(start_metrics or {})
         self.desc, self.reference = desc, reference
@@ -255,7 +262,7 @@ class OptimizerTask:
         micro_batches = self.batches.next_step()
         result = train_step(self.model, micro_batches, self.loss_fn, self.optimizer, self.scheduler,
                             self.cfg.max_grad_norm, self.cfg.precision)
-        metrics = {**result.as_metrics(), **_throughput(micro_batches, time.perf_counter() - t0)}
+        metrics = {**result.as_metrics(self.unit), **_throughput(micro_batches, time.perf_counter() - t0)}
         return StepOutput(metrics, result.nonfinite, result.skipped, {"loss": result.loss, "lr": result.lr})
 
     def evaluate(self, step: int) -> tuple[dict[str, float], list[dict]]:
@@ -297,9 +304,10 @@ def fit(
     desc: str = "train",
     reference: Any = None,
     ref_sync: RefSync | None = None,
+    unit: str = "tokens",
 ) -> FitResult:
-    """`run` an `OptimizerTask` (see both)."""
-    task = OptimizerTask(model, tokenizer, cfg, batches, loss_fn, evaluate, start_metrics, desc, reference)
+    """`run` an `OptimizerTask` (see both); `unit` names what loss_fn's n_units count."""
+    task = OptimizerTask(model, tokenizer, cfg, batches, loss_fn, evaluate, start_metrics, desc, reference, unit)
     return run(task, cfg, config_dict, ref_sync)
 
 

@@ -214,7 +214,7 @@ class RewardTrainer:
         evaluate: Callable | None = partial(RewardTrainer.evaluate, self) if self.eval_examples else None
         return fit(
             self.model, self.tokenizer, a.trainer, batches, self.loss_fn, evaluate=evaluate,
-            config_dict=to_dict(a), start_metrics=self.data_stats, desc="rm",
+            config_dict=to_dict(a), start_metrics=self.data_stats, desc="rm", unit="pairs",
         )
 
 
@@ -224,5 +224,7 @@ def run_rm(cfg: RMConfig) -> FitResult:
     check(cfg.model.path is not None or cfg.model.init is not None, "model.path",
           "set model.path (a local HF model directory) or model.init (tiny|small)")
     result = RewardTrainer(args=cfg).train()
+    if summary := result.held_out(("eval/loss", "eval/accuracy", "eval/margin")):
+        print(summary)
     print(f"reward model: {result.final_dir}\nmetrics: {result.run_dir / 'metrics.jsonl'}")
     return result

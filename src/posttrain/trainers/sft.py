@@ -158,8 +158,7 @@ def run_sft(cfg: SFTConfig) -> FitResult:
     check(cfg.model.path is not None or cfg.model.init is not None, "model.path",
           "set model.path (a local HF model directory) or model.init (tiny|small)")
     result = SFTTrainer(args=cfg).train()
-    shown = {k: v for k, v in result.metrics.items() if k in ("eval/loss", "eval/accuracy")}
-    if shown:
-        print("held-out: " + "  ".join(f"{k.split('/')[1]}={v:.4g}" for k, v in shown.items()))
+    if summary := result.held_out(("eval/loss", "eval/accuracy")):
+        print(summary)
     print(f"model: {result.final_dir}\nmetrics: {result.run_dir / 'metrics.jsonl'}")
     return result

@@ -154,13 +154,14 @@ class StepResult:
     metrics: dict[str, float] = field(default_factory=dict)
     """The loss_fn's metrics merged over micro-batches (see `merge_metrics`)."""
 
-    def as_metrics(self) -> dict[str, float]:
-        """Flat dict for the metrics logger: loss, grad_norm, lr, n_tokens, then the loss_fn's."""
+    def as_metrics(self, unit: str = "tokens") -> dict[str, float]:
+        """Flat dict for the metrics logger: loss, grad_norm, lr, n_<unit> (Σ n_units, named
+        for what the loss_fn counts: n_tokens, n_pairs), then the loss_fn's."""
         return {
             "loss": self.loss,
             "grad_norm": self.grad_norm,
             "lr": self.lr,
-            "n_tokens": self.n_tokens,
+            f"n_{unit}": self.n_tokens,
             **self.metrics,
         }
 
