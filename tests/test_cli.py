@@ -44,3 +44,74 @@ def test_print_config_resolves_preset_and_overrides(capsys):
     assert main(["sft", "--config", "recipes/sft_arithmetic.yaml", "trainer.max_steps=7", "--print-config"]) == 0
     out = capsys.readouterr().out
     assert "max_steps: 7" in out and "init: tiny" in out
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    """A tiny GPT-2 folder (the hf engine's kind) whose config.json has a key transformers
+    warns about with a FutureWarning (`rope_scaling`, as configs written by older tools)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from posttrain.data.tokenizer import build_tokenizer
+
+    path = tmp_path_factory.mktemp("gpt2")
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tok), n_positions=64, n_embd=16, n_layer=1, n_head=2,
+                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    GPT2LMHeadModel(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    saved = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**saved, "rope_scaling": None}))
+    return path
+
+
+def posttrain_cli(*args, cwd):
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "posttrain.cli", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+
+
+def assert_quiet(stderr):
+    assert "Loading weights" not in stderr and "Writing model shards" not in stderr, stderr
+    assert "Loading checkpoint shards" not in stderr and "FutureWarning" not in stderr, stderr
+
+
+def test_transformers_noise_stays_out_of_runs_export_and_serve(gpt2_dir, tmp_path):
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    from posttrain.data.tasks import make_task
+
+    data = make_task("arithmetic", tmp_path / "data", n_train=4, n_test=0, seed=0, digits=1)["train"]
+    run = posttrain_cli("sft", f"model.path={gpt2_dir}", f"data.train_files=[{data}]", "trainer.max_steps=1",
+                        "data.train_batch_size=2", "trainer.micro_batch_size=2", f"trainer.output_dir={tmp_path / 'run'}",
+                        "trainer.report_to=[]", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "SFT: 4 examples" in run.stderr and "finished at step 1" in run.stderr  # posttrain's own lines stay
+    assert_quiet(run.stderr)
+    export = posttrain_cli("export", gpt2_dir, "--out", tmp_path / "exported", cwd=tmp_path)
+    assert export.returncode == 0 and "exported" in export.stdout, export.stderr
+    assert_quiet(export.stderr)
+    generate = posttrain_cli("generate", gpt2_dir, "12+3=", "--max-new-tokens", "2", cwd=tmp_path)
+    assert generate.returncode == 0 and "--- sample 1/1" in generate.stdout, generate.stderr
+    assert_quiet(generate.stderr)
+    serve = subprocess.Popen([sys.executable, "-m", "posttrain.cli", "serve", str(gpt2_dir), "--port", "0"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        ready = serve.stdout.readline()
+        assert re.search(r"at http://127\.0\.0\.1:\d+/v1", ready), ready + serve.stderr.read()
+        serve.send_signal(signal.SIGINT)
+        _, stderr = serve.communicate(timeout=60)
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+    assert_quiet(stderr)

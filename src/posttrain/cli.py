@@ -582,6 +582,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def quiet_third_party() -> None:
+    """Keep other libraries' noise out of posttrain's lines: transformers' progress bars
+    ("Loading weights", "Writing model shards"), its info and warning logs, and
+    FutureWarnings from the libraries posttrain calls (also those attributed to posttrain's
+    own frames by a library's stacklevel: posttrain itself raises none). The user cannot
+    act on them; posttrain says what matters in its own words. The CLI only: the Python
+    API leaves them to the caller."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    warnings.filterwarnings(
+        "ignore", category=FutureWarning, module=r"(transformers|huggingface_hub|peft|torch|posttrain)(\.|$)"
+    )
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     # key=value words may come before or after --flags; argparse only takes one run of them.
@@ -592,6 +610,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         setattr(args, field, [*getattr(args, field), *extra])
+    quiet_third_party()
     try:
         return args.handler(args)
     except ConfigError as err:
