@@ -1,6 +1,7 @@
 """Online RL: PPO with a critic and the GRPO family (GRPO, DAPO, GSPO, Dr.GRPO, RLOO, REINFORCE++).
 
-One driver (`fit`, `rl_step`) calls the roles of `posttrain.workers` in veRL's order:
+One driver, `rl_step` (one step of the loop in `trainers/loop.py`), calls the roles of
+`posttrain.workers` in veRL's order:
 
     prompts → rollout.generate (n per prompt) → reward.score → actor.compute_logprobs (old)
       → ref.compute_logprobs (only with a KL term) → critic.compute_values (PPO)
@@ -21,6 +22,9 @@ groups). Its gradient is not: ∇L = −mean(A · ∇log π), the plain policy g
 is what moves the model. Watch `reward/mean`, `grad_norm` and `approx_kl`, not the loss.
 
 Departures from the papers, TRL and veRL, and why:
+- A non-finite loss or gradient skips that optimizer step (actor or critic); the RL step is
+  then bad: counted in `nonfinite_steps`, never checkpointed, and `trainer.max_bad_steps` bad
+  RL steps in a row stop the run, as in every other command (the loop's guard).
 - Batch sizes count as veRL's: data.train_batch_size prompts per step, ppo_mini_batch_size
   in prompts (× n rows) per optimizer step, micro_batch_size in rows. TRL counts
   completions per device. The lr schedule, warmup and max_steps count RL steps (veRL).
