@@ -50,6 +50,15 @@ def test_one_response_per_prompt_is_reported_before_the_batch_arithmetic():
         build_config(GRPOConfig, RECIPES / "grpo.yaml", ["rollout.n=1"])
 
 
+def test_a_missing_prompt_column_points_to_data_prompt_key():
+    from posttrain.data.prompts import load_prompts
+
+    rows = [{"question": "1+1=", "answer": "2"}]
+    with pytest.raises(ConfigError, match=r"data\.prompt_key: list: row 1 has no column 'prompt' "
+                       r"\(found question, answer\); set data\.prompt_key=COLUMN"):
+        load_prompts(rows, None, build().data)
+
+
 def test_trainer_micro_batch_size_is_not_an_rl_key(capsys):
     # RL cuts micro-batches by actor.micro_batch_size; the trainer section has no such field.
     from posttrain.cli import main
