@@ -56,3 +56,7 @@ def test_generate_on_a_lora_adapter_points_to_export_merge_lora(tmp_path, capsys
     assert "is a LoRA adapter" in err and f"posttrain export {adapter} --merge-lora --out" in err
     assert "Traceback" not in err
 
+
+def test_generate_on_a_device_that_is_not_there_is_a_config_error(tmp_path, capsys):
+    assert main(["generate", str(tmp_path), "1+1=", "--device", "gpu"]) == 2
+    assert "--device: 'gpu' is not a device" in capsys.readouterr().err

@@ -212,3 +212,19 @@ def test_overrides_apply_in_order_and_merge_sections():
     assert (cfg.inner.size, cfg.inner.names, cfg.rate) == (5, ["a"], 2.0)
     with pytest.raises(ConfigError, match=r"rate: expected float, got \{'x': 1\}"):
         build_config(_Outer, None, ["rate.x=1"])
+
+
+def test_a_bad_or_missing_device_is_a_config_error_before_loading():
+    import torch
+
+    with pytest.raises(ConfigError, match=r"model\.device: 'gpu' is not a device; expected auto, cpu, cuda or cuda:N"):
+        build_config(SFTConfig, None, [*BASE, "model.device=gpu"])
+    if torch.cuda.is_available():
+        build_config(SFTConfig, None, [*BASE, "model.device=cuda"])
+    else:
+        with pytest.raises(ConfigError, match=r"model\.device: cuda is not available.*model\.device=cpu"):
+            build_config(SFTConfig, None, [*BASE, "model.device=cuda"])
+    with pytest.raises(ConfigError, match=r"model\.device: cuda:99"):
+        build_config(SFTConfig, None, [*BASE, "model.device=cuda:99"])
+    assert build_config(SFTConfig, None, [*BASE, "model.device=cpu"]).model.device == "cpu"
+

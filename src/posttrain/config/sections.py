@@ -6,10 +6,11 @@ are generated from it.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from posttrain.config.core import check
+from posttrain.config.core import ConfigError, check
 
 
 @dataclass
@@ -64,6 +65,7 @@ class ModelConfig:
             "model.path",
             "set only one of model.path (a local HF model directory) or model.init (tiny|small)",
         )
+        check_device(self.device, "model.device")
         check(
             self.init is None or self.lora.quantize == "none",
             "model.lora.quantize",
@@ -177,6 +179,23 @@ class OfflineTrainerConfig(TrainerConfig):
     def validate(self) -> None:
         super().validate()
         check(self.micro_batch_size > 0, "trainer.micro_batch_size", "must be > 0")
+
+
+def check_device(device: str, key: str) -> None:
+    """`device` is auto, cpu, cuda or cuda:N, and a CUDA one exists here: a config error
+    before anything loads, not torch's traceback from the first tensor moved there."""
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+        raise ConfigError(f"{key}: {device!r} is not a device; expected auto, cpu, cuda or cuda:N")
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(f"{key}: {device} is not available (torch.cuda.is_available() is false on this "
+                          f"machine); use {key}=cpu, or auto (CUDA when there is one)")
+    index = int(device.partition(":")[2] or 0)
+    count = torch.cuda.device_count()
+    check(index < count, key, f"{device} does not exist: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}")
 
 
 def check_divides(batch: int, batch_key: str, part: int, part_key: str) -> None:
