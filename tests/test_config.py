@@ -228,3 +228,20 @@ def test_a_bad_or_missing_device_is_a_config_error_before_loading():
         build_config(SFTConfig, None, [*BASE, "model.device=cuda:99"])
     assert build_config(SFTConfig, None, [*BASE, "model.device=cpu"]).model.device == "cpu"
 
+
+def test_a_command_line_model_source_replaces_the_recipes(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {init: tiny}\ndata: {train_files: [a]}\n")
+    cfg = build_config(SFTConfig, recipe, ["model.path=/my/model"])
+    assert (cfg.model.path, cfg.model.init) == ("/my/model", None)
+    recipe.write_text("model: {path: runs/sft/final}\ndata: {train_files: [a]}\n")
+    cfg = build_config(SFTConfig, recipe, ["model.init=tiny"])
+    assert (cfg.model.path, cfg.model.init) == (None, "tiny")
+    assert build_config(SFTConfig, recipe, ["model={init: small}"]).model.path is None
+    # Both in one source is still a mistake, and the error says how to clear one.
+    with pytest.raises(ConfigError, match=r"model\.path: set only one.*model\.init=null"):
+        build_config(SFTConfig, recipe, ["model.init=tiny", "model.path=/x"])
+    recipe.write_text("model: {path: /x, init: tiny}\ndata: {train_files: [a]}\n")
+    with pytest.raises(ConfigError, match=r"model\.init=null"):
+        build_config(SFTConfig, recipe)
+

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from posttrain.config.core import ConfigError, check
 
@@ -59,11 +59,16 @@ class ModelConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters."""
 
+    # Setting one of these on the command line clears the other where a YAML file set it
+    # (`build_config`): a recipe's model.init gives way to the user's model.path.
+    one_of: ClassVar[tuple[str, ...]] = ("path", "init")
+
     def validate(self) -> None:
         check(
             self.path is None or self.init is None,
             "model.path",
-            "set only one of model.path (a local HF model directory) or model.init (tiny|small)",
+            "set only one of model.path (a local HF model directory) or model.init (tiny|small), not both "
+            "in one file or one command line; clear the other with model.init=null (or model.path=null)",
         )
         check_device(self.device, "model.device")
         check(
