@@ -245,3 +245,9 @@ def test_a_command_line_model_source_replaces_the_recipes(tmp_path):
     with pytest.raises(ConfigError, match=r"model\.init=null"):
         build_config(SFTConfig, recipe)
 
+
+def test_warmup_past_max_steps_warns(caplog):
+    build_config(SFTConfig, None, [*BASE, "trainer.max_steps=10", "trainer.warmup_steps=9"])
+    assert "warmup_steps" not in caplog.text
+    build_config(SFTConfig, None, [*BASE, "trainer.max_steps=10", "trainer.warmup_steps=10"])
+    assert "trainer.warmup_steps=10 >= trainer.max_steps=10" in caplog.text

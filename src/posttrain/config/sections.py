@@ -6,11 +6,14 @@ are generated from it.
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from posttrain.config.core import ConfigError, check
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -168,6 +171,9 @@ class TrainerConfig:
               "save_steps and eval_steps must be >= 0 (0: only at the end)")
         check(len(self.adam_betas) == 2, "trainer.adam_betas", "needs two values, e.g. [0.9,0.999]")
         check(0.0 <= self.min_lr_ratio <= 1.0, "trainer.min_lr_ratio", "must be in [0, 1]")
+        if self.warmup_steps >= self.max_steps:
+            log.warning("trainer.warmup_steps=%d >= trainer.max_steps=%d: the run ends before the learning "
+                        "rate reaches trainer.learning_rate (warmup is cut short)", self.warmup_steps, self.max_steps)
         allowed = {"tensorboard", "wandb", "mlflow"}
         unknown = sorted(set(self.report_to) - allowed)
         check(not unknown, "trainer.report_to", f"unknown sink(s) {unknown}; choose from {sorted(allowed)}")
