@@ -44,3 +44,19 @@ def test_print_config_resolves_preset_and_overrides(capsys):
     assert main(["sft", "--config", "recipes/sft_arithmetic.yaml", "trainer.max_steps=7", "--print-config"]) == 0
     out = capsys.readouterr().out
     assert "max_steps: 7" in out and "init: tiny" in out
+
+
+def test_generate_on_a_lora_adapter_points_to_export_merge_lora(tmp_path, capsys):
+    adapter = tmp_path / "lora" / "final"  # what a model.lora.r > 0 run saves: the adapter alone
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "base_model_name_or_path": None}))
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    assert main(["generate", str(adapter), "1+1=", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert "is a LoRA adapter" in err and f"posttrain export {adapter} --merge-lora --out" in err
+    assert "Traceback" not in err
+
+
+def test_generate_on_a_device_that_is_not_there_is_a_config_error(tmp_path, capsys):
+    assert main(["generate", str(tmp_path), "1+1=", "--device", "gpu"]) == 2
+    assert "--device: 'gpu' is not a device" in capsys.readouterr().err

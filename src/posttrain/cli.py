@@ -292,9 +292,11 @@ def _sampling_checks(args: argparse.Namespace) -> float:
 
 def _load_model(args: argparse.Namespace) -> tuple[Any, Any]:
     from posttrain.config import ModelConfig
+    from posttrain.config.sections import check_device
     from posttrain.models.factory import build_model_and_tokenizer
     from posttrain.models.llama_checkpoint import read_config_json
 
+    check_device(args.device, "--device")
     read_config_json(args.model)  # a clear error when MODEL is not a model directory
     return build_model_and_tokenizer(ModelConfig(path=args.model, device=args.device, dtype=args.dtype))
 

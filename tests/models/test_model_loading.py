@@ -123,3 +123,14 @@ def test_build_model_for_training_keeps_float32_weights_and_warns_on_16_bit(capl
     with caplog.at_level("WARNING", logger="posttrain.models.factory"):
         build_model(ModelConfig(init="tiny", device="cpu", dtype="bfloat16"), tok)  # run, not trained
     assert caplog.text == ""
+
+
+def test_a_folder_that_is_no_model_says_so_before_any_tokenizer(tmp_path):
+    from posttrain.config import ConfigError, ModelConfig
+    from posttrain.models.factory import build_model_and_tokenizer
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    with pytest.raises(ConfigError, match=r"model\.path: .*data' has no config\.json .*it holds train\.jsonl"):
+        build_model_and_tokenizer(ModelConfig(path=str(data), device="cpu"))

@@ -363,6 +363,11 @@ class RLConfig:
 
     def validate(self) -> None:
         d, a, n = self.data, self.actor, self.rollout.n
+        est = self.algorithm.adv_estimator
+        # The root cause first: with n = 1 the micro-batch arithmetic below may fail too.
+        check(n >= 2 or not self.algorithm.estimator.grouped, "rollout.n",
+              f"{est} compares the responses of a prompt: needs rollout.n >= 2, got {n}")
+        check(n >= 2 or not self.algorithm.filter_groups, "rollout.n", "algorithm.filter_groups needs rollout.n >= 2")
         mini = self.mini_batch_prompts
         check_divides(d.train_batch_size, "data.train_batch_size", mini, "actor.ppo_mini_batch_size")
         if not a.max_tokens_per_micro_batch:
@@ -370,10 +375,6 @@ class RLConfig:
             if self.critic.micro_batch_size is not None:
                 check_divides(mini * n, "actor.ppo_mini_batch_size·rollout.n",
                               self.critic.micro_batch_size, "critic.micro_batch_size")
-        est = self.algorithm.adv_estimator
-        check(n >= 2 or not self.algorithm.estimator.grouped, "rollout.n",
-              f"{est} compares the responses of a prompt: needs rollout.n >= 2, got {n}")
-        check(n >= 2 or not self.algorithm.filter_groups, "rollout.n", "algorithm.filter_groups needs rollout.n >= 2")
         self._validate_critic(est)
         check(self.algorithm.overlong.buffer <= self.rollout.max_new_tokens, "algorithm.overlong.buffer",
               f"must be <= rollout.max_new_tokens={self.rollout.max_new_tokens}")

@@ -29,9 +29,19 @@ def read_config_json(path: str | Path) -> dict:
     if not path.is_dir():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist or is not a directory")
     config_file = path / "config.json"
-    if not config_file.is_file():
+    if (path / "adapter_config.json").is_file() and not config_file.is_file():
+        merged = path.parent / f"{path.name}-merged"
         raise FileNotFoundError(
-            f"model path {str(path)!r} has no config.json (expected a Hugging Face model directory)"
+            f"model path {str(path)!r} is a LoRA adapter (adapter_config.json, no config.json), not a "
+            f"whole model: merge it into its base first, `posttrain export {path} --merge-lora --out "
+            f"{merged}`, and use {merged}"
+        )
+    if not config_file.is_file():
+        names = sorted(p.name for p in path.iterdir())
+        held = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "") if names else "nothing"
+        raise FileNotFoundError(
+            f"model path {str(path)!r} has no config.json (expected a Hugging Face model directory; "
+            f"it holds {held})"
         )
     return json.loads(config_file.read_text())
 
