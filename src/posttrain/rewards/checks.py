@@ -93,5 +93,6 @@ class RewardFailureGuard:
             when = (f"on every sample of {self.consecutive[name]} steps in a row (trainer.max_bad_steps="
                     f"{self.max_bad_steps}), up to step {step}")
         first_failure = self.runner.first_failure(name) or "(not recorded)"
-        return (f"reward function {name!r} failed {when}: it gives no learning signal. Over the run, "
-                f"{self.runner.tallies[name].describe(name)}. Its first failure: {first_failure}")
+        return (f"reward function {name!r} failed {when}: it gives no learning signal; fix it, or take it "
+                f"out of reward.functions. Over the run, {self.runner.tallies[name].describe(name)}. "
+                f"Its first failure: {first_failure}")
