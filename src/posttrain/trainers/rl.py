@@ -56,6 +56,10 @@ Departures from the papers, TRL and veRL, and why:
 - A separate critic starts from the policy's weights with a zero value head (all values
   0 at first); TRL/veRL start from a reward model or a random head. critic.model_path
   overrides. With LoRA the reference is the base model with adapters disabled.
+- A reward function that fails on every sample of the first step, or of trainer.max_bad_steps
+  steps in a row, stops the run with its first traceback (TRL and veRL train on, learning
+  nothing); its signature and the columns it needs are checked before the run
+  (`rewards/checks.py`), and the end of the run logs each function's error and NaN counts.
 - Every RL metric is written every step: stages that did not run log their neutral
   value (`rl_steps.NOT_RUN`, timing 0), never NaN. `accuracy` is the fraction of
   samples whose first reward function gives ≥ 1 (`workers/reward_worker.py`).
@@ -63,6 +67,7 @@ Departures from the papers, TRL and veRL, and why:
 
 from __future__ import annotations
 
+import logging
 import time
 from functools import partial
 from pathlib import Path
@@ -136,7 +141,9 @@ class RLTrainer:
         self.eval_examples = None
         if eval_source is not None:
             self.eval_examples = load_prompts(eval_source, self.tokenizer, args.data)[0][: args.eval.num_examples]
-        self.roles = build_roles(args, self.tokenizer, model, reward_funcs, value_model)
+        data = "train_dataset" if train_dataset is not None else f"data.train_files {list(args.data.train_files)}"
+        self.roles = build_roles(args, self.tokenizer, model, reward_funcs, value_model,
+                                 columns=list(self.examples[0]["columns"]), data=data)
         self.stream = EpochBatches(self.examples, args.data.train_batch_size, args.data.train_batch_size,
                                    partial(RLBatch.from_prompts, pad_id=pad_id_of(self.tokenizer)), seed=args.trainer.seed, shuffle=args.data.shuffle)
         kl = args.algorithm.kl
@@ -232,7 +239,12 @@ class RLTrainer:
         return state["step"]
 
     def save_final(self, run_dir: Path) -> Path:
+        """`final/`, at the end of the run: also where the reward functions' error counts are said."""
         r = self.roles
+        runner = r.reward.runner
+        failed = any(t.errors or t.nan for t in runner.tallies.values())
+        log.log(logging.WARNING if failed else logging.INFO,
+                "reward functions over the run (training and eval samples): %s", runner.summary())
         models = RunModels(merged_for_export(r.actor.model), r.critic,
                            adapter=r.actor.model if is_peft(r.actor.model) else None, with_optimizer=False)
         return save_final(run_dir, models, self.tokenizer)
@@ -265,6 +277,7 @@ def rl_step(trainer: RLTrainer, step: int) -> tuple[dict[str, float], RLBatch]:
         trainer.next_prompts, lambda prompts, rnd: r.rollout.generate(prompts, step_seed(cfg.trainer.seed, step, rnd)),
         r.reward, algo, cfg.data.train_batch_size, n, timer,
     )
+    r.reward.check_step(step, metrics)  # a function that failed on every sample stops the run here
     if algo.mask_truncated_completions:
         batch = mask_truncated(batch)
 

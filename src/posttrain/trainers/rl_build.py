@@ -7,6 +7,7 @@ policy's *initial* weights, before a resume loads trained ones into the policy.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ from posttrain.data.collate import pad_id_of
 from posttrain.logging import get_logger
 from posttrain.models.lora import is_peft
 from posttrain.rewards import RewardRunner
+from posttrain.rewards.checks import check_reward_signature
 from posttrain.rewards.registry import resolve_reward
 from posttrain.rollout import SamplingParams, make_engine
 from posttrain.trainers.rl_steps import step_seed
@@ -48,10 +50,18 @@ def check_reward_source(cfg: RLConfig, reward_funcs: Any) -> None:
               f"needs one weight per reward function ({len(reward_funcs)}), got {cfg.reward.weights}")
 
 
-def build_reward(cfg: RLConfig, reward_funcs: Any) -> Reward:
+def build_reward(cfg: RLConfig, reward_funcs: Any, columns: Sequence[str] | None = None,
+                 data: str = "the data") -> Reward:
+    """The reward role; with `columns` (the training data's, besides the prompt), each function
+    is first checked to take them and to find the columns it needs (`check_reward_signature`)."""
     rc = cfg.reward
     specs = list(reward_funcs) if reward_funcs else list(rc.functions)
     functions = [resolve_reward(s) for s in specs]
+    for name, fn in functions if columns is not None else ():
+        try:
+            check_reward_signature(name, fn, columns, data)
+        except ValueError as e:
+            raise ConfigError(f"reward.functions: {e}") from None
     weights = list(rc.weights) if rc.weights is not None else [1.0] * len(functions)
     if rc.model_path is not None:
         from posttrain.rewards.reward_model import reward_model
@@ -60,7 +70,8 @@ def build_reward(cfg: RLConfig, reward_funcs: Any) -> Reward:
         weights.append(rc.model_weight)
     runner = RewardRunner(functions, weights=weights, timeout_s=rc.timeout_s, failure_reward=rc.failure_reward)
     ov = cfg.algorithm.overlong
-    return Reward(runner, cfg.rollout.max_new_tokens, ov.buffer, ov.penalty, rc.missing_eos_penalty)
+    return Reward(runner, cfg.rollout.max_new_tokens, ov.buffer, ov.penalty, rc.missing_eos_penalty,
+                  cfg.trainer.max_bad_steps)
 
 
 def build_rollout(cfg: RLConfig, model: torch.nn.Module, tokenizer: Any) -> Rollout:
@@ -93,11 +104,13 @@ def build_critic(cfg: RLConfig, policy: torch.nn.Module, value_model: Any) -> Cr
     return Critic(value_model, cfg, cfg.trainer.max_steps)
 
 
-def build_roles(cfg: RLConfig, tokenizer: Any, model: Any, reward_funcs: Any, value_model: Any) -> Roles:
-    """Reward first (cheap, fails early), then the policy, reference, critic, actor, rollout."""
+def build_roles(cfg: RLConfig, tokenizer: Any, model: Any, reward_funcs: Any, value_model: Any,
+                columns: Sequence[str] | None = None, data: str = "the data") -> Roles:
+    """Reward first (cheap, fails early: `build_reward` checks it against the data's `columns`),
+    then the policy, reference, critic, actor, rollout."""
     from posttrain.models.factory import build_model
 
-    reward = build_reward(cfg, reward_funcs)
+    reward = build_reward(cfg, reward_funcs, columns, data)
     if not isinstance(model, torch.nn.Module):
         model = build_model(cfg.model, tokenizer, train=True)
     a = cfg.actor
