@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from posttrain.config import ConfigError, build_config, iter_fields
+from posttrain.config import ConfigError, RunStopped, build_config, iter_fields
 from posttrain.config.core import type_name
 
 
@@ -562,6 +562,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except (FileNotFoundError, ImportError, ValueError) as err:
         print(f"posttrain {args.command}: error: {err}", file=sys.stderr)
+        return 1
+    except RunStopped as err:
+        print(f"posttrain {args.command}: stopped: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -33,6 +33,11 @@ class ConfigError(ValueError):
     """A bad configuration: the message names the key and says how to fix it."""
 
 
+class RunStopped(RuntimeError):
+    """A run that stopped itself because it cannot go on (the loss diverged, a reward
+    function fails on every sample); the message says why and where its last good state is."""
+
+
 # ---------------------------------------------------------------------------------------
 # Field documentation
 # ---------------------------------------------------------------------------------------

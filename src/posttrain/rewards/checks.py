@@ -21,6 +21,7 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from posttrain.config.core import RunStopped
 from posttrain.rewards.runner import RewardRunner
 
 __all__ = ["RewardFailureGuard", "RewardFunctionError", "check_reward_signature"]
@@ -29,7 +30,7 @@ ARGUMENTS = ("prompts", "completions", "completion_ids")
 """What the runner passes to every reward function, besides the data's columns."""
 
 
-class RewardFunctionError(RuntimeError):
+class RewardFunctionError(RunStopped):
     """A reward function failed on every sample: the run cannot learn from it."""
 
 
