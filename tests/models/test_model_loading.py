@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from posttrain.models import (
+    BuiltinConfig,
     BuiltinLM,
     forward_logits,
     load_causal_lm,
@@ -123,3 +124,19 @@ def test_build_model_for_training_keeps_float32_weights_and_warns_on_16_bit(capl
     with caplog.at_level("WARNING", logger="posttrain.models.factory"):
         build_model(ModelConfig(init="tiny", device="cpu", dtype="bfloat16"), tok)  # run, not trained
     assert caplog.text == ""
+
+
+@pytest.mark.parametrize("impl", ["auto", "hf"])
+def test_a_reward_model_is_not_loaded_as_a_causal_lm(tmp_path, tiny_kwargs, impl):
+    """Seen: GRPO given an RM's final/ as its policy failed with `unexpected ['score.weight']`
+    (built-in), and transformers would have loaded it with an LM head it never trained."""
+    from posttrain.models.heads import ScalarHeadModel
+
+    rm = ScalarHeadModel.from_causal_lm(BuiltinLM(BuiltinConfig(**tiny_kwargs, pad_token_id=0)))
+    rm.save_pretrained(tmp_path / "llama_rm")
+    gpt2 = transformers.GPT2Config(vocab_size=61, n_embd=16, n_layer=1, n_head=2, n_positions=32, pad_token_id=0)
+    transformers.GPT2ForSequenceClassification(gpt2).save_pretrained(tmp_path / "gpt2_rm")
+    for name, arch in (("llama_rm", "LlamaForSequenceClassification"), ("gpt2_rm", "GPT2ForSequenceClassification")):
+        with pytest.raises(ValueError, match=rf"is a reward model \({arch}\), not a causal LM"):
+            load_causal_lm(tmp_path / name, impl=impl)
+

@@ -317,3 +317,14 @@ def test_prompt_loading_follows_the_truncation_rule():
     cfg.truncation = "drop"
     examples, stats = load_prompts([dict(r) for r in rows], word_tokenizer(), cfg)
     assert len(examples) == 1 and stats["data/n_dropped"] == 1
+
+
+def test_a_reward_model_folder_is_not_a_policy(tmp_path):
+    """Seen: GRPO given an RM's final/ as the policy failed with `unexpected ['score.weight']`."""
+    from posttrain.models.heads import ScalarHeadModel
+
+    ScalarHeadModel.from_causal_lm(tiny_model()).save_pretrained(tmp_path / "rm")
+    cfg = config(tmp_path / "run", **{"model.path": str(tmp_path / "rm"), "model.init": "null"})
+    with pytest.raises(ValueError, match=r"is a reward model \(LlamaForSequenceClassification\), not a causal LM"):
+        GRPOTrainer(args=cfg, reward_funcs=[starts_with_a], train_dataset=PROMPTS, processing_class=word_tokenizer())
+

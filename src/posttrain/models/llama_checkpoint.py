@@ -177,6 +177,12 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def architecture(hf: dict) -> str | None:
+    """The model class config.json names (`architectures[0]`), e.g. "LlamaForCausalLM"."""
+    names = hf.get("architectures") or []
+    return names[0] if names and isinstance(names[0], str) else None
+
+
 def write_checkpoint(
     path: str | Path, state: dict[str, torch.Tensor], config: dict, generation: dict
 ) -> None:

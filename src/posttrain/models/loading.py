@@ -64,11 +64,13 @@ def load_causal_lm(
 
     impl: "builtin" -> BuiltinLM (Llama checkpoints only); "hf" ->
     transformers.AutoModelForCausalLM; "auto" -> builtin when config.json is a
-    Llama whose every feature BuiltinLM implements, else hf.
+    Llama whose every feature BuiltinLM implements, else hf. A reward model (a
+    `*ForSequenceClassification` checkpoint) is refused: see `check_causal_lm`.
     """
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; choose one of {IMPLS}")
     hf_config = ckpt.read_config_json(path)  # names the path when it is not a model dir
+    check_causal_lm(path, hf_config)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     if impl == "auto":
@@ -79,6 +81,19 @@ def load_causal_lm(
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
     return model.to(device)
+
+
+def check_causal_lm(path: str | Path, hf_config: dict) -> None:
+    """Raise ValueError when config.json says `path` holds a sequence classifier (a reward model
+    or critic): loading one as a causal LM would drop its score head and either fail on the
+    unexpected `score.weight` (built-in) or give an LM head it never trained (transformers)."""
+    arch = ckpt.architecture(hf_config)
+    if arch is not None and arch.endswith("ForSequenceClassification"):
+        raise ValueError(
+            f"{path} is a reward model ({arch}), not a causal LM: it scores text and cannot generate "
+            "it. Give a causal LM here (a base model, or an SFT/DPO/RL run's final/); a reward model "
+            "goes in reward.model_path"
+        )
 
 
 def forward_logits(
