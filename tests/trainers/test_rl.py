@@ -328,3 +328,19 @@ def test_a_reward_model_folder_is_not_a_policy(tmp_path):
     with pytest.raises(ValueError, match=r"is a reward model \(LlamaForSequenceClassification\), not a causal LM"):
         GRPOTrainer(args=cfg, reward_funcs=[starts_with_a], train_dataset=PROMPTS, processing_class=word_tokenizer())
 
+
+def test_critic_model_path_needs_a_trained_head_unless_fresh_head(tmp_path):
+    """A causal LM as critic.model_path would start PPO's critic from a random head, silently."""
+    from posttrain.config import ConfigError
+
+    tiny_model(seed=1).save_pretrained(tmp_path / "lm")
+    cfg = config(tmp_path / "a", "gae", **{"critic.model_path": str(tmp_path / "lm")})
+    with pytest.raises(ConfigError, match=r"critic.model_path: .* is a causal LM \(LlamaForCausalLM\), not a reward "
+                                          r"model: .*critic.fresh_head=true"):
+        trainer_for(cfg)
+    cfg = config(tmp_path / "b", "gae", **{"critic.model_path": str(tmp_path / "lm"), "critic.fresh_head": "true"})
+    critic = trainer_for(cfg).roles.critic.model
+    assert not critic.score.weight.any()  # a fresh head starts at zeros, as the default critic's
+    assert torch.equal(critic.model.embed_tokens.weight, tiny_model(seed=1).model.embed_tokens.weight)
+    with pytest.raises(ConfigError, match="critic.fresh_head: applies to critic.model_path only"):
+        config(tmp_path / "c", "gae", **{"critic.fresh_head": "true"})

@@ -177,6 +177,20 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def weight_names(path: str | Path) -> set[str]:
+    """The names of the checkpoint's tensors, read without loading them (a .bin is memory-mapped)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for file in weight_files(Path(path)):
+        if file.suffix == ".safetensors":
+            with safe_open(file, framework="pt") as f:
+                names.update(f.keys())
+        else:
+            names.update(torch.load(file, map_location="cpu", weights_only=True, mmap=True))
+    return names
+
+
 def architecture(hf: dict) -> str | None:
     """The model class config.json names (`architectures[0]`), e.g. "LlamaForCausalLM"."""
     names = hf.get("architectures") or []
