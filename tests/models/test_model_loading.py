@@ -140,3 +140,26 @@ def test_a_reward_model_is_not_loaded_as_a_causal_lm(tmp_path, tiny_kwargs, impl
         with pytest.raises(ValueError, match=rf"is a reward model \({arch}\), not a causal LM"):
             load_causal_lm(tmp_path / name, impl=impl)
 
+
+def test_disable_dropout_zeroes_modules_and_attention_floats(tiny_kwargs, caplog):
+    """GPT-2 keeps its dropout in nn.Dropout modules; Llama passes the float
+    `self.attention_dropout` to its attention kernel. Both must be 0 in train mode."""
+    import logging
+
+    from posttrain.models.loading import disable_dropout
+
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=61, n_embd=16, n_layer=2, n_head=2, n_positions=32,
+        resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1))
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**tiny_kwargs, attention_dropout=0.5))
+    with caplog.at_level(logging.INFO, logger="posttrain.models.loading"):
+        # embd + 2 layers × (attn: attn_dropout, resid_dropout; mlp: dropout); llama: 2 attentions
+        assert disable_dropout(gpt2, "policy") == 7
+        assert disable_dropout(llama) == 2
+    assert "policy: dropout off in 7 modules" in caplog.text
+    assert all(m.p == 0 for m in gpt2.modules() if isinstance(m, torch.nn.Dropout))
+    assert all(layer.self_attn.attention_dropout == 0.0 for layer in llama.model.layers)
+    assert gpt2.config.resid_pdrop == 0.1  # a saved checkpoint keeps its settings
+    for model in (gpt2.train(), llama.train()):
+        assert torch.equal(forward_logits(model, IDS[:, :5]), forward_logits(model, IDS[:, :5]))
+    assert disable_dropout(gpt2) == 0  # nothing left to switch off

@@ -155,3 +155,15 @@ def test_a_causal_lm_is_not_a_reward_model(tmp_path, tokenizer):
                                              r"model: .*Train one with `posttrain rm` or point reward.model_path"):
             reward_model(tmp_path / name, device="cpu")
 
+
+def test_dropout_is_off_in_the_reward_model_even_in_train_mode(tmp_path, tokenizer):
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=len(tokenizer), n_embd=16, n_layer=1, n_head=2, n_positions=64,
+                                     pad_token_id=tokenizer.pad_token_id, num_labels=1, resid_pdrop=0.5,
+                                     embd_pdrop=0.5)
+    transformers.GPT2ForSequenceClassification(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    fn = reward_model(tmp_path, device="cpu", dtype="float32").load()
+    fn.model.train()
+    assert fn(PROMPTS, COMPLETIONS) == fn(PROMPTS, COMPLETIONS)

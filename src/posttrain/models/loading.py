@@ -6,6 +6,7 @@ passes `local_files_only=True`.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -13,6 +14,8 @@ from torch import nn
 
 from posttrain.models import llama_checkpoint as ckpt
 from posttrain.models.builtin import BuiltinLM
+
+logger = logging.getLogger(__name__)
 
 IMPLS = ("auto", "builtin", "hf")
 
@@ -94,6 +97,32 @@ def check_causal_lm(path: str | Path, hf_config: dict) -> None:
             "it. Give a causal LM here (a base model, or an SFT/DPO/RL run's final/); a reward model "
             "goes in reward.model_path"
         )
+
+
+def disable_dropout(model: nn.Module, name: str = "model") -> int:
+    """Switch off every dropout of `model`, in train mode too, and log how many modules had one.
+
+    RL and DPO compare log-probs of the same tokens under two forwards (old vs new policy,
+    policy vs reference); dropout makes them differ by noise (a GPT-2 at its default 0.1
+    shows KL ≈ 0.04 on an on-policy step, where it is 0). As TRL's `disable_dropout_in_model`,
+    each `nn.Dropout` gets p = 0; float attributes named `*dropout` are zeroed as well, since
+    Llama and Qwen2 attention pass `self.attention_dropout` to their kernel in train mode.
+    The config is left as it is, so a saved checkpoint keeps its dropout for later training.
+    Returns the number of modules changed.
+    """
+    changed = 0
+    for module in model.modules():
+        hit = isinstance(module, nn.Dropout) and module.p > 0
+        if hit:
+            module.p = 0.0
+        for attr, value in list(vars(module).items()):
+            if attr.endswith("dropout") and isinstance(value, float) and value > 0:
+                setattr(module, attr, 0.0)
+                hit = True
+        changed += hit
+    if changed:
+        logger.info("%s: dropout off in %d modules (p = 0), so its log-probs are deterministic", name, changed)
+    return changed
 
 
 def forward_logits(

@@ -132,12 +132,13 @@ class RewardModelScorer:
 
     def _load_model(self) -> Any:
         from posttrain.models.heads import ScalarHeadModel
-        from posttrain.models.loading import resolve_device, resolve_dtype
+        from posttrain.models.loading import disable_dropout, resolve_device, resolve_dtype
 
         device = resolve_device(self.device)
         model = ScalarHeadModel.from_pretrained(
             self.path, device=device, dtype=resolve_dtype(self.dtype, device), head="stored"
         )
+        disable_dropout(model, "reward model")  # eval() already skips it; p = 0 holds in train() too
         return model.eval().requires_grad_(False)
 
     def __call__(

@@ -96,7 +96,7 @@ def check_critic_source(cfg: RLConfig) -> None:
 def build_critic(cfg: RLConfig, policy: torch.nn.Module, value_model: Any) -> Critic:
     from posttrain.models.factory import weights_dtype
     from posttrain.models.heads import ScalarHeadModel
-    from posttrain.models.loading import resolve_device
+    from posttrain.models.loading import disable_dropout, resolve_device
 
     c = cfg.critic
     if c.share_backbone:
@@ -107,19 +107,22 @@ def build_critic(cfg: RLConfig, policy: torch.nn.Module, value_model: Any) -> Cr
         head, std = ("fresh", 0.0) if c.fresh_head else ("stored", None)
         value_model = ScalarHeadModel.from_pretrained(c.model_path, device, dtype, head=head, init_std=std)
     if value_model is None:
-        value_model = ScalarHeadModel.from_causal_lm(policy, init_std=0.0)
+        value_model = ScalarHeadModel.from_causal_lm(policy, init_std=0.0)  # policy: dropout already off
+    disable_dropout(value_model, "critic")
     return Critic(value_model, cfg, cfg.trainer.max_steps)
 
 
 def build_roles(cfg: RLConfig, tokenizer: Any, model: Any, reward_funcs: Any, value_model: Any) -> Roles:
     """Reward and critic checks first (cheap, fail early), then the policy, reference, critic,
-    actor, rollout."""
+    actor, rollout. Dropout is off in every model: see `disable_dropout`."""
     from posttrain.models.factory import build_model
+    from posttrain.models.loading import disable_dropout
 
     reward = build_reward(cfg, reward_funcs)
     check_critic_source(cfg)
     if not isinstance(model, torch.nn.Module):
         model = build_model(cfg.model, tokenizer, train=True)
+    disable_dropout(model, "policy")  # before the reference and a critic are copied from it
     a = cfg.actor
     ref = None
     if cfg.algorithm.kl.enabled:
