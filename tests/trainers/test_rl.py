@@ -413,3 +413,60 @@ def test_a_reward_function_that_cannot_take_the_arguments_is_refused_before_the_
     with pytest.raises(ConfigError, match=r"reward function 'no_kwargs'\(completions\) cannot be called .*"
                                           r"unexpected keyword argument 'prompts'"):
         trainer_for(config(tmp_path), reward=no_kwargs)
+
+
+def tiny_gpt2_dir(path, dropout=0.1):
+    """A 1-layer GPT-2 on the word vocabulary, with GPT-2's default dropout in its config."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(WORDS) + 3, n_embd=32, n_layer=1, n_head=4, n_positions=32,
+                        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+                        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    GPT2LMHeadModel(config).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_the_first_on_policy_step_has_kl_0_and_ratio_1_with_dropout_in_the_config(
+        tmp_path, monkeypatch, caplog, recompute):
+    """Seen: GPT-2's default dropout 0.1 made step 1 log kl=0.0399, where the policy is the
+    reference and the behaviour policy, so KL is exactly 0 and every ratio exactly 1.
+    recompute: old log-probs from their own pass, not the loss's own (detached) ones."""
+    if recompute:
+        monkeypatch.setattr(RLTrainer, "on_policy_update", property(lambda self: False))
+    cfg = config(tmp_path / "run", **{"model.path": tiny_gpt2_dir(tmp_path / "gpt2"), "model.init": "null",
+                                      "algorithm.kl.in_loss": "true", "trainer.max_steps": 1})
+    with caplog.at_level("INFO", logger="posttrain"):
+        GRPOTrainer(args=cfg, reward_funcs=[starts_with_a], train_dataset=PROMPTS,
+                    processing_class=word_tokenizer()).train()
+    (step1,) = metric_lines(tmp_path / "run")
+    assert step1["kl"] == 0.0 and step1["ratio/mean"] == 1.0
+    assert "policy: dropout off in 4 modules" in caplog.text  # embd + attn, resid, mlp of the layer
+
+
+def test_a_reward_model_folder_is_not_a_policy(tmp_path):
+    """Seen: GRPO given an RM's final/ as the policy failed with `unexpected ['score.weight']`."""
+    from posttrain.models.heads import ScalarHeadModel
+
+    ScalarHeadModel.from_causal_lm(tiny_model()).save_pretrained(tmp_path / "rm")
+    cfg = config(tmp_path / "run", **{"model.path": str(tmp_path / "rm"), "model.init": "null"})
+    with pytest.raises(ValueError, match=r"is a reward model \(LlamaForSequenceClassification\), not a causal LM"):
+        GRPOTrainer(args=cfg, reward_funcs=[starts_with_a], train_dataset=PROMPTS, processing_class=word_tokenizer())
+
+
+def test_critic_model_path_needs_a_trained_head_unless_fresh_head(tmp_path):
+    """A causal LM as critic.model_path would start PPO's critic from a random head, silently."""
+    from posttrain.config import ConfigError
+
+    tiny_model(seed=1).save_pretrained(tmp_path / "lm")
+    cfg = config(tmp_path / "a", "gae", **{"critic.model_path": str(tmp_path / "lm")})
+    with pytest.raises(ConfigError, match=r"critic.model_path: .* is a causal LM \(LlamaForCausalLM\), not a reward "
+                                          r"model: .*critic.fresh_head=true"):
+        trainer_for(cfg)
+    cfg = config(tmp_path / "b", "gae", **{"critic.model_path": str(tmp_path / "lm"), "critic.fresh_head": "true"})
+    critic = trainer_for(cfg).roles.critic.model
+    assert not critic.score.weight.any()  # a fresh head starts at zeros, as the default critic's
+    assert torch.equal(critic.model.embed_tokens.weight, tiny_model(seed=1).model.embed_tokens.weight)
+    with pytest.raises(ConfigError, match="critic.fresh_head: applies to critic.model_path only"):
+        config(tmp_path / "c", "gae", **{"critic.fresh_head": "true"})

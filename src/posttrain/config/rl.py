@@ -161,8 +161,12 @@ class CriticConfig:
     enable: bool | None = None
     """Train a critic; null = exactly when algorithm.adv_estimator is gae (the only estimator that uses one)."""
     model_path: str | None = None
-    """Initial critic: a saved value/reward model directory; null = the policy's initial
-    weights with a fresh scalar head."""
+    """Initial critic: a saved value/reward model directory, whose weights must hold its
+    score head (see fresh_head); null = the policy's initial weights with a fresh scalar head."""
+    fresh_head: bool = False
+    """Start critic.model_path's critic with a fresh (zero) value head on its backbone, so the
+    folder may be a plain causal LM. False = it must be a critic or reward model, whose trained
+    head the critic starts from; a folder without one is an error."""
     share_backbone: bool = False
     """Put the value head on the policy's own backbone: one forward, one optimizer, and the
     loss policy + vf_coef · value (TRL's old value-head models). False = a separate model."""
@@ -184,6 +188,8 @@ class CriticConfig:
         check(self.vf_coef > 0, "critic.vf_coef", f"must be > 0, got {self.vf_coef}")
         check(self.warmup_steps >= 0, "critic.warmup_steps", "must be >= 0")
         check(self.micro_batch_size is None or self.micro_batch_size >= 1, "critic.micro_batch_size", "must be >= 1")
+        check(not self.fresh_head or self.model_path is not None, "critic.fresh_head",
+              "applies to critic.model_path only (the default critic already starts with a fresh head)")
 
 
 @dataclass

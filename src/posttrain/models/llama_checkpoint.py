@@ -187,6 +187,26 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def weight_names(path: str | Path) -> set[str]:
+    """The names of the checkpoint's tensors, read without loading them (a .bin is memory-mapped)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for file in weight_files(Path(path)):
+        if file.suffix == ".safetensors":
+            with safe_open(file, framework="pt") as f:
+                names.update(f.keys())
+        else:
+            names.update(torch.load(file, map_location="cpu", weights_only=True, mmap=True))
+    return names
+
+
+def architecture(hf: dict) -> str | None:
+    """The model class config.json names (`architectures[0]`), e.g. "LlamaForCausalLM"."""
+    names = hf.get("architectures") or []
+    return names[0] if names and isinstance(names[0], str) else None
+
+
 def write_checkpoint(
     path: str | Path, state: dict[str, torch.Tensor], config: dict, generation: dict
 ) -> None:

@@ -35,8 +35,9 @@ Departures from TRL's DPOTrainer:
 - Truncation: `data.max_prompt_length` keeps a prompt's last tokens (as TRL); `data.max_length`
   cuts each response at the end (`truncate`) or drops the pair (`drop`); both counted in the
   `data/*` metrics. TRL's `max_completion_length` and `truncation_mode` are not offered.
-- Dropout is not switched off (TRL's `disable_dropout`): the built-in model has none; for a
-  checkpoint with dropout, set it to 0 in its config.
+- Dropout is off in the policy and the reference (TRL's `disable_dropout`, on by default
+  there): with it, log π_θ and log π_ref of the same pair differ by noise at step 1, where
+  h must be 0 (`models.loading.disable_dropout`; the built-in model has none).
 - `eval.task` adds greedy task accuracy on held-out prompts (`eval/accuracy`), as `posttrain sft`.
 """
 
@@ -58,7 +59,7 @@ from posttrain.data.preference import pair_collate, prepare_pairs
 from posttrain.evaluation import task_eval
 from posttrain.logging import get_logger
 from posttrain.models.factory import build_model
-from posttrain.models.loading import device_of, forward_logits
+from posttrain.models.loading import device_of, disable_dropout, forward_logits
 from posttrain.models.lora import apply_lora, is_peft
 from posttrain.trainers.batches import EpochBatches
 from posttrain.trainers.loop import FitResult, RefSync, fit
@@ -190,6 +191,9 @@ class DPOTrainer:
             self.model = model if is_peft(model) else apply_lora(model, args.model.lora)
         else:
             self.model = build_model(args.model, self.tokenizer, train=True)
+        disable_dropout(self.model, "policy")  # before the reference is copied from it
+        if ref_model is not None:
+            disable_dropout(ref_model, "reference")
         self.reference: Reference | None = None
         if args.algorithm.precompute_ref_log_probs:
             self._precompute(

@@ -87,10 +87,27 @@ def build_rollout(cfg: RLConfig, model: torch.nn.Module, tokenizer: Any) -> Roll
     return Rollout(make_engine(kind, model, tokenizer, **opts), SamplingParams.from_config(rc))
 
 
+def check_critic_source(cfg: RLConfig) -> None:
+    """critic.model_path holds a trained score head, unless critic.fresh_head asks for a new one
+    (cheap: reads config.json and the weights' names)."""
+    from posttrain.models.heads import MissingScoreHead, require_score_head
+
+    c = cfg.critic
+    if not cfg.use_critic or c.model_path is None or c.fresh_head:
+        return
+    try:
+        require_score_head(c.model_path)
+    except MissingScoreHead as err:
+        raise ConfigError(
+            f"critic.model_path: {err}. Point it at a critic or reward model (an RM's final/), or set "
+            "critic.fresh_head=true to start a fresh value head on this model"
+        ) from None
+
+
 def build_critic(cfg: RLConfig, policy: torch.nn.Module, value_model: Any) -> Critic:
     from posttrain.models.factory import weights_dtype
     from posttrain.models.heads import ScalarHeadModel
-    from posttrain.models.loading import resolve_device
+    from posttrain.models.loading import disable_dropout, resolve_device
 
     c = cfg.critic
     if c.share_backbone:
@@ -98,21 +115,27 @@ def build_critic(cfg: RLConfig, policy: torch.nn.Module, value_model: Any) -> Cr
     if value_model is None and c.model_path is not None:
         device = resolve_device(cfg.model.device)
         dtype = weights_dtype(cfg.model.dtype, device, trained=True)  # the critic trains every weight
-        value_model = ScalarHeadModel.from_pretrained(c.model_path, device, dtype)
+        head, std = ("fresh", 0.0) if c.fresh_head else ("stored", None)
+        value_model = ScalarHeadModel.from_pretrained(c.model_path, device, dtype, head=head, init_std=std)
     if value_model is None:
-        value_model = ScalarHeadModel.from_causal_lm(policy, init_std=0.0)
+        value_model = ScalarHeadModel.from_causal_lm(policy, init_std=0.0)  # policy: dropout already off
+    disable_dropout(value_model, "critic")
     return Critic(value_model, cfg, cfg.trainer.max_steps)
 
 
 def build_roles(cfg: RLConfig, tokenizer: Any, model: Any, reward_funcs: Any, value_model: Any,
                 columns: Sequence[str] | None = None, data: str = "the data") -> Roles:
-    """Reward first (cheap, fails early: `build_reward` checks it against the data's `columns`),
-    then the policy, reference, critic, actor, rollout."""
+    """Reward and critic checks first (cheap, fail early: `build_reward` checks the reward
+    against the data's `columns`), then the policy, reference, critic, actor, rollout.
+    Dropout is off in every model: see `disable_dropout`."""
     from posttrain.models.factory import build_model
+    from posttrain.models.loading import disable_dropout
 
     reward = build_reward(cfg, reward_funcs, columns, data)
+    check_critic_source(cfg)
     if not isinstance(model, torch.nn.Module):
         model = build_model(cfg.model, tokenizer, train=True)
+    disable_dropout(model, "policy")  # before the reference and a critic are copied from it
     a = cfg.actor
     ref = None
     if cfg.algorithm.kl.enabled:
