@@ -1,7 +1,9 @@
 """The one outer loop every trainer drives: SFT, reward model, DPO and RL.
 
-    start (resume check, run dir, config.yaml, restore) → for each step: task.step → guard → metrics → ref sync? → eval? → log
-              → checkpoint? → … → last eval → final/
+    start → for each step: task.step → guard → metrics → ref sync? → eval? → log
+          → checkpoint? → … → last eval → final/
+
+(start: resume check → run directory → config.yaml → restore.)
 
 A trainer brings a `Task`: its step function and its state (what a checkpoint holds, how
 it is restored, what `final/` holds). Everything else is here, once, so every command
@@ -155,7 +157,7 @@ def run(task: Task, config: Any, ref_sync: RefSync | None = None) -> FitResult:
     ref_sync.check(task.reference)
     config_dict = to_dict(config)
     record = RunRecord.of(config.command, config_dict, task.model)
-    step, last_ckpt = start(task, config, record)
+    step, last_ckpt = _start(task, config, record)
     sink = MetricsLogger(run_dir, cfg.report_to, config_dict)
     sink.truncate_after(step)
     guard = BadStepGuard(cfg.max_bad_steps)
@@ -194,7 +196,7 @@ def run(task: Task, config: Any, ref_sync: RefSync | None = None) -> FitResult:
     return FitResult(run_dir, final_dir, step, metrics)
 
 
-def start(task: Task, config: Any, record: RunRecord) -> tuple[int, Path | None]:
+def _start(task: Task, config: Any, record: RunRecord) -> tuple[int, Path | None]:
     """The resume step, before anything is written: find the checkpoint `trainer.resume`
     asks for and check that it is one of this run (before any weights load), make the run
     directory this run's, write config.yaml, then restore. Returns (step, checkpoint or None)."""
