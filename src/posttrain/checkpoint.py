@@ -312,21 +312,22 @@ def check_resume(checkpoint: Path, run: RunRecord, resume: str, max_steps: int) 
     if saved is None and resume == "auto":
         raise ConfigError(f"{where} was saved by an older posttrain that did not record its command and "
                           f"settings, so it cannot be checked against this run. To continue it anyway, name it: "
-                          f"trainer.resume={checkpoint}. Otherwise {_start_elsewhere(resume)}")
+                          f"trainer.resume={checkpoint}. Otherwise {_start_elsewhere(resume)}.")
     if saved is None:
         log.warning("%s records no command and settings (an older posttrain): resuming it unchecked", checkpoint)
     elif saved.command != run.command:
         raise ConfigError(f"{where} belongs to a `posttrain {saved.command}` run, and this is `posttrain "
-                          f"{run.command}`; a run directory holds one run. {_sentence(_start_elsewhere(resume))}")
+                          f"{run.command}`; a run directory holds one run. {_sentence(_start_elsewhere(resume))}.")
     elif mismatched := _changes(saved.fingerprint, run.fingerprint, both_only=True):
         shown = "; ".join(mismatched[:6]) + (f"; and {len(mismatched) - 6} more" if len(mismatched) > 6 else "")
         raise ConfigError(f"{where} belongs to a `posttrain {run.command}` run with other settings "
                           f"(checkpoint → this run): {shown}. These must match to resume (only those in "
                           f"posttrain.checkpoint.RESUME_MAY_CHANGE may change: trainer.max_steps, cadences, "
-                          f"sinks, micro-batch sizes, eval). {_sentence(_start_elsewhere(resume))}")
+                          f"sinks, micro-batch sizes, eval). {_sentence(_start_elsewhere(resume))}.")
     if step > max_steps:
-        raise ConfigError(f"trainer.max_steps={max_steps}: {where} is already at step {step}, past the end of "
-                          f"this run. Set trainer.max_steps >= {step} to continue it, or {_start_elsewhere(resume)}")
+        raise ConfigError(f"trainer.max_steps={max_steps}: {checkpoint} (trainer.resume={resume}) is already at "
+                          f"step {step}, past the end of this run. Set trainer.max_steps >= {step} to continue it, "
+                          f"or {_start_elsewhere(resume)}.")
     if saved is None:
         return []
     return _changes(saved.settings, run.settings) + _changes(saved.fingerprint, run.fingerprint)
@@ -356,7 +357,7 @@ def claim_run_dir(run_dir: str | Path, resume_from: Path | None, resume: str, ov
             f"trainer.output_dir={run_dir} already holds a run ({', '.join(found)}) and {nothing}: a new run "
             "would mix with it. Write this run to a new trainer.output_dir, or replace the old one with "
             "trainer.overwrite=true (which removes it first)"
-            + ("" if resume == "auto" else ", or continue it with trainer.resume=auto")
+            + ("." if resume == "auto" else ", or continue it with trainer.resume=auto.")
         )
     removed = remove_run(run_dir)
     log.info("trainer.overwrite: removed the old run in %s (%s)", run_dir, ", ".join(removed))
