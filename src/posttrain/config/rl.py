@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from posttrain.algos import ADV_ESTIMATORS, AdvEstimator
 from posttrain.config.core import check
@@ -343,9 +343,29 @@ class RLEvalConfig:
 
 
 @dataclass
+class GRPOTrainerConfig(TrainerConfig):
+    """The shared optimisation options, in GRPO's own run directory."""
+
+    output_dir: str = "runs/grpo"
+    """Run directory: config.yaml, metrics.jsonl, checkpoints/, final/ are written here. It
+    holds one run: each command defaults to its own (runs/sft, runs/rm, runs/dpo, ...)."""
+
+
+@dataclass
+class PPOTrainerConfig(TrainerConfig):
+    """The shared optimisation options, in PPO's own run directory."""
+
+    output_dir: str = "runs/ppo"
+    """Run directory: config.yaml, metrics.jsonl, checkpoints/, final/ are written here. It
+    holds one run: each command defaults to its own (runs/sft, runs/rm, runs/dpo, ...)."""
+
+
+@dataclass
 class RLConfig:
     """Online RL: PPO (critic + GAE) and the critic-free GRPO family (GRPO, DAPO, GSPO,
     Dr.GRPO, RLOO, REINFORCE++), chosen by algorithm.adv_estimator and the actor's loss."""
+
+    command: ClassVar[str] = "rl"  # checkpoints record it (resume checks it); GRPOConfig, PPOConfig set theirs
 
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy (its initial weights are also the reference)."""
@@ -417,6 +437,12 @@ class RLConfig:
 class GRPOConfig(RLConfig):
     """GRPO and its relatives (DAPO, GSPO, Dr.GRPO, RLOO, REINFORCE++): no critic by default."""
 
+    command: ClassVar[str] = "grpo"  # the `posttrain` command; checkpoints record it (resume checks it)
+
+    trainer: GRPOTrainerConfig = field(default_factory=GRPOTrainerConfig)
+    """Steps, optimizer (the actor's), schedule, logging, checkpoints. max_steps, warmup
+    and the schedule count RL steps; micro-batches are actor.micro_batch_size."""
+
 
 @dataclass
 class PPORolloutConfig(RolloutConfig):
@@ -438,6 +464,11 @@ class PPOAlgorithmConfig(AlgorithmConfig):
 class PPOConfig(RLConfig):
     """PPO with a critic: algorithm.adv_estimator=gae and rollout.n=1 by default."""
 
+    command: ClassVar[str] = "ppo"  # the `posttrain` command; checkpoints record it (resume checks it)
+
+    trainer: PPOTrainerConfig = field(default_factory=PPOTrainerConfig)
+    """Steps, optimizer (the actor's), schedule, logging, checkpoints. max_steps, warmup
+    and the schedule count RL steps; micro-batches are actor.micro_batch_size."""
     rollout: PPORolloutConfig = field(default_factory=PPORolloutConfig)
     """Sampling."""
     algorithm: PPOAlgorithmConfig = field(default_factory=PPOAlgorithmConfig)

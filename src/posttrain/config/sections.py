@@ -114,7 +114,8 @@ class TrainerConfig:
     """The optimisation loop: steps, optimizer, schedule, precision, logging, checkpoints."""
 
     output_dir: str = "runs/run"
-    """Run directory: config.yaml, metrics.jsonl, checkpoints/, final/ are written here."""
+    """Run directory: config.yaml, metrics.jsonl, checkpoints/, final/ are written here. It
+    holds one run: each command defaults to its own (runs/sft, runs/rm, runs/dpo, ...)."""
     max_steps: int = 100
     """Number of optimizer steps."""
     max_time_s: float | None = None
@@ -143,7 +144,13 @@ class TrainerConfig:
     seed: int = 0
     """Seed for initialisation, shuffling and sampling."""
     resume: str = "auto"
-    """`auto` continues from the newest complete checkpoint in output_dir, `never` starts fresh, or a checkpoint path."""
+    """`auto` continues from the newest complete checkpoint in output_dir, `never` starts fresh, or a checkpoint path.
+    A checkpoint is resumed only by the command that wrote it with the same settings, except
+    those listed in `posttrain.checkpoint.RESUME_MAY_CHANGE` (max_steps, cadences, sinks, ...)."""
+    overwrite: bool = False
+    """Let a fresh start (resume=never, or auto with no checkpoint to continue) replace a run
+    already in output_dir: its checkpoints, final/, metrics and logs are removed first.
+    Without it such a start is refused, so two runs never mix in one folder."""
     save_steps: int = 0
     """Save a checkpoint every N steps (0: only at the end)."""
     save_total_limit: int = 2

@@ -45,13 +45,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from posttrain.algos import dpo_loss, token_logprobs
-from posttrain.config import save_config, to_dict
 from posttrain.config.core import check
 from posttrain.config.preference import DPOAlgorithmConfig, DPOConfig
 from posttrain.data.batch import IGNORE_INDEX, PairBatch
@@ -253,7 +251,6 @@ class DPOTrainer:
 
     def train(self) -> FitResult:
         a = self.args
-        save_config(a, Path(a.trainer.output_dir) / "config.yaml")
         batches = StepTotalBatches(
             self.train_examples, a.data.train_batch_size, a.trainer.micro_batch_size,
             self._collate, seed=a.trainer.seed, shuffle=a.data.shuffle,
@@ -265,9 +262,9 @@ class DPOTrainer:
             a.data.train_batch_size, self._reference_kind(),
         )
         return fit(
-            self.model, self.tokenizer, a.trainer, batches, self.loss_fn,
+            self.model, self.tokenizer, a, batches, self.loss_fn,
             evaluate=partial(DPOTrainer.evaluate, self) if has_eval else None,
-            config_dict=to_dict(a), start_metrics=self.data_stats, desc="dpo", reference=self.reference,
+            start_metrics=self.data_stats, desc="dpo", reference=self.reference,
             ref_sync=RefSync(a.algorithm.ref_sync_steps, a.algorithm.ref_sync_alpha),
         )
 
@@ -278,7 +275,7 @@ class DPOTrainer:
 
 
 def run_dpo(cfg: DPOConfig) -> FitResult:
-    """`posttrain dpo`: train as configured, write the resolved config first."""
+    """`posttrain dpo`: train as configured (the loop writes config.yaml once its checks pass)."""
     check(bool(cfg.data.train_files), "data.train_files", "no training data: set data.train_files=[pairs.jsonl]")
     check(cfg.model.path is not None or cfg.model.init is not None, "model.path",
           "set model.path (a local HF model directory, e.g. an SFT run's final/) or model.init (tiny|small)")

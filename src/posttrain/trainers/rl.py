@@ -76,8 +76,7 @@ from typing import Any
 import torch
 
 from posttrain.algos import AdaptiveKLController, FixedKLController
-from posttrain.checkpoint import RunModels, load_checkpoint, save_checkpoint, save_final
-from posttrain.config import save_config, to_dict
+from posttrain.checkpoint import RunModels, RunRecord, load_checkpoint, save_checkpoint, save_final
 from posttrain.config.core import check
 from posttrain.config.rl import GRPOConfig, PPOConfig, RLConfig
 from posttrain.data.collate import pad_id_of
@@ -161,8 +160,7 @@ class RLTrainer:
     def train(self) -> FitResult:
         """Run the RL loop (`trainers/loop.run`): trainer.max_steps steps of `rl_step`."""
         a = self.args
-        save_config(a, Path(a.trainer.output_dir) / "config.yaml")
-        return run(self, a.trainer, to_dict(a), RefSync(a.algorithm.ref_sync_steps, a.algorithm.ref_sync_alpha))
+        return run(self, a, RefSync(a.algorithm.ref_sync_steps, a.algorithm.ref_sync_alpha))
 
     def step(self, step: int) -> StepOutput:
         metrics, self.last_batch = rl_step(self, step)
@@ -217,11 +215,11 @@ class RLTrainer:
         return {"prompts": self.stream.state_dict(), "kl_coef": self.kl_ctrl.value,
                 "rollout_logp_ok": self.rollout_logp_ok}
 
-    def save(self, run_dir: Path, step: int, metrics: dict[str, float], keep: int) -> Path:
+    def save(self, run_dir: Path, step: int, metrics: dict[str, float], keep: int, run: RunRecord) -> Path:
         r = self.roles
         ref = r.ref.saved_model() if r.ref is not None else None
         return save_checkpoint(run_dir, step, RunModels(r.actor.model, r.critic, reference=ref), self.tokenizer,
-                               r.actor.optimizer, r.actor.scheduler, self.state(), keep, metrics)
+                               r.actor.optimizer, r.actor.scheduler, self.state(), keep, metrics, run)
 
     def restore(self, path: Path) -> int:
         """Load checkpoint `path` into every role and the prompt stream; returns its step."""
