@@ -42,7 +42,7 @@ from posttrain.data.tasks import make_task
 from posttrain.sample_preferences import sample_preferences
 
 N_TEST = 500
-QUIET = ["trainer.progress=false", "trainer.report_to=[]", "trainer.resume=never"]
+QUIET = ["trainer.progress=false", "trainer.report_to=[]", "trainer.resume=never", "trainer.overwrite=true"]
 
 
 def stage_data(out: Path, a: argparse.Namespace) -> dict[str, Any]:

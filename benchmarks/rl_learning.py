@@ -55,6 +55,7 @@ def main() -> None:
         f"data.eval_files=[{data / 'test.jsonl'}]",
         f"trainer.output_dir={out / 'rl'}",
         "trainer.resume=never",
+        "trainer.overwrite=true",
         "eval.num_examples=500",
         *([f"trainer.max_time_s={args.minutes * 60}"] if args.minutes else []),
         *args.overrides,

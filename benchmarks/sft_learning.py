@@ -42,6 +42,7 @@ def main() -> None:
             f"data.eval_files=[{data / 'test.jsonl'}]",
             f"trainer.output_dir={out / 'sft'}",
             "trainer.resume=never",
+            "trainer.overwrite=true",
             *args.overrides,
         ],
     )

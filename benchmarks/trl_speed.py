@@ -169,6 +169,8 @@ def worker_ours(spec: dict[str, Any]) -> dict[str, Any]:
         "trainer.report_to=[]",
         "trainer.progress=false",
         f"trainer.output_dir={spec['out']}/ours_run",
+        "trainer.resume=never",
+        "trainer.overwrite=true",
         "trainer.seed=0",
         *spec["ours_overrides"],
     ]

@@ -11,7 +11,10 @@ import pytest
 import torch
 
 from posttrain.checkpoint import (
+    RunRecord,
     atomic_dir,
+    check_resume,
+    claim_run_dir,
     find_latest_checkpoint,
     load_checkpoint,
     load_weights,
@@ -19,6 +22,7 @@ from posttrain.checkpoint import (
     save_checkpoint,
     save_final,
 )
+from posttrain.config import ConfigError
 from posttrain.config.sections import TrainerConfig
 from posttrain.data.tokenizer import build_tokenizer
 from posttrain.models import BuiltinLM
@@ -149,6 +153,48 @@ def test_resolve_resume(tmp_path):
     (path / "COMPLETE").unlink()
     with pytest.raises(ValueError, match="not a complete checkpoint"):
         resolve_resume(tmp_path, str(path))
+
+
+def test_the_run_record_is_checked_key_by_key_and_tolerates_another_version(tmp_path):
+    model, opt, sched = trained(steps=0)
+    config = {"model": {"init": "tiny", "device": "cpu"}, "trainer": {"max_steps": 4, "output_dir": "a"}}
+    record = RunRecord.of("sft", config, model)
+    assert record.settings == {"model.device": "cpu", "trainer.max_steps": 4}  # output_dir is not recorded
+    path = save(tmp_path, 3, model, opt, sched, run=record)
+    assert RunRecord.read(path) == record
+
+    moved = {"model": {"init": "tiny", "device": "cuda"}, "trainer": {"max_steps": 9, "output_dir": "b"}}
+    assert check_resume(path, RunRecord.of("sft", moved, model), "auto", 9) == [
+        'model.device: "cpu" → "cuda"', "trainer.max_steps: 4 → 9"]
+    # A setting the checkpoint's posttrain did not have is listed, not refused.
+    newer = {**config, "data": {"new_option": 1}}
+    assert check_resume(path, RunRecord.of("sft", newer, model), "auto", 4) == ["data.new_option: (not recorded) → 1"]
+    with pytest.raises(ConfigError, match=r'model.init: "tiny" → "small".*new trainer.output_dir'):
+        check_resume(path, RunRecord.of("sft", {**config, "model": {"init": "small"}}, model), "auto", 4)
+    with pytest.raises(ConfigError, match="belongs to a `posttrain sft` run, and this is `posttrain dpo`"):
+        check_resume(path, RunRecord.of("dpo", config, model), "auto", 4)
+    wider = BuiltinLM.from_preset("tiny", vocab_size=VOCAB + 1, num_hidden_layers=1)
+    with pytest.raises(ConfigError, match=r"\(built model\): \"BuiltinLM, .* parameters"):
+        check_resume(path, RunRecord.of("sft", config, wider), "auto", 4)
+    with pytest.raises(ConfigError, match="already at step 3, past the end"):
+        check_resume(path, record, "auto", 2)
+
+
+def test_a_new_run_claims_only_an_unused_folder_and_overwrite_removes_only_run_outputs(tmp_path):
+    model, opt, sched = trained(steps=0)
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    ckpt = save(run, 1, model, opt, sched)
+    claim_run_dir(run, ckpt, "auto", overwrite=False)  # continuing its own run
+    with pytest.raises(ConfigError, match=r"already holds a run \(checkpoints/\)"):
+        claim_run_dir(run, None, "never", overwrite=False)
+    claim_run_dir(elsewhere, ckpt, str(ckpt), overwrite=False)  # a checkpoint from elsewhere, an unused folder
+    with pytest.raises(ConfigError, match="already holds a run"):
+        claim_run_dir(run, save(elsewhere, 1, model, opt, sched), str(elsewhere), overwrite=False)
+    (run / "metrics.jsonl").write_text("{}\n")
+    (run / "notes.txt").write_text("mine")
+    claim_run_dir(run, None, "never", overwrite=True)
+    assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]
+    claim_run_dir(run, None, "never", overwrite=False)  # nothing of a run left
 
 
 def test_same_step_saved_twice_is_replaced(tmp_path):

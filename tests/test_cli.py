@@ -46,6 +46,37 @@ def test_print_config_resolves_preset_and_overrides(capsys):
     assert "max_steps: 7" in out and "init: tiny" in out
 
 
+def test_generate_on_a_lora_adapter_points_to_export_merge_lora(tmp_path, capsys):
+    adapter = tmp_path / "lora" / "final"  # what a model.lora.r > 0 run saves: the adapter alone
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "base_model_name_or_path": None}))
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    assert main(["generate", str(adapter), "1+1=", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert "is a LoRA adapter" in err and f"posttrain export {adapter} --merge-lora --out" in err
+    assert "Traceback" not in err
+
+
+def test_generate_on_a_device_that_is_not_there_is_a_config_error(tmp_path, capsys):
+    assert main(["generate", str(tmp_path), "1+1=", "--device", "gpu"]) == 2
+    assert "--device: 'gpu' is not a device" in capsys.readouterr().err
+
+
+def test_a_run_that_stops_itself_is_one_line_and_exit_1(tmp_path, capsys):
+    main(["data", "make", "arithmetic", "--out", str(tmp_path / "d"), "--n-train", "40", "--n-test", "4"])
+    capsys.readouterr()
+    # An absurd learning rate: the first update overflows the weights, later losses are NaN.
+    code = main(["sft", "model.init=tiny", f"data.train_files=[{tmp_path / 'd' / 'train.jsonl'}]",
+                 f"trainer.output_dir={tmp_path / 'run'}", "trainer.max_steps=6", "trainer.learning_rate=1e30",
+                 "trainer.warmup_steps=0", "trainer.max_grad_norm=0", "trainer.max_bad_steps=2",
+                 "trainer.report_to=[]", "trainer.progress=false", "data.train_batch_size=4",
+                 "trainer.micro_batch_size=4"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "posttrain sft: stopped: loss or gradient norm was NaN/inf for 2 consecutive steps" in err
+    assert "Traceback" not in err
+
+
 @pytest.fixture(scope="module")
 def gpt2_dir(tmp_path_factory):
     """A tiny GPT-2 folder (the hf engine's kind) whose config.json has a key transformers

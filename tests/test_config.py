@@ -212,3 +212,42 @@ def test_overrides_apply_in_order_and_merge_sections():
     assert (cfg.inner.size, cfg.inner.names, cfg.rate) == (5, ["a"], 2.0)
     with pytest.raises(ConfigError, match=r"rate: expected float, got \{'x': 1\}"):
         build_config(_Outer, None, ["rate.x=1"])
+
+
+def test_a_bad_or_missing_device_is_a_config_error_before_loading():
+    import torch
+
+    with pytest.raises(ConfigError, match=r"model\.device: 'gpu' is not a device; expected auto, cpu, cuda or cuda:N"):
+        build_config(SFTConfig, None, [*BASE, "model.device=gpu"])
+    if torch.cuda.is_available():
+        build_config(SFTConfig, None, [*BASE, "model.device=cuda"])
+    else:
+        with pytest.raises(ConfigError, match=r"model\.device: cuda is not available.*model\.device=cpu"):
+            build_config(SFTConfig, None, [*BASE, "model.device=cuda"])
+    with pytest.raises(ConfigError, match=r"model\.device: cuda:99"):
+        build_config(SFTConfig, None, [*BASE, "model.device=cuda:99"])
+    assert build_config(SFTConfig, None, [*BASE, "model.device=cpu"]).model.device == "cpu"
+
+
+def test_a_command_line_model_source_replaces_the_recipes(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {init: tiny}\ndata: {train_files: [a]}\n")
+    cfg = build_config(SFTConfig, recipe, ["model.path=/my/model"])
+    assert (cfg.model.path, cfg.model.init) == ("/my/model", None)
+    recipe.write_text("model: {path: runs/sft/final}\ndata: {train_files: [a]}\n")
+    cfg = build_config(SFTConfig, recipe, ["model.init=tiny"])
+    assert (cfg.model.path, cfg.model.init) == (None, "tiny")
+    assert build_config(SFTConfig, recipe, ["model={init: small}"]).model.path is None
+    # Both in one source is still a mistake, and the error says how to clear one.
+    with pytest.raises(ConfigError, match=r"model\.path: set only one.*model\.init=null"):
+        build_config(SFTConfig, recipe, ["model.init=tiny", "model.path=/x"])
+    recipe.write_text("model: {path: /x, init: tiny}\ndata: {train_files: [a]}\n")
+    with pytest.raises(ConfigError, match=r"model\.init=null"):
+        build_config(SFTConfig, recipe)
+
+
+def test_warmup_past_max_steps_warns(caplog):
+    build_config(SFTConfig, None, [*BASE, "trainer.max_steps=10", "trainer.warmup_steps=9"])
+    assert "warmup_steps" not in caplog.text
+    build_config(SFTConfig, None, [*BASE, "trainer.max_steps=10", "trainer.warmup_steps=10"])
+    assert "trainer.warmup_steps=10 >= trainer.max_steps=10" in caplog.text

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from posttrain.config import ConfigError, build_config, iter_fields
+from posttrain.config import ConfigError, RunStopped, build_config, iter_fields
 from posttrain.config.core import type_name
 
 
@@ -299,9 +299,11 @@ def _sampling_checks(args: argparse.Namespace) -> float:
 
 def _load_model(args: argparse.Namespace) -> tuple[Any, Any]:
     from posttrain.config import ModelConfig
+    from posttrain.config.sections import check_device
     from posttrain.models.factory import build_model_and_tokenizer
     from posttrain.models.llama_checkpoint import read_config_json
 
+    check_device(args.device, "--device")
     read_config_json(args.model)  # a clear error when MODEL is not a model directory
     return build_model_and_tokenizer(ModelConfig(path=args.model, device=args.device, dtype=args.dtype))
 
@@ -618,6 +620,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except (FileNotFoundError, ImportError, ValueError) as err:
         print(f"posttrain {args.command}: error: {err}", file=sys.stderr)
+        return 1
+    except RunStopped as err:
+        print(f"posttrain {args.command}: stopped: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

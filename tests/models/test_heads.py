@@ -226,3 +226,21 @@ def test_lora_trains_only_adapters_and_the_head(rm):
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]  # it learns the preference, not just "params changed"
     assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
+
+
+@pytest.mark.parametrize("impl", ["builtin", "hf"])
+def test_a_stored_head_is_required_when_asked(lm, rm, tmp_path, impl):
+    """head="stored" (scoring) refuses a causal LM, naming what it is, before loading weights;
+    head="fresh" ignores a stored head."""
+    from posttrain.models.heads import MissingScoreHead
+
+    lm.save_pretrained(tmp_path / "lm")
+    with pytest.raises(MissingScoreHead, match=r"is a causal LM \(LlamaForCausalLM\), not a reward model"):
+        ScalarHeadModel.from_pretrained(tmp_path / "lm", impl=impl, head="stored")
+    rm.save_pretrained(tmp_path / "rm")
+    stored = ScalarHeadModel.from_pretrained(tmp_path / "rm", impl=impl, head="stored")
+    assert torch.equal(stored.score.weight, rm.score.weight)
+    fresh = ScalarHeadModel.from_pretrained(tmp_path / "rm", impl=impl, head="fresh", init_std=0.0)
+    assert not fresh.score.weight.any()
+    with pytest.raises(ValueError, match="unknown head"):
+        ScalarHeadModel.from_pretrained(tmp_path / "rm", head="random")

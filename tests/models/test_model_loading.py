@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from posttrain.models import (
+    BuiltinConfig,
     BuiltinLM,
     forward_logits,
     load_causal_lm,
@@ -123,3 +124,53 @@ def test_build_model_for_training_keeps_float32_weights_and_warns_on_16_bit(capl
     with caplog.at_level("WARNING", logger="posttrain.models.factory"):
         build_model(ModelConfig(init="tiny", device="cpu", dtype="bfloat16"), tok)  # run, not trained
     assert caplog.text == ""
+
+
+def test_a_folder_that_is_no_model_says_so_before_any_tokenizer(tmp_path):
+    from posttrain.config import ConfigError, ModelConfig
+    from posttrain.models.factory import build_model_and_tokenizer
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    with pytest.raises(ConfigError, match=r"model\.path: .*data' has no config\.json .*it holds train\.jsonl"):
+        build_model_and_tokenizer(ModelConfig(path=str(data), device="cpu"))
+
+
+@pytest.mark.parametrize("impl", ["auto", "hf"])
+def test_a_reward_model_is_not_loaded_as_a_causal_lm(tmp_path, tiny_kwargs, impl):
+    """Seen: GRPO given an RM's final/ as its policy failed with `unexpected ['score.weight']`
+    (built-in), and transformers would have loaded it with an LM head it never trained."""
+    from posttrain.models.heads import ScalarHeadModel
+
+    rm = ScalarHeadModel.from_causal_lm(BuiltinLM(BuiltinConfig(**tiny_kwargs, pad_token_id=0)))
+    rm.save_pretrained(tmp_path / "llama_rm")
+    gpt2 = transformers.GPT2Config(vocab_size=61, n_embd=16, n_layer=1, n_head=2, n_positions=32, pad_token_id=0)
+    transformers.GPT2ForSequenceClassification(gpt2).save_pretrained(tmp_path / "gpt2_rm")
+    for name, arch in (("llama_rm", "LlamaForSequenceClassification"), ("gpt2_rm", "GPT2ForSequenceClassification")):
+        with pytest.raises(ValueError, match=rf"is a reward model \({arch}\), not a causal LM"):
+            load_causal_lm(tmp_path / name, impl=impl)
+
+
+def test_disable_dropout_zeroes_modules_and_attention_floats(tiny_kwargs, caplog):
+    """GPT-2 keeps its dropout in nn.Dropout modules; Llama passes the float
+    `self.attention_dropout` to its attention kernel. Both must be 0 in train mode."""
+    import logging
+
+    from posttrain.models.loading import disable_dropout
+
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=61, n_embd=16, n_layer=2, n_head=2, n_positions=32,
+        resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1))
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**tiny_kwargs, attention_dropout=0.5))
+    with caplog.at_level(logging.INFO, logger="posttrain.models.loading"):
+        # embd + 2 layers × (attn: attn_dropout, resid_dropout; mlp: dropout); llama: 2 attentions
+        assert disable_dropout(gpt2, "policy") == 7
+        assert disable_dropout(llama) == 2
+    assert "policy: dropout off in 7 modules" in caplog.text
+    assert all(m.p == 0 for m in gpt2.modules() if isinstance(m, torch.nn.Dropout))
+    assert all(layer.self_attn.attention_dropout == 0.0 for layer in llama.model.layers)
+    assert gpt2.config.resid_pdrop == 0.1  # a saved checkpoint keeps its settings
+    for model in (gpt2.train(), llama.train()):
+        assert torch.equal(forward_logits(model, IDS[:, :5]), forward_logits(model, IDS[:, :5]))
+    assert disable_dropout(gpt2) == 0  # nothing left to switch off

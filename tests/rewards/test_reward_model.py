@@ -137,3 +137,33 @@ def test_errors_name_the_path(tmp_path, saved_rm):
         fn(["a"], ["b"], None)
     with pytest.raises(TypeError, match="string prompt needs a string completion"):
         reward_model(path, device="cpu")(["a"], [[{"role": "assistant", "content": "b"}]], None)
+
+
+def test_a_causal_lm_is_not_a_reward_model(tmp_path, tokenizer):
+    """Seen: reward.model_path at an SFT run's final/ scored every response with a freshly
+    initialised (random) head; only the warning of RM training said anything."""
+    import transformers
+
+    torch.manual_seed(0)
+    BuiltinLM.from_preset("tiny", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                          num_hidden_layers=1, num_attention_heads=4,
+                          num_key_value_heads=2).save_pretrained(tmp_path / "sft")
+    gpt2 = transformers.GPT2Config(vocab_size=len(tokenizer), n_embd=16, n_layer=1, n_head=2, n_positions=32)
+    transformers.GPT2LMHeadModel(gpt2).save_pretrained(tmp_path / "gpt2")
+    for name, arch in (("sft", "LlamaForCausalLM"), ("gpt2", "GPT2LMHeadModel")):
+        with pytest.raises(ValueError, match=rf"{tmp_path / name} is a causal LM \({arch}\), not a reward "
+                                             r"model: .*Train one with `posttrain rm` or point reward.model_path"):
+            reward_model(tmp_path / name, device="cpu")
+
+
+def test_dropout_is_off_in_the_reward_model_even_in_train_mode(tmp_path, tokenizer):
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=len(tokenizer), n_embd=16, n_layer=1, n_head=2, n_positions=64,
+                                     pad_token_id=tokenizer.pad_token_id, num_labels=1, resid_pdrop=0.5,
+                                     embd_pdrop=0.5)
+    transformers.GPT2ForSequenceClassification(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    fn = reward_model(tmp_path, device="cpu", dtype="float32").load()
+    fn.model.train()
+    assert fn(PROMPTS, COMPLETIONS) == fn(PROMPTS, COMPLETIONS)

@@ -310,3 +310,44 @@ def test_import_path_from_a_module():
     assert name == "exact_match" and fn(["Answer: 4"], answer=["4"]) == [1.0]
     with pytest.raises(ValueError, match="cannot import module 'no_such_pkg.mod'"):
         resolve_reward("no_such_pkg.mod:fn")
+
+
+# ---------------------------------------------------------------- what a run is told (#15)
+
+
+def test_nan_is_counted_and_warned_about_once_per_function(caplog):
+    runner = RewardRunner([("a", const([1.0, math.nan, math.nan])), ("b", const([math.nan, 1.0, 1.0]))])
+    with caplog.at_level(logging.WARNING, logger="posttrain.rewards.runner"):
+        first, second = score(runner), score(runner)
+    assert first.metrics["reward/a/nan"] == 2.0 and first.metrics["reward/b/nan"] == 1.0
+    assert second.metrics["reward/a/nan"] == 2.0
+    warned = [r.getMessage() for r in caplog.records if "returned NaN" in r.getMessage()]
+    assert len(warned) == 2  # one for a, one for b, none for the second batch
+    assert warned[0].startswith("reward function 'a' returned NaN on sample 1")
+    assert runner.tallies["a"].nan == 4 and runner.tallies["a"].samples == 6
+
+
+def test_the_first_failure_is_kept_with_its_traceback_and_the_summary_counts_errors():
+    calls = []
+
+    def fails_on_c1(prompts, completions, completion_ids, **kwargs):
+        calls.append(completions)
+        if len(completions) > 1 or completions[0] == "c1":
+            raise ValueError(f"cannot score {completions}")
+        return [0.5]
+
+    runner = RewardRunner([("f", fails_on_c1), ("g", const([1.0, 1.0, 1.0]))])
+    assert runner.first_failure("f") is None
+    score(runner)
+    score(runner)
+    failure = runner.first_failure("f")
+    # the batch call raised too, but only the sample that really failed is a failure
+    assert failure.startswith("failed on sample 1 (per-sample retry)\nTraceback")
+    assert "ValueError: cannot score ['c1']" in failure and runner.first_failure("g") is None
+    assert runner.summary() == "f: 2 of 6 samples failed (33.3%), 0 NaN; g: 0 of 6 samples failed (0.0%), 0 NaN"
+
+
+def test_a_wrong_length_return_is_the_first_failure_without_a_traceback():
+    runner = RewardRunner([("short", const([1.0]))])
+    score(runner)
+    assert runner.first_failure("short") == "returned [1.0] for 3 completions; expected a list of 3 floats or None"

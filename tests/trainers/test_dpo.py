@@ -229,6 +229,24 @@ def test_logps_ignore_padding(tok):
     torch.testing.assert_close(together.view(2, -1), alone.T, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("precompute", ["false", "true"])
+def test_dropout_is_off_so_the_first_step_starts_at_log_2(tmp_path, tok, precompute):
+    """The policy is the reference at step 1: h = 0 exactly, so every implicit reward is 0 and
+    the loss is log 2. GPT-2's default dropout (0.1) made them noise."""
+    import math
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    policy = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=4, n_positions=64,
+                                        resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1))
+    cfg = args(tmp_path, **{"algorithm.precompute_ref_log_probs": precompute})
+    DPOTrainer(policy, args=cfg, train_dataset=ROWS, processing_class=tok).train()
+    (first,) = metrics(tmp_path)
+    assert first["rewards/chosen"] == 0.0 and first["rewards/rejected"] == 0.0
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
+
+
 def test_cli_dpo_prints_the_held_out_summary_and_counts_pairs(tmp_path, capsys):
     data = tmp_path / "pairs"
     make_preferences("arithmetic", data, n_train=8, n_test=4, seed=0, difficulty="easy")

@@ -17,10 +17,11 @@ from transformers import PreTrainedTokenizerFast
 
 from posttrain import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
 from posttrain.cli import main
-from posttrain.config import LoraConfig, build_config
+from posttrain.config import ConfigError, LoraConfig, build_config
 from posttrain.data.tasks import make_task
 from posttrain.models import BuiltinLM
 from posttrain.models.lora import apply_lora
+from posttrain.rewards.checks import RewardFunctionError
 from posttrain.trainers.rl import RLTrainer
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
@@ -317,6 +318,158 @@ def test_prompt_loading_follows_the_truncation_rule():
     cfg.truncation = "drop"
     examples, stats = load_prompts([dict(r) for r in rows], word_tokenizer(), cfg)
     assert len(examples) == 1 and stats["data/n_dropped"] == 1
+
+
+# ---------------------------------------------------------------- a run that cannot learn says so (#15)
+
+
+def always_raises(prompts, completions, completion_ids, **columns):
+    raise RuntimeError("reward function bug")
+
+
+def wrong_length(prompts, completions, completion_ids, **columns):
+    return [1.0]
+
+
+def returns_a_string(prompts, completions, completion_ids, **columns):
+    return "1.0"
+
+
+@pytest.mark.parametrize("reward,seen", [
+    (always_raises, "RuntimeError: reward function bug"),
+    (wrong_length, "returned [1.0] for 64 completions"),
+    (returns_a_string, "returned '1.0' for 64 completions"),
+])
+def test_a_reward_function_that_always_fails_stops_the_run_before_any_update(tmp_path, reward, seen):
+    # Before #15 each of these trained 15 steps of reward 0 and grad_norm 0 and exited 0.
+    model = tiny_model()
+    before = weights(model)
+    with pytest.raises(RewardFunctionError) as err:
+        trainer_for(config(tmp_path), reward=reward, model=model).train()
+    message = str(err.value)
+    assert f"reward function {reward.__name__!r} failed on all 64 samples of step 1" in message
+    assert "before any update" in message and seen in message
+    if reward is always_raises:
+        assert "Traceback" in message and "in always_raises" in message
+    assert_same_weights(before, weights(model), atol=0)
+    assert not (tmp_path / "final").exists() and not (tmp_path / "checkpoints").exists()
+
+
+def test_max_bad_steps_steps_in_a_row_of_failing_every_sample_stop_the_run(tmp_path):
+    calls = []
+
+    def breaks_after_step_1(prompts, completions, completion_ids, **columns):
+        calls.append(len(completions))
+        if len(calls) > 1:
+            raise RuntimeError("the grading server went away")
+        return [0.0] * len(completions)
+
+    cfg = config(tmp_path, **{"trainer.max_steps": 6, "trainer.max_bad_steps": 2})
+    with pytest.raises(RewardFunctionError) as err:
+        trainer_for(cfg, reward=breaks_after_step_1).train()
+    message = str(err.value)
+    assert "on every sample of 2 steps in a row (trainer.max_bad_steps=2), up to step 3" in message
+    assert "the grading server went away" in message and "128 of 192 samples failed" in message
+    assert [m["reward/breaks_after_step_1/errors"] for m in metric_lines(tmp_path)] == [0.0, 64.0]
+
+
+def test_a_run_ends_with_each_reward_functions_error_rate(tmp_path, caplog):
+    cfg = config(tmp_path, **{"trainer.max_steps": 2, "reward.failure_reward": 1.0})
+    with caplog.at_level("INFO", logger="posttrain"):
+        trainer_for(cfg, reward=flaky).train()
+    errors = sum(m["reward/flaky/errors"] for m in metric_lines(tmp_path))
+    summary = f"flaky: {int(errors)} of 128 samples failed ({errors / 128:.1%}), 0 NaN"
+    assert any(r.levelname == "WARNING" and summary in r.getMessage() for r in caplog.records)
+
+
+def test_nan_rewards_are_counted_and_warned_about_once(tmp_path, caplog):
+    def nan_unless_a(prompts, completions, completion_ids, **columns):
+        return [1.0 if ids and ids[0] == TARGET else float("nan") for ids in completion_ids]
+
+    with caplog.at_level("WARNING", logger="posttrain"):
+        trainer_for(config(tmp_path, **{"trainer.max_steps": 2}), reward=nan_unless_a).train()
+    lines = metric_lines(tmp_path)
+    nans = [m["reward/nan_unless_a/nan"] for m in lines]
+    assert all(k > 0 for k in nans) and nans == [m["reward/nan_unless_a/none_frac"] * 64 for m in lines]
+    warned = [r for r in caplog.records if "returned NaN" in r.getMessage()]
+    assert len(warned) == 1 and "'nan_unless_a'" in warned[0].getMessage()
+
+
+def test_task_reward_without_a_task_column_is_refused_before_the_run(tmp_path):
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in PROMPTS[:8]))  # prompt, answer: no task
+    cfg = config(tmp_path / "run", **{"data.train_files": [str(data)], "reward.functions": ["task_reward"]})
+    with pytest.raises(ConfigError) as err:
+        GRPOTrainer(tiny_model(), args=cfg, processing_class=word_tokenizer())
+    message = str(err.value)
+    assert "reward function 'task_reward' needs the column 'task'" in message and str(data) in message
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_reward_function_that_cannot_take_the_arguments_is_refused_before_the_run(tmp_path):
+    def no_kwargs(completions):
+        return [0.0] * len(completions)
+
+    with pytest.raises(ConfigError, match=r"reward function 'no_kwargs'\(completions\) cannot be called .*"
+                                          r"unexpected keyword argument 'prompts'"):
+        trainer_for(config(tmp_path), reward=no_kwargs)
+
+
+def tiny_gpt2_dir(path, dropout=0.1):
+    """A 1-layer GPT-2 on the word vocabulary, with GPT-2's default dropout in its config."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(WORDS) + 3, n_embd=32, n_layer=1, n_head=4, n_positions=32,
+                        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+                        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    GPT2LMHeadModel(config).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_the_first_on_policy_step_has_kl_0_and_ratio_1_with_dropout_in_the_config(
+        tmp_path, monkeypatch, caplog, recompute):
+    """Seen: GPT-2's default dropout 0.1 made step 1 log kl=0.0399, where the policy is the
+    reference and the behaviour policy, so KL is exactly 0 and every ratio exactly 1.
+    recompute: old log-probs from their own pass, not the loss's own (detached) ones."""
+    if recompute:
+        monkeypatch.setattr(RLTrainer, "on_policy_update", property(lambda self: False))
+    cfg = config(tmp_path / "run", **{"model.path": tiny_gpt2_dir(tmp_path / "gpt2"), "model.init": "null",
+                                      "algorithm.kl.in_loss": "true", "trainer.max_steps": 1})
+    with caplog.at_level("INFO", logger="posttrain"):
+        GRPOTrainer(args=cfg, reward_funcs=[starts_with_a], train_dataset=PROMPTS,
+                    processing_class=word_tokenizer()).train()
+    (step1,) = metric_lines(tmp_path / "run")
+    assert step1["kl"] == 0.0 and step1["ratio/mean"] == 1.0
+    assert "policy: dropout off in 4 modules" in caplog.text  # embd + attn, resid, mlp of the layer
+
+
+def test_a_reward_model_folder_is_not_a_policy(tmp_path):
+    """Seen: GRPO given an RM's final/ as the policy failed with `unexpected ['score.weight']`."""
+    from posttrain.models.heads import ScalarHeadModel
+
+    ScalarHeadModel.from_causal_lm(tiny_model()).save_pretrained(tmp_path / "rm")
+    cfg = config(tmp_path / "run", **{"model.path": str(tmp_path / "rm"), "model.init": "null"})
+    with pytest.raises(ValueError, match=r"is a reward model \(LlamaForSequenceClassification\), not a causal LM"):
+        GRPOTrainer(args=cfg, reward_funcs=[starts_with_a], train_dataset=PROMPTS, processing_class=word_tokenizer())
+
+
+def test_critic_model_path_needs_a_trained_head_unless_fresh_head(tmp_path):
+    """A causal LM as critic.model_path would start PPO's critic from a random head, silently."""
+    from posttrain.config import ConfigError
+
+    tiny_model(seed=1).save_pretrained(tmp_path / "lm")
+    cfg = config(tmp_path / "a", "gae", **{"critic.model_path": str(tmp_path / "lm")})
+    with pytest.raises(ConfigError, match=r"critic.model_path: .* is a causal LM \(LlamaForCausalLM\), not a reward "
+                                          r"model: .*critic.fresh_head=true"):
+        trainer_for(cfg)
+    cfg = config(tmp_path / "b", "gae", **{"critic.model_path": str(tmp_path / "lm"), "critic.fresh_head": "true"})
+    critic = trainer_for(cfg).roles.critic.model
+    assert not critic.score.weight.any()  # a fresh head starts at zeros, as the default critic's
+    assert torch.equal(critic.model.embed_tokens.weight, tiny_model(seed=1).model.embed_tokens.weight)
+    with pytest.raises(ConfigError, match="critic.fresh_head: applies to critic.model_path only"):
+        config(tmp_path / "c", "gae", **{"critic.fresh_head": "true"})
 
 
 def test_rl_logs_its_setup_before_the_loop(tmp_path, caplog):

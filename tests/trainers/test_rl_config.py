@@ -42,6 +42,23 @@ def test_impossible_settings_name_the_field(overrides, field):
         build(*overrides)
 
 
+def test_one_response_per_prompt_is_reported_before_the_batch_arithmetic():
+    # n=1 makes the mini-batch 16 rows, which micro_batch_size=32 does not divide either.
+    with pytest.raises(ConfigError, match=r"rollout\.n: grpo compares the responses of a prompt: needs rollout\.n >= 2"):
+        build("data.train_batch_size=16", "actor.micro_batch_size=32", "rollout.n=1")
+    with pytest.raises(ConfigError, match=r"rollout\.n: grpo .* needs rollout\.n >= 2"):
+        build_config(GRPOConfig, RECIPES / "grpo.yaml", ["rollout.n=1"])
+
+
+def test_a_missing_prompt_column_points_to_data_prompt_key():
+    from posttrain.data.prompts import load_prompts
+
+    rows = [{"question": "1+1=", "answer": "2"}]
+    with pytest.raises(ConfigError, match=r"data\.prompt_key: list: row 1 has no column 'prompt' "
+                       r"\(found question, answer\); set data\.prompt_key=COLUMN"):
+        load_prompts(rows, None, build().data)
+
+
 def test_trainer_micro_batch_size_is_not_an_rl_key(capsys):
     # RL cuts micro-batches by actor.micro_batch_size; the trainer section has no such field.
     from posttrain.cli import main

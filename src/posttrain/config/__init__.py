@@ -2,6 +2,7 @@
 
 from posttrain.config.core import (
     ConfigError,
+    RunStopped,
     build_config,
     field_docs,
     iter_fields,
@@ -21,6 +22,7 @@ from posttrain.config.sft import SFTConfig, SFTDataConfig, SFTEvalConfig
 
 __all__ = [
     "ConfigError",
+    "RunStopped",
     "DPOConfig",
     "DataConfig",
     "GRPOConfig",

@@ -33,6 +33,11 @@ class ConfigError(ValueError):
     """A bad configuration: the message names the key and says how to fix it."""
 
 
+class RunStopped(RuntimeError):
+    """A run that stopped itself because it cannot go on (the loss diverged, a reward
+    function fails on every sample); the message says why and where its last good state is."""
+
+
 # ---------------------------------------------------------------------------------------
 # Field documentation
 # ---------------------------------------------------------------------------------------
@@ -302,11 +307,15 @@ def build_config(
     """Defaults ← YAML file (or shipped recipe name, `resolve_config_file`) ← `key=value`
     overrides, merged by OmegaConf with `${a.b}` resolved (a recipe may say
     `critic.learning_rate: ${trainer.learning_rate}`; `\\${` is a literal `${`); then check
-    keys, types and combinations. The defaults are merged too, so `${...}` may name any key."""
+    keys, types and combinations. The defaults are merged too, so `${...}` may name any key.
+    Where a section allows only one of some keys (`one_of`, e.g. model.path and model.init),
+    an override of one clears the others the file set: the later source wins."""
     data = load_yaml(resolve_config_file(config_file)) if config_file is not None else {}
     pairs, key = [parse_override(o) for o in overrides], "config"
     try:
         conf = OmegaConf.merge(to_dict(cls()), data)
+        for key in _cleared_by_overrides(cls, pairs):
+            OmegaConf.update(conf, key, None)
         for key, value in pairs:
             OmegaConf.update(conf, key, value)
         data = OmegaConf.to_container(conf, resolve=True)  # type: ignore[assignment]
@@ -315,6 +324,34 @@ def build_config(
     cfg = from_dict(cls, data)
     validate_tree(cfg)
     return cfg
+
+
+def _cleared_by_overrides(cls: type, pairs: list[tuple[str, Any]]) -> list[str]:
+    """Keys of a section's `one_of` group (only one may be set) that the overrides leave to
+    the file: they are cleared, so that `model.path=X` replaces a recipe's `model.init`. Two
+    members set by the overrides alone are kept for `validate()` to refuse."""
+    cleared = []
+    for prefix, group in _one_of_groups(cls):
+        section = prefix.rstrip(".")
+        named = set()
+        for key, value in pairs:
+            if key.startswith(prefix) and key[len(prefix):] in group and value is not None:
+                named.add(key[len(prefix):])
+            elif key == section and isinstance(value, dict):
+                named |= {k for k in group if value.get(k) is not None}
+        if named:
+            cleared += [prefix + k for k in group if k not in named]
+    return cleared
+
+
+def _one_of_groups(cls: type, prefix: str = "") -> typing.Iterator[tuple[str, tuple[str, ...]]]:
+    """(prefix, names) of every section of the tree `cls` that declares a `one_of` group."""
+    if getattr(cls, "one_of", ()):
+        yield prefix, cls.one_of
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if _is_config_class(hints[f.name]):
+            yield from _one_of_groups(hints[f.name], f"{prefix}{f.name}.")
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

@@ -11,7 +11,7 @@ implicit shared prompt; strings or chat messages), and count batches in pairs:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from posttrain.config.core import check
 from posttrain.config.sections import (
@@ -83,17 +83,28 @@ class RMAlgorithmConfig:
 
 
 @dataclass
+class RMTrainerConfig(OfflineTrainerConfig):
+    """The shared optimisation options, in the reward model's own run directory."""
+
+    output_dir: str = "runs/rm"
+    """Run directory: config.yaml, metrics.jsonl, checkpoints/, final/ are written here. It
+    holds one run: each command defaults to its own (runs/sft, runs/rm, runs/dpo, ...)."""
+
+
+@dataclass
 class RMConfig:
     """Reward model: a backbone with a scalar head at the last token, trained on preference
     pairs with the Bradley-Terry loss; final/ is a LlamaForSequenceClassification-style
     checkpoint that `posttrain ppo reward.model_path=RUN_DIR/final` scores with."""
+
+    command: ClassVar[str] = "rm"  # the `posttrain` command; checkpoints record it (resume checks it)
 
     model: ModelConfig = field(default_factory=ModelConfig)
     """The backbone: a causal LM (its LM head is replaced by a fresh score head), a saved
     reward model (trained further), or a fresh built-in model (model.init)."""
     data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
     """Training and eval pairs."""
-    trainer: OfflineTrainerConfig = field(default_factory=OfflineTrainerConfig)
+    trainer: RMTrainerConfig = field(default_factory=RMTrainerConfig)
     """Optimisation, logging, checkpoints."""
     algorithm: RMAlgorithmConfig = field(default_factory=RMAlgorithmConfig)
     """Loss options."""
@@ -138,7 +149,11 @@ class DPOAlgorithmConfig(RefSyncConfig):
 
 @dataclass
 class DPOTrainerConfig(OfflineTrainerConfig):
-    """The shared optimisation options, with TRL's DPO learning rate."""
+    """The shared optimisation options, with TRL's DPO learning rate, in DPO's own run directory."""
+
+    output_dir: str = "runs/dpo"
+    """Run directory: config.yaml, metrics.jsonl, checkpoints/, final/ are written here. It
+    holds one run: each command defaults to its own (runs/sft, runs/rm, runs/dpo, ...)."""
 
     learning_rate: float = 1e-6
     """Peak learning rate (AdamW). 1e-6 is TRL's DPO default, made for pretrained models of
@@ -149,6 +164,8 @@ class DPOTrainerConfig(OfflineTrainerConfig):
 class DPOConfig:
     """Direct preference optimisation: train a policy on preference pairs against a frozen
     reference (the initial policy; with LoRA, the base with its adapter disabled)."""
+
+    command: ClassVar[str] = "dpo"  # the `posttrain` command; checkpoints record it (resume checks it)
 
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy (usually an SFT checkpoint); its initial weights are the reference."""

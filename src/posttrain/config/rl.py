@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from posttrain.algos import ADV_ESTIMATORS, AdvEstimator
 from posttrain.config.core import check
@@ -161,8 +161,12 @@ class CriticConfig:
     enable: bool | None = None
     """Train a critic; null = exactly when algorithm.adv_estimator is gae (the only estimator that uses one)."""
     model_path: str | None = None
-    """Initial critic: a saved value/reward model directory; null = the policy's initial
-    weights with a fresh scalar head."""
+    """Initial critic: a saved value/reward model directory, whose weights must hold its
+    score head (see fresh_head); null = the policy's initial weights with a fresh scalar head."""
+    fresh_head: bool = False
+    """Start critic.model_path's critic with a fresh (zero) value head on its backbone, so the
+    folder may be a plain causal LM. False = it must be a critic or reward model, whose trained
+    head the critic starts from; a folder without one is an error."""
     share_backbone: bool = False
     """Put the value head on the policy's own backbone: one forward, one optimizer, and the
     loss policy + vf_coef · value (TRL's old value-head models). False = a separate model."""
@@ -184,6 +188,8 @@ class CriticConfig:
         check(self.vf_coef > 0, "critic.vf_coef", f"must be > 0, got {self.vf_coef}")
         check(self.warmup_steps >= 0, "critic.warmup_steps", "must be >= 0")
         check(self.micro_batch_size is None or self.micro_batch_size >= 1, "critic.micro_batch_size", "must be >= 1")
+        check(not self.fresh_head or self.model_path is not None, "critic.fresh_head",
+              "applies to critic.model_path only (the default critic already starts with a fresh head)")
 
 
 @dataclass
@@ -337,9 +343,29 @@ class RLEvalConfig:
 
 
 @dataclass
+class GRPOTrainerConfig(TrainerConfig):
+    """The shared optimisation options, in GRPO's own run directory."""
+
+    output_dir: str = "runs/grpo"
+    """Run directory: config.yaml, metrics.jsonl, checkpoints/, final/ are written here. It
+    holds one run: each command defaults to its own (runs/sft, runs/rm, runs/dpo, ...)."""
+
+
+@dataclass
+class PPOTrainerConfig(TrainerConfig):
+    """The shared optimisation options, in PPO's own run directory."""
+
+    output_dir: str = "runs/ppo"
+    """Run directory: config.yaml, metrics.jsonl, checkpoints/, final/ are written here. It
+    holds one run: each command defaults to its own (runs/sft, runs/rm, runs/dpo, ...)."""
+
+
+@dataclass
 class RLConfig:
     """Online RL: PPO (critic + GAE) and the critic-free GRPO family (GRPO, DAPO, GSPO,
     Dr.GRPO, RLOO, REINFORCE++), chosen by algorithm.adv_estimator and the actor's loss."""
+
+    command: ClassVar[str] = "rl"  # checkpoints record it (resume checks it); GRPOConfig, PPOConfig set theirs
 
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy (its initial weights are also the reference)."""
@@ -363,6 +389,11 @@ class RLConfig:
 
     def validate(self) -> None:
         d, a, n = self.data, self.actor, self.rollout.n
+        est = self.algorithm.adv_estimator
+        # The root cause first: with n = 1 the micro-batch arithmetic below may fail too.
+        check(n >= 2 or not self.algorithm.estimator.grouped, "rollout.n",
+              f"{est} compares the responses of a prompt: needs rollout.n >= 2, got {n}")
+        check(n >= 2 or not self.algorithm.filter_groups, "rollout.n", "algorithm.filter_groups needs rollout.n >= 2")
         mini = self.mini_batch_prompts
         check_divides(d.train_batch_size, "data.train_batch_size", mini, "actor.ppo_mini_batch_size")
         if not a.max_tokens_per_micro_batch:
@@ -370,10 +401,6 @@ class RLConfig:
             if self.critic.micro_batch_size is not None:
                 check_divides(mini * n, "actor.ppo_mini_batch_size·rollout.n",
                               self.critic.micro_batch_size, "critic.micro_batch_size")
-        est = self.algorithm.adv_estimator
-        check(n >= 2 or not self.algorithm.estimator.grouped, "rollout.n",
-              f"{est} compares the responses of a prompt: needs rollout.n >= 2, got {n}")
-        check(n >= 2 or not self.algorithm.filter_groups, "rollout.n", "algorithm.filter_groups needs rollout.n >= 2")
         self._validate_critic(est)
         check(self.algorithm.overlong.buffer <= self.rollout.max_new_tokens, "algorithm.overlong.buffer",
               f"must be <= rollout.max_new_tokens={self.rollout.max_new_tokens}")
@@ -410,6 +437,12 @@ class RLConfig:
 class GRPOConfig(RLConfig):
     """GRPO and its relatives (DAPO, GSPO, Dr.GRPO, RLOO, REINFORCE++): no critic by default."""
 
+    command: ClassVar[str] = "grpo"  # the `posttrain` command; checkpoints record it (resume checks it)
+
+    trainer: GRPOTrainerConfig = field(default_factory=GRPOTrainerConfig)
+    """Steps, optimizer (the actor's), schedule, logging, checkpoints. max_steps, warmup
+    and the schedule count RL steps; micro-batches are actor.micro_batch_size."""
+
 
 @dataclass
 class PPORolloutConfig(RolloutConfig):
@@ -431,6 +464,11 @@ class PPOAlgorithmConfig(AlgorithmConfig):
 class PPOConfig(RLConfig):
     """PPO with a critic: algorithm.adv_estimator=gae and rollout.n=1 by default."""
 
+    command: ClassVar[str] = "ppo"  # the `posttrain` command; checkpoints record it (resume checks it)
+
+    trainer: PPOTrainerConfig = field(default_factory=PPOTrainerConfig)
+    """Steps, optimizer (the actor's), schedule, logging, checkpoints. max_steps, warmup
+    and the schedule count RL steps; micro-batches are actor.micro_batch_size."""
     rollout: PPORolloutConfig = field(default_factory=PPORolloutConfig)
     """Sampling."""
     algorithm: PPOAlgorithmConfig = field(default_factory=PPOAlgorithmConfig)

@@ -6,10 +6,14 @@ are generated from it.
 
 from __future__ import annotations
 
+import logging
+import re
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
-from posttrain.config.core import check
+from posttrain.config.core import ConfigError, check
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -58,12 +62,18 @@ class ModelConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters."""
 
+    # Setting one of these on the command line clears the other where a YAML file set it
+    # (`build_config`): a recipe's model.init gives way to the user's model.path.
+    one_of: ClassVar[tuple[str, ...]] = ("path", "init")
+
     def validate(self) -> None:
         check(
             self.path is None or self.init is None,
             "model.path",
-            "set only one of model.path (a local HF model directory) or model.init (tiny|small)",
+            "set only one of model.path (a local HF model directory) or model.init (tiny|small), not both "
+            "in one file or one command line; clear the other with model.init=null (or model.path=null)",
         )
+        check_device(self.device, "model.device")
         check(
             self.init is None or self.lora.quantize == "none",
             "model.lora.quantize",
@@ -104,7 +114,8 @@ class TrainerConfig:
     """The optimisation loop: steps, optimizer, schedule, precision, logging, checkpoints."""
 
     output_dir: str = "runs/run"
-    """Run directory: config.yaml, metrics.jsonl, checkpoints/, final/ are written here."""
+    """Run directory: config.yaml, metrics.jsonl, checkpoints/, final/ are written here. It
+    holds one run: each command defaults to its own (runs/sft, runs/rm, runs/dpo, ...)."""
     max_steps: int = 100
     """Number of optimizer steps."""
     max_time_s: float | None = None
@@ -133,7 +144,13 @@ class TrainerConfig:
     seed: int = 0
     """Seed for initialisation, shuffling and sampling."""
     resume: str = "auto"
-    """`auto` continues from the newest complete checkpoint in output_dir, `never` starts fresh, or a checkpoint path."""
+    """`auto` continues from the newest complete checkpoint in output_dir, `never` starts fresh, or a checkpoint path.
+    A checkpoint is resumed only by the command that wrote it with the same settings, except
+    those listed in `posttrain.checkpoint.RESUME_MAY_CHANGE` (max_steps, cadences, sinks, ...)."""
+    overwrite: bool = False
+    """Let a fresh start (resume=never, or auto with no checkpoint to continue) replace a run
+    already in output_dir: its checkpoints, final/, metrics and logs are removed first.
+    Without it such a start is refused, so two runs never mix in one folder."""
     save_steps: int = 0
     """Save a checkpoint every N steps (0: only at the end)."""
     save_total_limit: int = 2
@@ -161,6 +178,9 @@ class TrainerConfig:
               "save_steps and eval_steps must be >= 0 (0: only at the end)")
         check(len(self.adam_betas) == 2, "trainer.adam_betas", "needs two values, e.g. [0.9,0.999]")
         check(0.0 <= self.min_lr_ratio <= 1.0, "trainer.min_lr_ratio", "must be in [0, 1]")
+        if self.warmup_steps >= self.max_steps:
+            log.warning("trainer.warmup_steps=%d >= trainer.max_steps=%d: the run ends before the learning "
+                        "rate reaches trainer.learning_rate (warmup is cut short)", self.warmup_steps, self.max_steps)
         allowed = {"tensorboard", "wandb", "mlflow"}
         unknown = sorted(set(self.report_to) - allowed)
         check(not unknown, "trainer.report_to", f"unknown sink(s) {unknown}; choose from {sorted(allowed)}")
@@ -177,6 +197,23 @@ class OfflineTrainerConfig(TrainerConfig):
     def validate(self) -> None:
         super().validate()
         check(self.micro_batch_size > 0, "trainer.micro_batch_size", "must be > 0")
+
+
+def check_device(device: str, key: str) -> None:
+    """`device` is auto, cpu, cuda or cuda:N, and a CUDA one exists here: a config error
+    before anything loads, not torch's traceback from the first tensor moved there."""
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+        raise ConfigError(f"{key}: {device!r} is not a device; expected auto, cpu, cuda or cuda:N")
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(f"{key}: {device} is not available (torch.cuda.is_available() is false on this "
+                          f"machine); use {key}=cpu, or auto (CUDA when there is one)")
+    index = int(device.partition(":")[2] or 0)
+    count = torch.cuda.device_count()
+    check(index < count, key, f"{device} does not exist: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}")
 
 
 def check_divides(batch: int, batch_key: str, part: int, part_key: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from posttrain.config.core import check
 from posttrain.config.sections import DataConfig, ModelConfig, OfflineTrainerConfig, check_divides
@@ -39,14 +40,25 @@ class SFTEvalConfig:
 
 
 @dataclass
+class SFTTrainerConfig(OfflineTrainerConfig):
+    """The shared optimisation options, in SFT's own run directory."""
+
+    output_dir: str = "runs/sft"
+    """Run directory: config.yaml, metrics.jsonl, checkpoints/, final/ are written here. It
+    holds one run: each command defaults to its own (runs/sft, runs/rm, runs/dpo, ...)."""
+
+
+@dataclass
 class SFTConfig:
     """Supervised fine-tuning: next-token loss on text, prompt/completion or chat data."""
+
+    command: ClassVar[str] = "sft"  # the `posttrain` command; checkpoints record it (resume checks it)
 
     model: ModelConfig = field(default_factory=ModelConfig)
     """The model to train."""
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     """Training and eval data."""
-    trainer: OfflineTrainerConfig = field(default_factory=OfflineTrainerConfig)
+    trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)
     """Optimisation, logging, checkpoints."""
     eval: SFTEvalConfig = field(default_factory=SFTEvalConfig)
     """Held-out evaluation."""

@@ -6,7 +6,7 @@ A prompt row is `prompt` (a string, or chat messages) plus any columns (`answer`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from posttrain.config.core import ConfigError
@@ -32,10 +32,13 @@ def load_prompts(source: Any, tokenizer: Any, cfg: RLDataConfig) -> tuple[list[d
     tokens, or drop); counts go to the metrics as data/*. A column missing from some rows
     is None there (reward functions get every column for every row, as TRL)."""
     rows = load_rows(source)
+    missing = next((i for i, r in enumerate(rows) if isinstance(r, Mapping) and cfg.prompt_key not in r), None)
+    if missing is not None:
+        found = ", ".join(map(str, rows[missing])) or "no columns"
+        raise ConfigError(
+            f"data.prompt_key: {rows.locate(missing)} has no column {cfg.prompt_key!r} (found {found}); "
+            "set data.prompt_key=COLUMN to read the prompts from another column")
     if cfg.prompt_key != "prompt":
-        missing = [i for i, r in enumerate(rows) if cfg.prompt_key not in r]
-        if missing:
-            raise ConfigError(f"data.prompt_key: {rows.locate(missing[0])} has no column {cfg.prompt_key!r}")
         for r in rows:
             r["prompt"] = r.pop(cfg.prompt_key)
     validate_rows(rows, "prompt", rows.name)

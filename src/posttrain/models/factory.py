@@ -24,6 +24,13 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
         from posttrain.data.tokenizer import build_tokenizer
 
         return build_tokenizer()
+    if cfg.tokenizer is None:  # a folder that is no model gets that error, not a tokenizer's
+        from posttrain.models.llama_checkpoint import read_config_json
+
+        try:
+            read_config_json(source)
+        except FileNotFoundError as err:
+            raise ConfigError(f"model.path: {err}") from None
     from transformers import AutoTokenizer
 
     try:

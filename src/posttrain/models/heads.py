@@ -55,6 +55,36 @@ from posttrain.models.lora import is_peft, merged_for_export
 logger = logging.getLogger(__name__)
 
 SCORE_KEY = "score.weight"
+HEAD_SOURCES = ("auto", "stored", "fresh")
+
+
+class MissingScoreHead(ValueError):
+    """A checkpoint read as a trained reward model or critic holds no score head."""
+
+
+def describe_checkpoint(hf: dict) -> str:
+    """What config.json says a checkpoint is, for error messages: "a causal LM (LlamaForCausalLM)"."""
+    arch = ckpt.architecture(hf)
+    if arch is None:
+        return "a model whose config.json names no architecture"
+    kind = "a causal LM" if arch.endswith(("ForCausalLM", "LMHeadModel")) else "a model"
+    return f"{kind} ({arch})"
+
+
+def require_score_head(path: str | Path, hf: dict | None = None) -> None:
+    """Raise `MissingScoreHead`, saying what the checkpoint is, unless its weights hold a
+    trained score head (`score.weight`). Reads the weights' names only, not the weights.
+
+    The weights decide, not config.json: a `*ForSequenceClassification` config whose
+    weights lack the head would get a random one from transformers too.
+    """
+    hf = ckpt.read_config_json(path) if hf is None else hf
+    if SCORE_KEY in ckpt.weight_names(path):
+        return
+    raise MissingScoreHead(
+        f"{path} is {describe_checkpoint(hf)}, not a reward model: its weights have no trained "
+        f"score head ({SCORE_KEY})"
+    )
 
 
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -220,10 +250,17 @@ class ScalarHeadModel(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | str | None = None,
         impl: str = "auto",
+        head: str = "auto",
+        init_std: float | None = None,
     ) -> ScalarHeadModel:
         """Load a reward model / critic, a `*ForSequenceClassification` checkpoint with one
-        label, or a plain causal LM (its LM head is dropped and a fresh score head is
-        initialised, with a warning).
+        label, or a plain causal LM (its LM head is dropped).
+
+        head: what becomes of the score head. "auto": the stored one, else (a causal LM) a
+        fresh one, with a warning: the start of reward-model training. "stored": the stored
+        one, else `MissingScoreHead` (scoring with an untrained head means nothing).
+        "fresh": a fresh one, whatever is stored. A fresh head is normal(0, init_std),
+        init_std None = 1/sqrt(H + 1), 0.0 = zeros.
 
         dtype None keeps the checkpoint's dtype; device None means CPU. impl as in
         `load_causal_lm`: "builtin" (Llama checkpoints), "hf", or "auto" (builtin when
@@ -231,20 +268,29 @@ class ScalarHeadModel(nn.Module):
         """
         if impl not in IMPLS:
             raise ValueError(f"unknown impl {impl!r}; choose one of {IMPLS}")
+        if head not in HEAD_SOURCES:
+            raise ValueError(f"unknown head {head!r}; choose one of {HEAD_SOURCES}")
         hf = ckpt.read_config_json(path)  # names the path when it is not a model dir
+        if head == "stored":
+            require_score_head(path, hf)  # before loading any weight
         dtype = None if dtype is None else resolve_dtype(dtype, device or "cpu")
         if impl == "auto":
             impl = "hf" if ckpt.unsupported_llama_features(hf) else "builtin"
         if impl == "builtin":
-            model = cls._load_builtin(path, hf, dtype)
+            model, stored = cls._load_builtin(path, hf, dtype)
         else:
-            model = cls._load_hf(path, dtype)
+            model, stored = cls._load_hf(path, dtype)
+        if head != "fresh":
+            _load_score(model, stored, path, init_std)
+        elif init_std is not None:  # "fresh": `cls(...)` made a default-initialised head
+            model.init_score(init_std)
         return model.to(device or "cpu")
 
     @classmethod
     def _load_builtin(
         cls, path: str | Path, hf: dict, dtype: torch.dtype | None
-    ) -> ScalarHeadModel:
+    ) -> tuple[ScalarHeadModel, torch.Tensor | None]:
+        """The model with its backbone loaded, and the stored score weight (None: none)."""
         problems = ckpt.unsupported_llama_features(hf)
         if problems:
             raise ValueError(
@@ -278,12 +324,12 @@ class ScalarHeadModel(nn.Module):
             )
         decoder.load_state_dict(decoder_state, assign=True)
         decoder.rotary_emb.reset_inv_freq()
-        model = cls(decoder, config, "model")
-        _load_score(model, score, path)
-        return model
+        return cls(decoder, config, "model"), score
 
     @classmethod
-    def _load_hf(cls, path: str | Path, dtype: torch.dtype | None) -> ScalarHeadModel:
+    def _load_hf(
+        cls, path: str | Path, dtype: torch.dtype | None
+    ) -> tuple[ScalarHeadModel, torch.Tensor | None]:
         from transformers import AutoModelForSequenceClassification
 
         hf_model, info = AutoModelForSequenceClassification.from_pretrained(
@@ -301,9 +347,7 @@ class ScalarHeadModel(nn.Module):
             )
         prefix = hf_model.base_model_prefix
         model = cls(getattr(hf_model, prefix), hf_model.config, prefix)
-        loaded = None if SCORE_KEY in info["missing_keys"] else head.weight.detach()
-        _load_score(model, loaded, path)
-        return model
+        return model, None if SCORE_KEY in info["missing_keys"] else head.weight.detach()
 
     # --- saving ------------------------------------------------------------------------
 
@@ -356,14 +400,16 @@ def _hf_skeleton(config: Any) -> nn.Module:
     return skeleton
 
 
-def _load_score(model: ScalarHeadModel, weight: torch.Tensor | None, path: str | Path) -> None:
-    """Copy a stored (1, H) head into `model`, or keep its fresh head and say so."""
+def _load_score(
+    model: ScalarHeadModel, weight: torch.Tensor | None, path: str | Path, init_std: float | None
+) -> None:
+    """Copy a stored (1, H) head into `model`, or keep the fresh head it was built with
+    (re-initialised with `init_std` when given) and say so."""
     if weight is None:
-        logger.warning(
-            "no score head in %s; initialising it (normal, std %.4g)",
-            path,
-            default_init_std(model.hidden_size),
-        )
+        if init_std is not None:
+            model.init_score(init_std)
+        std = default_init_std(model.hidden_size) if init_std is None else init_std
+        logger.warning("no score head in %s; initialising it (normal, std %.4g)", path, std)
         return
     if tuple(weight.shape) != (1, model.hidden_size):
         raise ValueError(

@@ -29,9 +29,19 @@ def read_config_json(path: str | Path) -> dict:
     if not path.is_dir():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist or is not a directory")
     config_file = path / "config.json"
-    if not config_file.is_file():
+    if (path / "adapter_config.json").is_file() and not config_file.is_file():
+        merged = path.parent / f"{path.name}-merged"
         raise FileNotFoundError(
-            f"model path {str(path)!r} has no config.json (expected a Hugging Face model directory)"
+            f"model path {str(path)!r} is a LoRA adapter (adapter_config.json, no config.json), not a "
+            f"whole model: merge it into its base first, `posttrain export {path} --merge-lora --out "
+            f"{merged}`, and use {merged}"
+        )
+    if not config_file.is_file():
+        names = sorted(p.name for p in path.iterdir())
+        held = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "") if names else "nothing"
+        raise FileNotFoundError(
+            f"model path {str(path)!r} has no config.json (expected a Hugging Face model directory; "
+            f"it holds {held})"
         )
     return json.loads(config_file.read_text())
 
@@ -175,6 +185,26 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         else:
             state.update(torch.load(file, map_location="cpu", weights_only=True))
     return state
+
+
+def weight_names(path: str | Path) -> set[str]:
+    """The names of the checkpoint's tensors, read without loading them (a .bin is memory-mapped)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for file in weight_files(Path(path)):
+        if file.suffix == ".safetensors":
+            with safe_open(file, framework="pt") as f:
+                names.update(f.keys())
+        else:
+            names.update(torch.load(file, map_location="cpu", weights_only=True, mmap=True))
+    return names
+
+
+def architecture(hf: dict) -> str | None:
+    """The model class config.json names (`architectures[0]`), e.g. "LlamaForCausalLM"."""
+    names = hf.get("architectures") or []
+    return names[0] if names and isinstance(names[0], str) else None
 
 
 def write_checkpoint(

@@ -6,6 +6,7 @@ passes `local_files_only=True`.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -13,6 +14,8 @@ from torch import nn
 
 from posttrain.models import llama_checkpoint as ckpt
 from posttrain.models.builtin import BuiltinLM
+
+logger = logging.getLogger(__name__)
 
 IMPLS = ("auto", "builtin", "hf")
 
@@ -64,11 +67,13 @@ def load_causal_lm(
 
     impl: "builtin" -> BuiltinLM (Llama checkpoints only); "hf" ->
     transformers.AutoModelForCausalLM; "auto" -> builtin when config.json is a
-    Llama whose every feature BuiltinLM implements, else hf.
+    Llama whose every feature BuiltinLM implements, else hf. A reward model (a
+    `*ForSequenceClassification` checkpoint) is refused: see `check_causal_lm`.
     """
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; choose one of {IMPLS}")
     hf_config = ckpt.read_config_json(path)  # names the path when it is not a model dir
+    check_causal_lm(path, hf_config)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     if impl == "auto":
@@ -79,6 +84,45 @@ def load_causal_lm(
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
     return model.to(device)
+
+
+def check_causal_lm(path: str | Path, hf_config: dict) -> None:
+    """Raise ValueError when config.json says `path` holds a sequence classifier (a reward model
+    or critic): loading one as a causal LM would drop its score head and either fail on the
+    unexpected `score.weight` (built-in) or give an LM head it never trained (transformers)."""
+    arch = ckpt.architecture(hf_config)
+    if arch is not None and arch.endswith("ForSequenceClassification"):
+        raise ValueError(
+            f"{path} is a reward model ({arch}), not a causal LM: it scores text and cannot generate "
+            "it. Give a causal LM here (a base model, or an SFT/DPO/RL run's final/); a reward model "
+            "goes in reward.model_path"
+        )
+
+
+def disable_dropout(model: nn.Module, name: str = "model") -> int:
+    """Switch off every dropout of `model`, in train mode too, and log how many modules had one.
+
+    RL and DPO compare log-probs of the same tokens under two forwards (old vs new policy,
+    policy vs reference); dropout makes them differ by noise (a GPT-2 at its default 0.1
+    shows KL ≈ 0.04 on an on-policy step, where it is 0). As TRL's `disable_dropout_in_model`,
+    each `nn.Dropout` gets p = 0; float attributes named `*dropout` are zeroed as well, since
+    Llama and Qwen2 attention pass `self.attention_dropout` to their kernel in train mode.
+    The config is left as it is, so a saved checkpoint keeps its dropout for later training.
+    Returns the number of modules changed.
+    """
+    changed = 0
+    for module in model.modules():
+        hit = isinstance(module, nn.Dropout) and module.p > 0
+        if hit:
+            module.p = 0.0
+        for attr, value in list(vars(module).items()):
+            if attr.endswith("dropout") and isinstance(value, float) and value > 0:
+                setattr(module, attr, 0.0)
+                hit = True
+        changed += hit
+    if changed:
+        logger.info("%s: dropout off in %d modules (p = 0), so its log-probs are deterministic", name, changed)
+    return changed
 
 
 def forward_logits(

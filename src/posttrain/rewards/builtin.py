@@ -244,7 +244,9 @@ def task_reward(task: str | None = None) -> Callable[..., Rewards]:
     row's columns (countdown reads `numbers`); reasoning-gym's `score_answer` gets
     `extract_final_answer(completion)` (the last `<answer>` tag first) and the entry
     {question (column, else the prompt), answer, metadata} rebuilt from the row (`metadata`
-    may be a JSON string, as datasets store it). A row without a task gives None.
+    may be a JSON string, as datasets store it). A row without a task gives None; data
+    without a `task` column is refused before the run (`required_columns`, read by
+    `posttrain.rewards.checks.check_reward_signature`).
     """
     if task is not None:
         _scorer(task)  # fail on a bad name now, not at the first batch
@@ -266,6 +268,8 @@ def task_reward(task: str | None = None) -> Callable[..., Rewards]:
             out.append(_scorer(name)(text, answer[i], prompt, row))
         return out
 
+    if task is None:
+        task_reward.required_columns = {"task": "add it, or name the task: {name: task_reward, task: arithmetic}"}
     return task_reward
 
 

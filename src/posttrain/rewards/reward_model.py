@@ -3,9 +3,8 @@
     rm = reward_model("runs/rm/final", batch_size=16)
     rm(prompts, completions, completion_ids)       # [0.83, -1.2, ...]: one score per completion
 
-The model (a `ScalarHeadModel`: our saved reward models, any HF `*ForSequenceClassification`
-checkpoint with one label, or a causal LM with a fresh head, which is rarely what you want)
-and its tokenizer are loaded from `path` on the first call and kept. The first call therefore
+The model (a `ScalarHeadModel`: our saved reward models, or any HF `*ForSequenceClassification`
+checkpoint with one label whose weights hold its score head) and its tokenizer are loaded from `path` on the first call and kept. The first call therefore
 includes the load: either give the reward runner a `timeout_s` that covers it, or call
 `rm.load()` before training.
 
@@ -26,6 +25,9 @@ here: the reward model judges the text, and an overlong penalty is a separate re
 
 Sequences longer than `max_length` keep their first `max_length` tokens (the training
 collator's "truncate"), and are counted in the metric `reward/<name>/truncated`.
+
+A folder without a trained score head (a causal LM, such as an SFT run's final/) is refused
+when the scorer is made: its head would be random, and so would every reward.
 """
 
 from __future__ import annotations
@@ -86,13 +88,19 @@ class RewardModelScorer:
         max_length: int | None = None,
         template: str | None = None,
     ):
-        from posttrain.models import llama_checkpoint as ckpt
+        from posttrain.models.heads import MissingScoreHead, require_score_head
 
         if batch_size < 1:
             raise ValueError(f"reward_model: batch_size must be >= 1, got {batch_size}")
         if max_length is not None and max_length < 1:
             raise ValueError(f"reward_model: max_length must be >= 1, got {max_length}")
-        ckpt.read_config_json(path)  # fail now, naming the path, if it is not a model dir
+        try:  # fail now, naming the path, if it is not a model dir or has no trained head
+            require_score_head(path)
+        except MissingScoreHead as err:
+            raise ValueError(
+                f"reward_model: {err}. Train one with `posttrain rm` or point reward.model_path "
+                "at an RM's final/"
+            ) from None
         self.__name__ = "reward_model"
         self.path, self.batch_size, self.max_length = str(path), batch_size, max_length
         self.device, self.dtype, self.template = device, dtype, template
@@ -124,12 +132,13 @@ class RewardModelScorer:
 
     def _load_model(self) -> Any:
         from posttrain.models.heads import ScalarHeadModel
-        from posttrain.models.loading import resolve_device, resolve_dtype
+        from posttrain.models.loading import disable_dropout, resolve_device, resolve_dtype
 
         device = resolve_device(self.device)
         model = ScalarHeadModel.from_pretrained(
-            self.path, device=device, dtype=resolve_dtype(self.dtype, device)
+            self.path, device=device, dtype=resolve_dtype(self.dtype, device), head="stored"
         )
+        disable_dropout(model, "reward model")  # eval() already skips it; p = 0 holds in train() too
         return model.eval().requires_grad_(False)
 
     def __call__(

@@ -15,11 +15,14 @@ What the runner does with what a function gives back (the semantics, in one plac
   - None means "not applicable": the sample is left out of that function's mean/std and adds
     nothing to the weighted total. A sample for which every function says None gets total 0
     and still counts in `reward/mean` (as TRL's nansum does).
-  - NaN is read as None (TRL itself turns None into NaN).
+  - NaN is read as None (TRL itself turns None into NaN), counted in `reward/<fn>/nan`; the
+    first NaN of each function logs a warning, as a NaN is more often a bug than a choice.
   - An exception raised by the call, a call still running after `timeout_s`, a list of the
     wrong length, or an element that is not a finite number (a string, ±inf, ...) gives the
     affected samples `failure_reward` and counts them in `reward/<fn>/errors`. The first
-    `MAX_LOGGED_ERRORS` errors of each function are logged with their traceback.
+    `MAX_LOGGED_ERRORS` errors of each function are logged with their traceback; the first
+    is kept (`first_failure`) for the error that stops a run whose function always fails
+    (`posttrain.rewards.checks.RewardFailureGuard`).
   - A function may put an `Exception` instance in place of one element: that sample alone
     fails, exactly as if a per-sample call had raised (the LLM judge does this for a
     request that failed after its retries).
@@ -48,10 +51,12 @@ Metrics (TRL logs `reward`, `reward_std`, `rewards/<fn>/mean|std`; the meaning i
                                      included); NaN when it gave none
   reward/<fn>/errors                 samples that got the failure reward
   reward/<fn>/none_frac              fraction of samples where fn said None (or NaN)
+  reward/<fn>/nan                    samples where fn returned NaN
   reward/<fn>/time_s                 wall time of the function's batch call
   reward/<fn>/<key>                  whatever `fn.pop_metrics()` returns, if fn has it
   reward/hung_threads                abandoned calls still running
 Standard deviations are Bessel-corrected, as TRL's `nanstd`, and 0.0 for fewer than two values.
+`tallies` add up samples, errors and NaNs over every batch scored; `summary()` says them.
 """
 
 from __future__ import annotations
@@ -73,6 +78,19 @@ logger = logging.getLogger(__name__)
 
 RewardFn = Callable[..., Sequence[Any]]
 MAX_LOGGED_ERRORS = 3
+
+
+@dataclass
+class Tally:
+    """One function's counts over every batch a runner scored."""
+
+    samples: int = 0
+    errors: int = 0  # samples that got the failure reward
+    nan: int = 0  # samples where the function returned NaN
+
+    def describe(self, name: str) -> str:
+        rate = self.errors / self.samples if self.samples else 0.0
+        return f"{name}: {self.errors} of {self.samples} samples failed ({rate:.1%}), {self.nan} NaN"
 
 
 @dataclass
@@ -196,6 +214,16 @@ class RewardRunner:
         self.max_workers = max_workers
         self._logged = dict.fromkeys(names, 0)
         self._hung: list[threading.Thread] = []
+        self.tallies = {name: Tally() for name in names}
+        self._first_failure: dict[str, str] = {}
+
+    def first_failure(self, name: str) -> str | None:
+        """What went wrong the first time `name` failed a sample (with its traceback), or None."""
+        return self._first_failure.get(name)
+
+    def summary(self) -> str:
+        """The error and NaN counts of every function over the batches scored so far."""
+        return "; ".join(t.describe(name) for name, t in self.tallies.items())
 
     @classmethod
     def from_specs(cls, specs: Sequence[Any], **kwargs: Any) -> RewardRunner:
@@ -232,32 +260,32 @@ class RewardRunner:
             call.done.wait(max(0.0, deadline - time.monotonic()))
 
         per_function: dict[str, list[float | None]] = {}
-        errors: dict[str, int] = {}
+        counts: dict[str, tuple[int, int]] = {}  # name -> (errors, NaNs)
         retry: list[tuple[str, RewardFn]] = []
         for (name, fn), call in zip(self.functions, calls):
             if not call.done.is_set():
                 self._hung.append(call.thread)
-                self._log(
+                self._fail(
                     name,
                     f"timed out after {self.timeout_s} s on a batch of {n}; "
                     "the call is abandoned in a daemon thread",
                     None,
                 )
-                per_function[name], errors[name] = [self.failure_reward] * n, n
+                per_function[name], counts[name] = [self.failure_reward] * n, (n, 0)
             elif call.error is not None:
                 self._log(name, f"raised on a batch of {n}; retrying sample by sample", call.error)
                 retry.append((name, fn))
             else:
-                per_function[name], errors[name] = self._check(name, call.value, n)
+                per_function[name], counts[name] = self._check(name, call.value, n)
         if retry:
-            self._retry_per_sample(retry, kwargs, n, per_function, errors)
+            self._retry_per_sample(retry, kwargs, n, per_function, counts)
 
         ordered = {name: per_function[name] for name in self.names}
         times = {
             name: call.seconds if call.done.is_set() else self.timeout_s
             for name, call in zip(self.names, calls)
         }
-        return self._combine(ordered, errors, times)
+        return self._combine(ordered, counts, times)
 
     def _retry_per_sample(
         self,
@@ -265,7 +293,7 @@ class RewardRunner:
         kwargs: Mapping[str, Any],
         n: int,
         per_function: dict[str, list[float | None]],
-        errors: dict[str, int],
+        counts: dict[str, tuple[int, int]],
     ) -> None:
         """Call each failed function once per sample, all at once, under one fresh timeout."""
         jobs = [(fn, i) for _, fn in failed for i in range(n)]
@@ -284,16 +312,12 @@ class RewardRunner:
         )
         self._hung.extend(stragglers)
         for k, (name, _) in enumerate(failed):
-            per_function[name], errors[name] = [], 0
-            for i in range(n):
-                value, err = values[k * n + i], errs[k * n + i]
-                reward, problem = (None, err) if err is not None else _to_float(value)
-                if problem is not None:
-                    self._log(name, f"failed on sample {i} (per-sample retry)", problem)
-                    reward, errors[name] = self.failure_reward, errors[name] + 1
-                per_function[name].append(reward)
+            raw = [err if err is not None else value
+                   for value, err in zip(values[k * n : (k + 1) * n], errs[k * n : (k + 1) * n])]
+            rewards, n_errors, n_nan = self._rewards(name, raw, " (per-sample retry)")
+            per_function[name], counts[name] = rewards, (n_errors, n_nan)
 
-    def _check(self, name: str, out: Any, n: int) -> tuple[list[float | None], int]:
+    def _check(self, name: str, out: Any, n: int) -> tuple[list[float | None], tuple[int, int]]:
         """Validate a batch call's output; bad elements get the failure reward."""
         if isinstance(out, torch.Tensor):
             out = out.tolist() if out.dim() == 1 else out
@@ -302,26 +326,42 @@ class RewardRunner:
         except TypeError:
             length = None
         if length != n or isinstance(out, (str, bytes, Mapping)):
-            self._log(
+            self._fail(
                 name,
                 f"returned {_show(out)} for {n} completions; expected a list of {n} floats or None",
                 None,
             )
-            return [self.failure_reward] * n, n
+            return [self.failure_reward] * n, (n, 0)
+        rewards, n_errors, n_nan = self._rewards(name, list(out), "")
+        return rewards, (n_errors, n_nan)
+
+    def _rewards(
+        self, name: str, raw: Sequence[Any], where: str
+    ) -> tuple[list[float | None], int, int]:
+        """Raw values (or the exceptions that replaced them) → (rewards, errors, NaNs): a
+        failure gets the failure reward, a NaN becomes None."""
         rewards: list[float | None] = []
-        n_errors = 0
-        for i, value in enumerate(out):
+        n_errors = n_nan = 0
+        for i, value in enumerate(raw):
             reward, problem = _to_float(value)
             if problem is not None:
-                self._log(name, f"failed on sample {i}", problem)
+                self._fail(name, f"failed on sample {i}{where}", problem)
                 reward, n_errors = self.failure_reward, n_errors + 1
+            elif reward is not None and math.isnan(reward):
+                if not n_nan and not self.tallies[name].nan:
+                    logger.warning(
+                        "reward function %r returned NaN on sample %d%s; NaN counts as no reward "
+                        "(None) and is counted in reward/%s/nan (this warning is not repeated)",
+                        name, i, where, name,
+                    )
+                reward, n_nan = None, n_nan + 1
             rewards.append(reward)
-        return rewards, n_errors
+        return rewards, n_errors, n_nan
 
     def _combine(
         self,
         per_function: dict[str, list[float | None]],
-        errors: dict[str, int],
+        counts: dict[str, tuple[int, int]],
         times: dict[str, float],
     ) -> RewardResult:
         n = len(next(iter(per_function.values())))
@@ -335,7 +375,13 @@ class RewardRunner:
                     total[i] += weight * v
             metrics[f"reward/{name}/mean"] = sum(given) / len(given) if given else math.nan
             metrics[f"reward/{name}/std"] = _std(given) if given else math.nan
-            metrics[f"reward/{name}/errors"] = float(errors[name])
+            errors, nans = counts[name]
+            tally = self.tallies[name]
+            tally.samples += n
+            tally.errors += errors
+            tally.nan += nans
+            metrics[f"reward/{name}/errors"] = float(errors)
+            metrics[f"reward/{name}/nan"] = float(nans)
             metrics[f"reward/{name}/none_frac"] = (n - len(given)) / n if n else 0.0
             metrics[f"reward/{name}/time_s"] = times[name]
             metrics.update(self._extra_metrics(name, fn))
@@ -355,16 +401,18 @@ class RewardRunner:
             self._log(name, "pop_metrics() failed", e)
             return {}
 
+    def _fail(self, name: str, what: str, error: BaseException | None) -> None:
+        """A sample (or a whole batch) failed: log it, and keep the first of each function."""
+        if name not in self._first_failure:
+            self._first_failure[name] = f"{what}{_traceback(error)}"
+        self._log(name, what, error)
+
     def _log(self, name: str, what: str, error: BaseException | None) -> None:
         self._logged[name] += 1
         count = self._logged[name]
         if count > MAX_LOGGED_ERRORS:
             return
-        detail = ""
-        if error is not None:
-            detail = "\n" + "".join(
-                traceback.format_exception(type(error), error, error.__traceback__)
-            )
+        detail = _traceback(error)
         more = (
             f" (further errors of {name!r} are only counted in reward/{name}/errors)"
             if count == MAX_LOGGED_ERRORS
@@ -373,8 +421,15 @@ class RewardRunner:
         logger.warning("reward function %r %s%s%s", name, what, more, detail)
 
 
+def _traceback(error: BaseException | None) -> str:
+    if error is None:
+        return ""
+    return "\n" + "".join(traceback.format_exception(type(error), error, error.__traceback__))
+
+
 def _to_float(value: Any) -> tuple[float | None, BaseException | None]:
-    """(reward, None) for a usable value (None and NaN give None), else (None, the problem)."""
+    """(reward, None) for a usable value (None gives None, NaN stays NaN), else (None, the
+    problem)."""
     if value is None:
         return None, None
     if isinstance(value, BaseException):
@@ -386,8 +441,6 @@ def _to_float(value: Any) -> tuple[float | None, BaseException | None]:
     if not isinstance(value, numbers.Real):
         return None, TypeError(f"returned {_show(value)} ({type(value).__name__}), not a number")
     value = float(value)
-    if math.isnan(value):
-        return None, None
     if math.isinf(value):
         return None, ValueError(f"returned {value}, not a finite number")
     return value, None

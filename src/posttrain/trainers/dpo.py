@@ -35,8 +35,9 @@ Departures from TRL's DPOTrainer:
 - Truncation: `data.max_prompt_length` keeps a prompt's last tokens (as TRL); `data.max_length`
   cuts each response at the end (`truncate`) or drops the pair (`drop`); both counted in the
   `data/*` metrics. TRL's `max_completion_length` and `truncation_mode` are not offered.
-- Dropout is not switched off (TRL's `disable_dropout`): the built-in model has none; for a
-  checkpoint with dropout, set it to 0 in its config.
+- Dropout is off in the policy and the reference (TRL's `disable_dropout`, on by default
+  there): with it, log π_θ and log π_ref of the same pair differ by noise at step 1, where
+  h must be 0 (`models.loading.disable_dropout`; the built-in model has none).
 - `eval.task` adds greedy task accuracy on held-out prompts (`eval/accuracy`), as `posttrain sft`.
 """
 
@@ -44,13 +45,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from posttrain.algos import dpo_loss, token_logprobs
-from posttrain.config import save_config, to_dict
 from posttrain.config.core import check
 from posttrain.config.preference import DPOAlgorithmConfig, DPOConfig
 from posttrain.data.batch import IGNORE_INDEX, PairBatch
@@ -58,7 +57,7 @@ from posttrain.data.preference import pair_collate, prepare_pairs
 from posttrain.evaluation import task_eval
 from posttrain.logging import get_logger
 from posttrain.models.factory import build_model
-from posttrain.models.loading import device_of, forward_logits
+from posttrain.models.loading import device_of, disable_dropout, forward_logits
 from posttrain.models.lora import apply_lora, is_peft
 from posttrain.trainers.batches import EpochBatches
 from posttrain.trainers.loop import FitResult, RefSync, fit
@@ -190,6 +189,9 @@ class DPOTrainer:
             self.model = model if is_peft(model) else apply_lora(model, args.model.lora)
         else:
             self.model = build_model(args.model, self.tokenizer, train=True)
+        disable_dropout(self.model, "policy")  # before the reference is copied from it
+        if ref_model is not None:
+            disable_dropout(ref_model, "reference")
         self.reference: Reference | None = None
         if args.algorithm.precompute_ref_log_probs:
             self._precompute(
@@ -249,7 +251,6 @@ class DPOTrainer:
 
     def train(self) -> FitResult:
         a = self.args
-        save_config(a, Path(a.trainer.output_dir) / "config.yaml")
         batches = StepTotalBatches(
             self.train_examples, a.data.train_batch_size, a.trainer.micro_batch_size,
             self._collate, seed=a.trainer.seed, shuffle=a.data.shuffle,
@@ -261,9 +262,9 @@ class DPOTrainer:
             a.data.train_batch_size, self._reference_kind(),
         )
         return fit(
-            self.model, self.tokenizer, a.trainer, batches, self.loss_fn,
+            self.model, self.tokenizer, a, batches, self.loss_fn,
             evaluate=partial(DPOTrainer.evaluate, self) if has_eval else None,
-            config_dict=to_dict(a), start_metrics=self.data_stats, desc="dpo", reference=self.reference,
+            start_metrics=self.data_stats, desc="dpo", reference=self.reference,
             ref_sync=RefSync(a.algorithm.ref_sync_steps, a.algorithm.ref_sync_alpha), unit="pairs",
         )
 
@@ -274,7 +275,7 @@ class DPOTrainer:
 
 
 def run_dpo(cfg: DPOConfig) -> FitResult:
-    """`posttrain dpo`: train as configured, write the resolved config first."""
+    """`posttrain dpo`: train as configured (the loop writes config.yaml once its checks pass)."""
     check(bool(cfg.data.train_files), "data.train_files", "no training data: set data.train_files=[pairs.jsonl]")
     check(cfg.model.path is not None or cfg.model.init is not None, "model.path",
           "set model.path (a local HF model directory, e.g. an SFT run's final/) or model.init (tiny|small)")

@@ -1,12 +1,18 @@
 """The one outer loop every trainer drives: SFT, reward model, DPO and RL.
 
-    resume? → for each step: task.step → guard → metrics → ref sync? → eval? → log
-              → checkpoint? → … → last eval → final/
+    start → for each step: task.step → guard → metrics → ref sync? → eval? → log
+          → checkpoint? → … → last eval → final/
+
+(start: resume check → run directory → config.yaml → restore.)
 
 A trainer brings a `Task`: its step function and its state (what a checkpoint holds, how
 it is restored, what `final/` holds). Everything else is here, once, so every command
 follows the same rules:
-- resume: `trainer.resume` picks the checkpoint; the task restores everything in it;
+- the start: `trainer.resume` picks the checkpoint; it must be one of this run (the same
+  command and fingerprint, `checkpoint.check_resume`), checked before any weights load; a
+  new run never shares its folder with another (`checkpoint.claim_run_dir`,
+  `trainer.overwrite`); config.yaml is written once these checks pass; then the task
+  restores everything in the checkpoint, and every checkpoint it saves records the run;
 - the wall-clock budget (`trainer.max_time_s`) and `trainer.max_steps`;
 - the eval cadence (`trainer.eval_steps`, and always once at the end), samples.jsonl;
 - metric sinks and the progress bar; `nonfinite_steps` in every command's metrics;
@@ -33,12 +39,15 @@ import torch
 
 from posttrain.checkpoint import (
     RunModels,
+    RunRecord,
+    check_resume,
+    claim_run_dir,
     load_checkpoint,
     resolve_resume,
     save_checkpoint,
     save_final,
 )
-from posttrain.config import ConfigError, TrainerConfig
+from posttrain.config import ConfigError, TrainerConfig, save_config, to_dict
 from posttrain.logging import MetricsLogger, Progress, get_logger
 from posttrain.models.lora import is_peft, merged_for_export
 from posttrain.training.core import (
@@ -101,7 +110,7 @@ class Task(Protocol):
     def model(self) -> torch.nn.Module: ...
     def step(self, step: int) -> StepOutput: ...
     def evaluate(self, step: int) -> tuple[dict[str, float], list[dict]]: ...
-    def save(self, run_dir: Path, step: int, metrics: dict[str, float], keep: int) -> Path: ...
+    def save(self, run_dir: Path, step: int, metrics: dict[str, float], keep: int, run: RunRecord) -> Path: ...
     def restore(self, checkpoint: Path) -> int: ...
     def save_final(self, run_dir: Path) -> Path: ...
 
@@ -144,21 +153,16 @@ class Budget:
         return True
 
 
-def run(
-    task: Task,
-    cfg: TrainerConfig,
-    config_dict: Mapping[str, Any] | None = None,
-    ref_sync: RefSync | None = None,
-) -> FitResult:
-    """Train `task` for `cfg.max_steps` steps; see the module doc."""
+def run(task: Task, config: Any, ref_sync: RefSync | None = None) -> FitResult:
+    """Train `task` for `config.trainer.max_steps` steps; see the module doc. `config` is the
+    command's whole config tree (its class names the command, e.g. `SFTConfig.command`)."""
+    cfg: TrainerConfig = config.trainer
     run_dir = Path(cfg.output_dir)
     ref_sync = ref_sync or RefSync()
     ref_sync.check(task.reference)
-    step, last_ckpt = 0, None
-    resume_from = resolve_resume(run_dir, cfg.resume)
-    if resume_from is not None:
-        step, last_ckpt = task.restore(resume_from), resume_from
-        log.info("resumed from %s at step %d", resume_from, step)
+    config_dict = to_dict(config)
+    record = RunRecord.of(config.command, config_dict, task.model)
+    step, last_ckpt = _start(task, config, record)
     sink = MetricsLogger(run_dir, cfg.report_to, config_dict)
     sink.truncate_after(step)
     guard = BadStepGuard(cfg.max_bad_steps)
@@ -184,7 +188,7 @@ def run(
             progress.update(1, **out.progress, **_eval_view(last_eval))
             due = cfg.save_steps and step % cfg.save_steps == 0 or last
             if due and not out.nonfinite:  # a checkpoint is only ever a good state
-                last_ckpt = task.save(run_dir, step, metrics, cfg.save_total_limit)
+                last_ckpt = task.save(run_dir, step, metrics, cfg.save_total_limit, record)
             if last:
                 break
             metrics = {}
@@ -195,6 +199,25 @@ def run(
     final_dir = task.save_final(run_dir)
     log.info("finished at step %d; model in %s", step, final_dir)
     return FitResult(run_dir, final_dir, step, metrics)
+
+
+def _start(task: Task, config: Any, record: RunRecord) -> tuple[int, Path | None]:
+    """The resume step, before anything is written: find the checkpoint `trainer.resume`
+    asks for and check that it is one of this run (before any weights load), make the run
+    directory this run's, write config.yaml, then restore. Returns (step, checkpoint or None)."""
+    cfg: TrainerConfig = config.trainer
+    run_dir = Path(cfg.output_dir)
+    resume_from = resolve_resume(run_dir, cfg.resume)
+    changed = check_resume(resume_from, record, cfg.resume, cfg.max_steps) if resume_from is not None else []
+    claim_run_dir(run_dir, resume_from, cfg.resume, cfg.overwrite)
+    save_config(config, run_dir / "config.yaml")
+    if resume_from is None:
+        return 0, None
+    if changed:
+        log.info("resuming with changed settings: %s", "; ".join(changed))
+    step = task.restore(resume_from)
+    log.info("resumed from %s at step %d", resume_from, step)
+    return step, resume_from
 
 
 def _timed_eval(task: Task, step: int, sink: MetricsLogger) -> dict[str, float]:
@@ -273,10 +296,10 @@ class OptimizerTask:
         self.model.train()
         return metrics, samples[:SAMPLES_PER_EVAL]
 
-    def save(self, run_dir: Path, step: int, metrics: dict[str, float], keep: int) -> Path:
+    def save(self, run_dir: Path, step: int, metrics: dict[str, float], keep: int, run: RunRecord) -> Path:
         ref = self.reference.saved_model() if self.reference is not None else None
         return save_checkpoint(run_dir, step, RunModels(self.model, reference=ref), self.tokenizer, self.optimizer, self.scheduler,
-                               self.batches.state_dict(), keep, metrics)
+                               self.batches.state_dict(), keep, metrics, run)
 
     def restore(self, checkpoint: Path) -> int:
         state = load_checkpoint(checkpoint, self.model, self.optimizer, self.scheduler)
@@ -295,20 +318,21 @@ class OptimizerTask:
 def fit(
     model: torch.nn.Module,
     tokenizer: Any,
-    cfg: TrainerConfig,
+    config: Any,
     batches: BatchStream,
     loss_fn: LossFn,
     evaluate: Evaluate | None = None,
-    config_dict: Mapping[str, Any] | None = None,
     start_metrics: Mapping[str, float] | None = None,
     desc: str = "train",
     reference: Any = None,
     ref_sync: RefSync | None = None,
     unit: str = "tokens",
 ) -> FitResult:
-    """`run` an `OptimizerTask` (see both); `unit` names what loss_fn's n_units count."""
-    task = OptimizerTask(model, tokenizer, cfg, batches, loss_fn, evaluate, start_metrics, desc, reference, unit)
-    return run(task, cfg, config_dict, ref_sync)
+    """`run` an `OptimizerTask` (see both); `config` is the command's config tree; `unit`
+    names what loss_fn's n_units count."""
+    task = OptimizerTask(model, tokenizer, config.trainer, batches, loss_fn, evaluate, start_metrics, desc, reference,
+                         unit)
+    return run(task, config, ref_sync)
 
 
 def _throughput(micro_batches: list[Any], seconds: float) -> dict[str, float]:

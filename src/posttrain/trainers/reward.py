@@ -37,13 +37,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from posttrain.algos import bradley_terry_loss
-from posttrain.config import ConfigError, LoraConfig, ModelConfig, save_config, to_dict
+from posttrain.config import ConfigError, LoraConfig, ModelConfig
 from posttrain.config.core import check
 from posttrain.config.preference import RMConfig
 from posttrain.data.batch import PairBatch
@@ -201,7 +200,6 @@ class RewardTrainer:
 
     def train(self) -> FitResult:
         a = self.args
-        save_config(a, Path(a.trainer.output_dir) / "config.yaml")
         batches = EpochBatches(
             self.train_examples, a.data.train_batch_size, a.trainer.micro_batch_size,
             self._collate, seed=a.trainer.seed, shuffle=a.data.shuffle,
@@ -213,13 +211,13 @@ class RewardTrainer:
         )
         evaluate: Callable | None = partial(RewardTrainer.evaluate, self) if self.eval_examples else None
         return fit(
-            self.model, self.tokenizer, a.trainer, batches, self.loss_fn, evaluate=evaluate,
-            config_dict=to_dict(a), start_metrics=self.data_stats, desc="rm", unit="pairs",
+            self.model, self.tokenizer, a, batches, self.loss_fn, evaluate=evaluate,
+            start_metrics=self.data_stats, desc="rm", unit="pairs",
         )
 
 
 def run_rm(cfg: RMConfig) -> FitResult:
-    """`posttrain rm`: train as configured, write the resolved config first."""
+    """`posttrain rm`: train as configured (the loop writes config.yaml once its checks pass)."""
     check(bool(cfg.data.train_files), "data.train_files", "no training data: set data.train_files=[pairs.jsonl]")
     check(cfg.model.path is not None or cfg.model.init is not None, "model.path",
           "set model.path (a local HF model directory) or model.init (tiny|small)")

@@ -1,6 +1,7 @@
 """Online RL: PPO with a critic and the GRPO family (GRPO, DAPO, GSPO, Dr.GRPO, RLOO, REINFORCE++).
 
-One driver (`fit`, `rl_step`) calls the roles of `posttrain.workers` in veRL's order:
+One driver, `rl_step` (one step of the loop in `trainers/loop.py`), calls the roles of
+`posttrain.workers` in veRL's order:
 
     prompts → rollout.generate (n per prompt) → reward.score → actor.compute_logprobs (old)
       → ref.compute_logprobs (only with a KL term) → critic.compute_values (PPO)
@@ -21,6 +22,9 @@ groups). Its gradient is not: ∇L = −mean(A · ∇log π), the plain policy g
 is what moves the model. Watch `reward/mean`, `grad_norm` and `approx_kl`, not the loss.
 
 Departures from the papers, TRL and veRL, and why:
+- A non-finite loss or gradient skips that optimizer step (actor or critic); the RL step is
+  then bad: counted in `nonfinite_steps`, never checkpointed, and `trainer.max_bad_steps` bad
+  RL steps in a row stop the run, as in every other command (the loop's guard).
 - Batch sizes count as veRL's: data.train_batch_size prompts per step, ppo_mini_batch_size
   in prompts (× n rows) per optimizer step, micro_batch_size in rows. TRL counts
   completions per device. The lr schedule, warmup and max_steps count RL steps (veRL).
@@ -52,6 +56,10 @@ Departures from the papers, TRL and veRL, and why:
 - A separate critic starts from the policy's weights with a zero value head (all values
   0 at first); TRL/veRL start from a reward model or a random head. critic.model_path
   overrides. With LoRA the reference is the base model with adapters disabled.
+- A reward function that fails on every sample of the first step, or of trainer.max_bad_steps
+  steps in a row, stops the run with its first traceback (TRL and veRL train on, learning
+  nothing); its signature and the columns it needs are checked before the run
+  (`rewards/checks.py`), and the end of the run logs each function's error and NaN counts.
 - Every RL metric is written every step: stages that did not run log their neutral
   value (`rl_steps.NOT_RUN`, timing 0), never NaN. `accuracy` is the fraction of
   samples whose first reward function gives ≥ 1 (`workers/reward_worker.py`).
@@ -59,6 +67,7 @@ Departures from the papers, TRL and veRL, and why:
 
 from __future__ import annotations
 
+import logging
 import time
 from functools import partial
 from pathlib import Path
@@ -67,8 +76,7 @@ from typing import Any
 import torch
 
 from posttrain.algos import AdaptiveKLController, FixedKLController
-from posttrain.checkpoint import RunModels, load_checkpoint, save_checkpoint, save_final
-from posttrain.config import save_config, to_dict
+from posttrain.checkpoint import RunModels, RunRecord, load_checkpoint, save_checkpoint, save_final
 from posttrain.config.core import check
 from posttrain.config.rl import GRPOConfig, PPOConfig, RLConfig
 from posttrain.data.collate import pad_id_of
@@ -132,7 +140,9 @@ class RLTrainer:
         self.eval_examples = None
         if eval_source is not None:
             self.eval_examples = load_prompts(eval_source, self.tokenizer, args.data)[0][: args.eval.num_examples]
-        self.roles = build_roles(args, self.tokenizer, model, reward_funcs, value_model)
+        data = "train_dataset" if train_dataset is not None else f"data.train_files {list(args.data.train_files)}"
+        self.roles = build_roles(args, self.tokenizer, model, reward_funcs, value_model,
+                                 columns=list(self.examples[0]["columns"]), data=data)
         self.stream = EpochBatches(self.examples, args.data.train_batch_size, args.data.train_batch_size,
                                    partial(RLBatch.from_prompts, pad_id=pad_id_of(self.tokenizer)), seed=args.trainer.seed, shuffle=args.data.shuffle)
         kl = args.algorithm.kl
@@ -150,9 +160,8 @@ class RLTrainer:
     def train(self) -> FitResult:
         """Run the RL loop (`trainers/loop.run`): trainer.max_steps steps of `rl_step`."""
         a = self.args
-        save_config(a, Path(a.trainer.output_dir) / "config.yaml")
         log.info("%s", self.setup_line())
-        return run(self, a.trainer, to_dict(a), RefSync(a.algorithm.ref_sync_steps, a.algorithm.ref_sync_alpha))
+        return run(self, a, RefSync(a.algorithm.ref_sync_steps, a.algorithm.ref_sync_alpha))
 
     def setup_line(self) -> str:
         """What is trained, on what, with what (as `posttrain sft` logs it)."""
@@ -219,11 +228,11 @@ class RLTrainer:
         return {"prompts": self.stream.state_dict(), "kl_coef": self.kl_ctrl.value,
                 "rollout_logp_ok": self.rollout_logp_ok}
 
-    def save(self, run_dir: Path, step: int, metrics: dict[str, float], keep: int) -> Path:
+    def save(self, run_dir: Path, step: int, metrics: dict[str, float], keep: int, run: RunRecord) -> Path:
         r = self.roles
         ref = r.ref.saved_model() if r.ref is not None else None
         return save_checkpoint(run_dir, step, RunModels(r.actor.model, r.critic, reference=ref), self.tokenizer,
-                               r.actor.optimizer, r.actor.scheduler, self.state(), keep, metrics)
+                               r.actor.optimizer, r.actor.scheduler, self.state(), keep, metrics, run)
 
     def restore(self, path: Path) -> int:
         """Load checkpoint `path` into every role and the prompt stream; returns its step."""
@@ -241,7 +250,12 @@ class RLTrainer:
         return state["step"]
 
     def save_final(self, run_dir: Path) -> Path:
+        """`final/`, at the end of the run: also where the reward functions' error counts are said."""
         r = self.roles
+        runner = r.reward.runner
+        failed = any(t.errors or t.nan for t in runner.tallies.values())
+        log.log(logging.WARNING if failed else logging.INFO,
+                "reward functions over the run (training and eval samples): %s", runner.summary())
         models = RunModels(merged_for_export(r.actor.model), r.critic,
                            adapter=r.actor.model if is_peft(r.actor.model) else None, with_optimizer=False)
         return save_final(run_dir, models, self.tokenizer)
@@ -274,6 +288,7 @@ def rl_step(trainer: RLTrainer, step: int) -> tuple[dict[str, float], RLBatch]:
         trainer.next_prompts, lambda prompts, rnd: r.rollout.generate(prompts, step_seed(cfg.trainer.seed, step, rnd)),
         r.reward, algo, cfg.data.train_batch_size, n, timer,
     )
+    r.reward.check_step(step, metrics)  # a function that failed on every sample stops the run here
     if algo.mask_truncated_completions:
         batch = mask_truncated(batch)
 

@@ -7,6 +7,7 @@ policy's *initial* weights, before a resume loads trained ones into the policy.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ from posttrain.data.collate import pad_id_of
 from posttrain.logging import get_logger
 from posttrain.models.lora import is_peft
 from posttrain.rewards import RewardRunner
+from posttrain.rewards.checks import check_reward_signature
 from posttrain.rewards.registry import resolve_reward
 from posttrain.rollout import SamplingParams, make_engine
 from posttrain.trainers.rl_steps import step_seed
@@ -48,10 +50,18 @@ def check_reward_source(cfg: RLConfig, reward_funcs: Any) -> None:
               f"needs one weight per reward function ({len(reward_funcs)}), got {cfg.reward.weights}")
 
 
-def build_reward(cfg: RLConfig, reward_funcs: Any) -> Reward:
+def build_reward(cfg: RLConfig, reward_funcs: Any, columns: Sequence[str] | None = None,
+                 data: str = "the data") -> Reward:
+    """The reward role; with `columns` (the training data's, besides the prompt), each function
+    is first checked to take them and to find the columns it needs (`check_reward_signature`)."""
     rc = cfg.reward
     specs = list(reward_funcs) if reward_funcs else list(rc.functions)
     functions = [resolve_reward(s) for s in specs]
+    for name, fn in functions if columns is not None else ():
+        try:
+            check_reward_signature(name, fn, columns, data)
+        except ValueError as e:
+            raise ConfigError(f"reward.functions: {e}") from None
     weights = list(rc.weights) if rc.weights is not None else [1.0] * len(functions)
     if rc.model_path is not None:
         from posttrain.rewards.reward_model import reward_model
@@ -60,7 +70,8 @@ def build_reward(cfg: RLConfig, reward_funcs: Any) -> Reward:
         weights.append(rc.model_weight)
     runner = RewardRunner(functions, weights=weights, timeout_s=rc.timeout_s, failure_reward=rc.failure_reward)
     ov = cfg.algorithm.overlong
-    return Reward(runner, cfg.rollout.max_new_tokens, ov.buffer, ov.penalty, rc.missing_eos_penalty)
+    return Reward(runner, cfg.rollout.max_new_tokens, ov.buffer, ov.penalty, rc.missing_eos_penalty,
+                  cfg.trainer.max_bad_steps)
 
 
 def build_rollout(cfg: RLConfig, model: torch.nn.Module, tokenizer: Any) -> Rollout:
@@ -76,10 +87,27 @@ def build_rollout(cfg: RLConfig, model: torch.nn.Module, tokenizer: Any) -> Roll
     return Rollout(make_engine(kind, model, tokenizer, **opts), SamplingParams.from_config(rc))
 
 
+def check_critic_source(cfg: RLConfig) -> None:
+    """critic.model_path holds a trained score head, unless critic.fresh_head asks for a new one
+    (cheap: reads config.json and the weights' names)."""
+    from posttrain.models.heads import MissingScoreHead, require_score_head
+
+    c = cfg.critic
+    if not cfg.use_critic or c.model_path is None or c.fresh_head:
+        return
+    try:
+        require_score_head(c.model_path)
+    except MissingScoreHead as err:
+        raise ConfigError(
+            f"critic.model_path: {err}. Point it at a critic or reward model (an RM's final/), or set "
+            "critic.fresh_head=true to start a fresh value head on this model"
+        ) from None
+
+
 def build_critic(cfg: RLConfig, policy: torch.nn.Module, value_model: Any) -> Critic:
     from posttrain.models.factory import weights_dtype
     from posttrain.models.heads import ScalarHeadModel
-    from posttrain.models.loading import resolve_device
+    from posttrain.models.loading import disable_dropout, resolve_device
 
     c = cfg.critic
     if c.share_backbone:
@@ -87,19 +115,27 @@ def build_critic(cfg: RLConfig, policy: torch.nn.Module, value_model: Any) -> Cr
     if value_model is None and c.model_path is not None:
         device = resolve_device(cfg.model.device)
         dtype = weights_dtype(cfg.model.dtype, device, trained=True)  # the critic trains every weight
-        value_model = ScalarHeadModel.from_pretrained(c.model_path, device, dtype)
+        head, std = ("fresh", 0.0) if c.fresh_head else ("stored", None)
+        value_model = ScalarHeadModel.from_pretrained(c.model_path, device, dtype, head=head, init_std=std)
     if value_model is None:
-        value_model = ScalarHeadModel.from_causal_lm(policy, init_std=0.0)
+        value_model = ScalarHeadModel.from_causal_lm(policy, init_std=0.0)  # policy: dropout already off
+    disable_dropout(value_model, "critic")
     return Critic(value_model, cfg, cfg.trainer.max_steps)
 
 
-def build_roles(cfg: RLConfig, tokenizer: Any, model: Any, reward_funcs: Any, value_model: Any) -> Roles:
-    """Reward first (cheap, fails early), then the policy, reference, critic, actor, rollout."""
+def build_roles(cfg: RLConfig, tokenizer: Any, model: Any, reward_funcs: Any, value_model: Any,
+                columns: Sequence[str] | None = None, data: str = "the data") -> Roles:
+    """Reward and critic checks first (cheap, fail early: `build_reward` checks the reward
+    against the data's `columns`), then the policy, reference, critic, actor, rollout.
+    Dropout is off in every model: see `disable_dropout`."""
     from posttrain.models.factory import build_model
+    from posttrain.models.loading import disable_dropout
 
-    reward = build_reward(cfg, reward_funcs)
+    reward = build_reward(cfg, reward_funcs, columns, data)
+    check_critic_source(cfg)
     if not isinstance(model, torch.nn.Module):
         model = build_model(cfg.model, tokenizer, train=True)
+    disable_dropout(model, "policy")  # before the reference and a critic are copied from it
     a = cfg.actor
     ref = None
     if cfg.algorithm.kl.enabled:

@@ -83,14 +83,16 @@ def collect_rollouts(
 
 
 def generation_metrics(batches: list[RLBatch], reward_metrics: list[dict[str, float]], n: int) -> dict[str, float]:
-    """Rewards, accuracy, lengths and truncation over every generated row of the step."""
+    """Rewards, accuracy, lengths and truncation over every generated row of the step; the
+    reward functions' error and NaN counts are summed over the rounds, out of `reward/samples`."""
     b = RLBatch.concat(batches)
     merged = merge_metrics([(len(x), m) for x, m in zip(batches, reward_metrics)])
     for key in merged:
-        if key.endswith("/errors"):
+        if key.endswith(("/errors", "/nan")):
             merged[key] = sum(m.get(key, 0.0) for m in reward_metrics)
     total, lengths = b.rewards["total"], b.lengths.float()
     merged.update({
+        "reward/samples": float(len(b)),
         "reward/mean": float(total.mean()),
         "reward/std": float(total.std()) if len(total) > 1 else 0.0,
         "accuracy": float(b.rewards["correct"].mean()),

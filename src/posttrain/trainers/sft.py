@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from posttrain.config import ConfigError, SFTConfig, save_config, to_dict
+from posttrain.config import ConfigError, SFTConfig
 from posttrain.config.core import check
 from posttrain.data.batch import LMBatch
 from posttrain.data.collate import causal_lm_loss_sum, pad_collate, tokenize_dataset
@@ -132,7 +131,6 @@ class SFTTrainer:
 
     def train(self) -> FitResult:
         a = self.args
-        save_config(a, Path(a.trainer.output_dir) / "config.yaml")
         batches = EpochBatches(
             self.train_examples, a.data.train_batch_size, a.trainer.micro_batch_size,
             self._collate, seed=a.trainer.seed, shuffle=a.data.shuffle,
@@ -146,14 +144,14 @@ class SFTTrainer:
             f"{sum(p.numel() for p in self.model.parameters()):,}",
         )
         return fit(
-            self.model, self.tokenizer, a.trainer, batches, lm_loss,
+            self.model, self.tokenizer, a, batches, lm_loss,
             evaluate=partial(SFTTrainer.evaluate, self) if has_eval else None,
-            config_dict=to_dict(a), start_metrics=self.data_stats, desc="sft",
+            start_metrics=self.data_stats, desc="sft",
         )
 
 
 def run_sft(cfg: SFTConfig) -> FitResult:
-    """`posttrain sft`: train as configured, write the resolved config first."""
+    """`posttrain sft`: train as configured (the loop writes config.yaml once its checks pass)."""
     check(bool(cfg.data.train_files), "data.train_files", "no training data: set data.train_files=[path.jsonl]")
     check(cfg.model.path is not None or cfg.model.init is not None, "model.path",
           "set model.path (a local HF model directory) or model.init (tiny|small)")

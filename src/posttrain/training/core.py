@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from posttrain.config.core import RunStopped
 from posttrain.config.sections import TrainerConfig
 
 LossFn = Callable[
@@ -39,7 +40,7 @@ LossFn = Callable[
 """`loss_fn(model, micro_batch) -> (loss_sum, n_units, metrics)`; see `train_step`."""
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(RunStopped):
     """The loss or gradient norm was NaN/inf for `trainer.max_bad_steps` steps in a row."""
 
 

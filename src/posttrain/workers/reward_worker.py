@@ -17,16 +17,21 @@ log-prob passes; this is where veRL's `apply_kl_penalty` runs too.
 `accuracy`: a sample is correct when the FIRST reward function gives ≥ 1 (its raw value,
 before weights and shaping; TRL's accuracy rewards give 1 for right). With only a
 reward model that is its score ≥ 1.
+
+`check_step`: a reward function that failed on every sample of the first step, or of
+`max_bad_steps` steps in a row, stops the run (`posttrain.rewards.checks.RewardFailureGuard`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 
 from posttrain.algos import kl_penalty, masked_mean, overlong_penalty
 from posttrain.rewards import RewardRunner
+from posttrain.rewards.checks import RewardFailureGuard
 from posttrain.workers.batch import RLBatch
 
 
@@ -45,6 +50,7 @@ class Reward:
         runner: the reward functions (a reward model included), with their weights.
         max_new_tokens, overlong_buffer, overlong_penalty: DAPO's soft punishment (buffer 0 = off).
         missing_eos_penalty: subtracted from truncated responses' scores (None = off).
+        max_bad_steps: steps in a row on which a function may fail on every sample (`check_step`).
     """
 
     def __init__(
@@ -54,8 +60,10 @@ class Reward:
         overlong_buffer: int = 0,
         overlong_penalty: float = 1.0,
         missing_eos_penalty: float | None = None,
+        max_bad_steps: int = 5,
     ):
         self.runner = runner
+        self.guard = RewardFailureGuard(runner, max_bad_steps)
         self.max_new_tokens = max_new_tokens
         self.overlong = (overlong_buffer, overlong_penalty)
         self.missing_eos_penalty = missing_eos_penalty
@@ -93,6 +101,13 @@ class Reward:
         terms["total"] = result.total.float().cpu()
         terms["correct"] = (torch.nan_to_num(first, nan=0.0) >= 1.0).float()
         return terms, dict(result.metrics)
+
+    def check_step(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Raise `RewardFunctionError` when a function failed on every sample of step `step`
+        (its first step checked, or `max_bad_steps` in a row); `metrics` are the step's
+        `reward/<fn>/errors` and `reward/samples`, summed over its generation rounds."""
+        errors = {name: metrics.get(f"reward/{name}/errors", 0.0) for name in self.runner.names}
+        self.guard.update(step, errors, int(metrics["reward/samples"]))
 
     @staticmethod
     def apply_kl(batch: RLBatch, coef: float, kind: str) -> tuple[RLBatch, float]:
