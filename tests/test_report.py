@@ -23,7 +23,7 @@ from posttrain.cli import main
 from posttrain.report import default_out_dir, write_report
 from posttrain.report.html import render_page
 from posttrain.report.plots import GROUPS, assign_groups, draw_group, ema, ema_weight
-from posttrain.report.runs import load_run, read_jsonl, run_labels
+from posttrain.report.runs import load_run, read_jsonl, run_labels, stages
 
 STAGES = {"timing/gen": 0.5, "timing/reward": 0.02, "timing/old_logprob": 0.1, "timing/ref": 0.1, "timing/adv": 0.001,
           "timing/update_actor": 0.8}
@@ -196,6 +196,24 @@ def test_long_curves_are_smoothed_short_ones_and_schedules_are_not(tmp_path):
     lr_fig = draw_group([run], GROUPS[9], ["lr"])
     assert [line.get_label() for line in lr_fig.axes[0].get_lines()] == ["train"]  # the schedule as it is
     assert lr_fig.axes[0].get_title(loc="right") == ""
+
+
+def test_runs_of_different_kinds_are_separate_stages(rl_run, tmp_path):
+    sft = tmp_path / "sft"
+    sft.mkdir()
+    (sft / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.0}\n')
+    (sft / "config.yaml").write_text("model:\n  init: tiny\ntrainer:\n  max_steps: 2\neval:\n  task: arithmetic\n")
+    dapo = write_rl_run(tmp_path / "dapo", seed=1, torn=False)
+    runs = [load_run(p, p.name) for p in (sft, rl_run, dapo)]
+    assert [[r.label for r in stage] for stage in stages(runs)] == [["sft"], ["grpo", "dapo"]]
+    report = write_report([sft, rl_run, dapo], tmp_path / "out")
+    assert {p.stage for p in report.plots} == {"sft", "grpo, dapo"}
+    loss = [p for p in report.plots if p.title == "Loss"]
+    assert [(p.stage, p.metrics, p.path.name) for p in loss] == [
+        ("sft", ["loss"], "report-sft-loss.png"), ("grpo, dapo", ["policy_loss"], "report-grpo_dapo-loss.png")]
+    page = report.html.read_text()
+    assert "Stage: sft</h3>" in page and "Stage: grpo, dapo</h3>" in page
+    assert "before-after" not in page  # no eval directories given: no pipeline table
 
 
 def test_names_are_drawn_literally(tmp_path):
