@@ -157,7 +157,8 @@ def draw_pipeline_accuracy(runs: Sequence[Run], evals: Sequence[Eval | None]) ->
     ax.tick_params(labelsize=8)
     ax.grid(alpha=0.3)
     fig.suptitle("Held-out accuracy across the pipeline", fontsize=12, fontweight="bold")
-    fig.legend(loc="outside lower center", ncol=len(runs), fontsize=8, frameon=False)
+    if ax.get_legend_handles_labels()[0]:
+        fig.legend(loc="outside lower center", ncol=len(runs), fontsize=8, frameon=False)
     return fig
 
 
@@ -167,7 +168,8 @@ def _eval_size(run: Run) -> int | None:
         tree = yaml.safe_load(run.config_text or "")
     except yaml.YAMLError:
         return None
-    n = (tree.get("eval") or {}).get("num_examples") if isinstance(tree, dict) else None
+    section = tree.get("eval") if isinstance(tree, dict) else None
+    n = section.get("num_examples") if isinstance(section, dict) else None
     return n if isinstance(n, int) and not isinstance(n, bool) else None
 
 
