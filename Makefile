@@ -1,6 +1,8 @@
 # Two commands set everything up on a fresh machine with Python 3.10+ and make:
 #   make demo   the main job (installs first)
 #   make test   the default test suite (installs first)
+# and `make chromium` installs Debian's chromium for the report's browser tests (apt-get, as
+# root; nothing to do when it is there; the tests skip without it). .ci/run runs it.
 # Installation: .venv is created if needed, torch==2.13.0 (CPU) goes in first so nothing
 # pulls a multi-GB CUDA build, then the package with its dev, tracking and tasks extras. A stamp keyed on the
 # hash of pyproject.toml skips reinstalling when nothing changed.
@@ -12,7 +14,7 @@ TORCH_VERSION := 2.13.0
 STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-16)
 DEMO_DIR ?= runs/demo
 
-.PHONY: install test test-all demo lint clean
+.PHONY: install test test-all demo lint clean chromium
 
 install: $(STAMP)
 
@@ -28,6 +30,9 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "slow or not slow"
+
+chromium:
+	@command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -22,8 +22,8 @@ import pytest
 from posttrain.cli import main
 from posttrain.report import default_out_dir, write_report
 from posttrain.report.html import render_page
-from posttrain.report.plots import GROUPS, assign_groups, draw_group
-from posttrain.report.runs import load_run, read_jsonl, run_labels
+from posttrain.report.plots import GROUPS, assign_groups, draw_group, ema, ema_weight
+from posttrain.report.runs import load_run, read_jsonl, run_labels, stages
 
 STAGES = {"timing/gen": 0.5, "timing/reward": 0.02, "timing/old_logprob": 0.1, "timing/ref": 0.1, "timing/adv": 0.001,
           "timing/update_actor": 0.8}
@@ -169,6 +169,51 @@ def test_two_runs_overlaid_one_line_per_run_and_split(rl_run, tmp_path):
     assert [ax.get_title() for ax in stacks.axes] == ["grpo", "dapo"]  # one stack per run
     top = stacks.axes[0].collections[-1].get_paths()[0].vertices[:, 1].max()
     assert top == pytest.approx(sum(STAGES.values()))  # the stages stack up to their sum
+
+
+def test_ema_is_tensorboards_debiased_average():
+    """Worked by hand, w = 0.5: last = 0.5, 1.75; debiased by 1 - 0.5 and 1 - 0.25: 1.0, 2.3333.
+    A NaN is a gap that does not move the average; a constant stays exactly itself."""
+    assert ema(np.array([1.0, 3.0]), 0.5) == pytest.approx([1.0, 1.75 / 0.75])
+    smoothed = ema(np.array([1.0, np.nan, 3.0]), 0.5)
+    assert math.isnan(smoothed[1]) and smoothed[[0, 2]] == pytest.approx([1.0, 1.75 / 0.75])
+    assert ema(np.array([0.2] * 30), 0.9).tolist() == [0.2] * 30
+    assert [ema_weight(n) for n in (20, 75, 150, 300, 1000)] == pytest.approx([0.6, 0.6, 0.8, 0.9, 0.9])
+
+
+def test_long_curves_are_smoothed_short_ones_and_schedules_are_not(tmp_path):
+    run_dir = tmp_path / "long"
+    run_dir.mkdir()
+    rng = np.random.default_rng(0)
+    rows = [{"step": s, "loss": 2.0 / s + float(rng.normal(0, 0.1)), "lr": 1e-3 * s / 100} for s in range(1, 101)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = load_run(run_dir, "long")
+    loss_fig = draw_group([run], GROUPS[1], ["loss"])
+    raw, smooth = loss_fig.axes[0].get_lines()
+    assert raw.get_label() == "_raw" and raw.get_alpha() < 0.5 and smooth.get_label() == "train"
+    assert np.allclose(smooth.get_ydata(), ema(run.metrics["loss"].values, 0.7))  # 1 - 30/100
+    assert loss_fig.axes[0].get_title(loc="right") == "EMA 0.7"
+    lr_fig = draw_group([run], GROUPS[9], ["lr"])
+    assert [line.get_label() for line in lr_fig.axes[0].get_lines()] == ["train"]  # the schedule as it is
+    assert lr_fig.axes[0].get_title(loc="right") == ""
+
+
+def test_runs_of_different_kinds_are_separate_stages(rl_run, tmp_path):
+    sft = tmp_path / "sft"
+    sft.mkdir()
+    (sft / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.0}\n')
+    (sft / "config.yaml").write_text("model:\n  init: tiny\ntrainer:\n  max_steps: 2\neval:\n  task: arithmetic\n")
+    dapo = write_rl_run(tmp_path / "dapo", seed=1, torn=False)
+    runs = [load_run(p, p.name) for p in (sft, rl_run, dapo)]
+    assert [[r.label for r in stage] for stage in stages(runs)] == [["sft"], ["grpo", "dapo"]]
+    report = write_report([sft, rl_run, dapo], tmp_path / "out")
+    assert {p.stage for p in report.plots} == {"sft", "grpo, dapo"}
+    loss = [p for p in report.plots if p.title == "Loss"]
+    assert [(p.stage, p.metrics, p.path.name) for p in loss] == [
+        ("sft", ["loss"], "report-sft-loss.png"), ("grpo, dapo", ["policy_loss"], "report-grpo_dapo-loss.png")]
+    page = report.html.read_text()
+    assert "Stage: sft</h3>" in page and "Stage: grpo, dapo</h3>" in page
+    assert "before-after" not in page  # no eval directories given: no pipeline table
 
 
 def test_names_are_drawn_literally(tmp_path):

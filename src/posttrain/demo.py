@@ -135,7 +135,7 @@ def run_demo(out: str | Path = "runs/demo", quick: bool = False, device: str | N
     stage(7, "report: the SFT and RL runs on one page", out / "report.html")
     with timed(seconds, "report"):
         with Progress(1, "report") as bar:
-            report = write_demo_report([out / "sft", out / "rl"], out)
+            report = write_demo_report(out)
             bar.update(1)
 
     summary = make_summary(before, after, seconds, time.perf_counter() - started, size, quick, device, {
@@ -208,10 +208,12 @@ def evaluate_model(model_dir: Path, test_file: Path, rl_cfg: GRPOConfig, out: Pa
     return report.metrics
 
 
-def write_demo_report(run_dirs: Sequence[Path], out: Path) -> Path:
+def write_demo_report(out: Path) -> Path:
+    """report.html: the SFT and RL runs as the two stages of one pipeline, opening with the
+    before/after table of their held-out evaluations."""
     from posttrain.report import write_report
 
-    return write_report(run_dirs, out).html
+    return write_report([out / "sft", out / "rl"], out, evals=[out / "eval_sft", out / "eval_rl"]).html
 
 
 # ---------------------------------------------------------------------------- output

@@ -1,14 +1,19 @@
 """The report page: one self-contained HTML file (plots inlined as base64 PNG data URIs).
 
-Sections: notes (what was missing or skipped while reading), a summary table of each
-metric's last value, the plots, sample completions with their scores per eval step (from
-samples.jsonl), and each run's config.yaml (collapsible; with several runs, first a
-table of the keys whose values differ). Every piece of run text goes through `text()`
-(HTML-escaped, control characters shown as visible symbols), so a completion holding
-`<script>` is shown, never run.
+Sections: for the stages of a pipeline (see `pipeline`), first the before/after table and
+the headline plot; notes (what was missing or skipped while reading), a summary table of
+each metric's last value, the plots (with the smoothing stated; one heading per stage when
+the runs are of several kinds), sample completions with their scores (for a pipeline
+first the same held-out prompts before and after, then per eval step from samples.jsonl),
+and each run's config.yaml (collapsible; with several runs, first a table of the keys
+whose values differ). Every piece of run text goes through `text()` (HTML-escaped,
+control characters shown as visible symbols), so a completion holding `<script>` is
+shown, never run.
 
-The page's only script counts the images that decoded once the page has loaded and
-writes `data-images-loaded="OK/TOTAL"` on `<body>`: a headless browser test reads it.
+The page's only script records load and script errors and, once the page has loaded,
+writes on `<body>`: `data-images-loaded="OK/TOTAL"` (the images that decoded),
+`data-broken-images` (the alt texts of those that did not) and `data-errors`, each list
+joined by `|`: a headless browser test reads them.
 """
 
 from __future__ import annotations
@@ -16,16 +21,26 @@ from __future__ import annotations
 import base64
 import html
 import json
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import yaml
 
-from posttrain.report.plots import EVAL, Plot
+from posttrain.report.pipeline import Eval, before_after, by_outcome, paired_samples
+from posttrain.report.plots import EMA_MAX, EMA_MIN, EMA_SPAN, EVAL, SMOOTH_MIN_POINTS, Plot
 from posttrain.report.runs import Run
 
 MAX_SAMPLE_ROWS = 40  # per run and step
+MAX_COMPARED_ROWS = 25  # per outcome in the before/after comparison
+SMOOTHING_NOTE = (
+    f"Smoothing: a train curve of {SMOOTH_MIN_POINTS} or more points is drawn as TensorBoard's debiased "
+    f"exponential moving average, weight w = clip(1 - {EMA_SPAN}/N, {EMA_MIN}, {EMA_MAX}) for N points "
+    "(named at each panel's top right), with the raw values faint behind it. Shorter curves, constants and "
+    "schedules (learning rate, KL coefficient) are drawn as they are. Eval values are never smoothed: they "
+    "are the markers on dashed lines."
+)
 MAX_TEXT_CHARS = 4000  # per cell
 SUMMARY_ROWS_PER_TABLE, SUMMARY_MAX_TABLES = 22, 4  # the summary wraps into side-by-side tables
 TEXT_COLUMNS = ("split", "prompt", "completion", "chosen", "rejected", "answer")
@@ -44,7 +59,7 @@ table { border-collapse: collapse; font-size: 12.5px; margin: 6px 0; }
 th, td { border: 1px solid #d8dde3; padding: 3px 8px; text-align: left; vertical-align: top; }
 th { background: #f3f5f7; position: sticky; top: 0; } td.num { text-align: right;
      font-variant-numeric: tabular-nums; white-space: nowrap; }
-td.pos { background: #e3f4e1; } td.zero { background: #fbe9e7; } .dim { color: #8a939c; font-size: 11px; }
+td.pos { background: #e3f4e1; } td.zero, td.neg { background: #fbe9e7; } .dim { color: #8a939c; font-size: 11px; }
 .warn { color: #b3261e; font-size: 11px; }
 .text { white-space: pre-wrap; word-break: break-word; font: 12px/1.35 ui-monospace, Menlo, Consolas, monospace;
         max-height: 14em; overflow: auto; max-width: 560px; }
@@ -53,14 +68,26 @@ td.pos { background: #e3f4e1; } td.zero { background: #fbe9e7; } .dim { color: #
 figure { margin: 6px 0 16px; max-width: 100%; } figure img { max-width: 100%; height: auto; border: 1px solid #eceff2; }
 figcaption { color: #5b6570; font-size: 12px; }
 details { margin: 4px 0; } summary { cursor: pointer; font-weight: 600; }
+table.headline { font-size: 15px; margin: 8px 0 14px; } table.headline td, table.headline th { padding: 5px 14px; }
+table.headline tr:nth-child(2) td { font-weight: 600; }
+table.compare .text { max-width: 360px; }
 pre.config { background: #f6f8fa; padding: 8px 12px; font-size: 12px; max-height: 40em; overflow: auto; }
 """
 
 SCRIPT = """
+var reportErrors = [];
+window.addEventListener("error", function (e) {
+  var t = e.target;
+  reportErrors.push(t && t !== window && t.tagName ? "failed to load a " + t.tagName.toLowerCase() : String(e.message));
+}, true);
 window.addEventListener("load", function () {
-  var imgs = document.images, ok = 0;
-  for (var i = 0; i < imgs.length; i++) if (imgs[i].complete && imgs[i].naturalWidth > 0) ok++;
+  var imgs = document.images, ok = 0, broken = [];
+  for (var i = 0; i < imgs.length; i++) {
+    if (imgs[i].complete && imgs[i].naturalWidth > 0) ok++; else broken.push(imgs[i].alt || String(i));
+  }
   document.body.setAttribute("data-images-loaded", ok + "/" + imgs.length);
+  document.body.setAttribute("data-broken-images", broken.join("|"));
+  document.body.setAttribute("data-errors", reportErrors.join("|"));
 });
 """
 
@@ -79,20 +106,34 @@ def fmt(x: float) -> str:
     return f"{x:.4g}"
 
 
-def render_page(runs: Sequence[Run], plots: Sequence[Plot]) -> str:
-    """The whole report page for `runs` with `plots` (already written as PNG files)."""
+def render_page(
+    runs: Sequence[Run], plots: Sequence[Plot], evals: Sequence[Eval | None] | None = None,
+    headline: Plot | None = None,
+) -> str:
+    """The whole report page for `runs` with `plots` (already written as PNG files).
+
+    `evals` (one per run, or None): the runs are stages of one pipeline and these are
+    their final models' held-out evaluations; the page then opens with the before/after
+    table and `headline`, and its samples with the same prompts before and after.
+    """
     labels = ", ".join(r.label for r in runs)
+    pipeline = evals is not None and any(e is not None for e in evals)
+    nav = [("summary", "Summary"), ("plots", "Plots"), ("samples", "Samples"), ("config", "Config")]
+    if pipeline:
+        nav.insert(0, ("before-after", "Before / after"))
     body = [
         f"<h1>posttrain report: {text(labels)}</h1>",
         _meta(runs),
-        '<nav><a href="#summary">Summary</a><a href="#plots">Plots</a>'
-        '<a href="#samples">Samples</a><a href="#config">Config</a></nav>',
-        _notes(runs),
+        "<nav>" + "".join(f'<a href="#{i}">{t}</a>' for i, t in nav) + "</nav>",
+        _lead(runs, evals, headline) if pipeline else "",
+        _notes(runs, evals or ()),
         '<h2 id="summary">Summary: last value of each metric</h2>',
         _summary_table(runs, plots),
         '<h2 id="plots">Plots</h2>',
+        f'<p class="dim">{text(SMOOTHING_NOTE)}</p>',
         _figures(plots),
         '<h2 id="samples">Samples</h2>',
+        _comparison(runs, evals) if pipeline else "",
         *(_samples(run, open_last=(i == 0), heading=len(runs) > 1) for i, run in enumerate(runs)),
         '<h2 id="config">Config</h2>',
         _config_diff(runs) if len(runs) > 1 else "",
@@ -113,8 +154,9 @@ def _meta(runs: Sequence[Run]) -> str:
     return f'<div class="meta">{rows}<div>written {time.strftime("%Y-%m-%d %H:%M:%S")}</div></div>'
 
 
-def _notes(runs: Sequence[Run]) -> str:
+def _notes(runs: Sequence[Run], evals: Sequence[Eval | None]) -> str:
     items = [f"<li>{text(r.label)}: {text(n)}</li>" for r in runs for n in r.notes]
+    items += [f"<li>{text(n)}</li>" for e in evals if e is not None for n in e.notes]
     return f'<div class="notes"><ul>{"".join(items)}</ul></div>' if items else ""
 
 
@@ -160,9 +202,78 @@ def _summary_cell(run: Run, name: str) -> str:
 
 
 def _figures(plots: Sequence[Plot]) -> str:
+    """The plots; with several stages, one heading per stage (its runs' steps are its own)."""
     if not plots:
         return "<p>No metrics to plot yet.</p>"
-    return '<div class="figures">' + "".join(_figure(p) for p in plots) + "</div>"
+    by_stage: dict[str, list[Plot]] = {}
+    for plot in plots:
+        by_stage.setdefault(plot.stage, []).append(plot)
+    parts = []
+    for stage, group in by_stage.items():
+        if len(by_stage) > 1:
+            parts.append(f'<h3 id="stage-{text(_slug(stage))}">Stage: {text(stage)}</h3>')
+        parts.append('<div class="figures">' + "".join(_figure(p) for p in group) + "</div>")
+    return "".join(parts)
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
+
+
+def _lead(runs: Sequence[Run], evals: Sequence[Eval | None], headline: Plot | None) -> str:
+    """The before/after table and the headline plot."""
+    rows = before_after(evals)
+    ev = next((e for e in reversed(evals) if e is not None), None)
+    settings = ev.settings if ev else {}
+    how = []
+    if ev and ev.n_problems:
+        how.append(f"{ev.n_problems} held-out problems")
+    if settings.get("temperature") == 0.0:
+        how.append("greedy")
+    if "max_new_tokens" in settings:
+        how.append(f"at most {settings['max_new_tokens']} new tokens")
+    caption = "the final model of each stage, on the same problems" + (f" ({', '.join(how)})" if how else "")
+    tint = {1: " pos", -1: " neg", 0: ""}
+    cells = "".join(
+        f"<tr><td>{text(r.label)}</td><td class=\"num\">{text(r.before)}</td><td class=\"num\">{text(r.after)}</td>"
+        f'<td class="num{tint[r.better]}">{text(r.change)}</td></tr>'
+        for r in rows
+    )
+    head = "".join(f"<th>{text(h)}</th>" for h in ("", f"after {runs[0].label}", f"after {runs[-1].label}", "change"))
+    table = f'<table class="headline"><tr>{head}</tr>{cells}</table>' if rows else "<p>No held-out evaluation found.</p>"
+    return (
+        f'<h2 id="before-after">Before and after: {text(runs[0].label)} → {text(runs[-1].label)}</h2>'
+        f'<p class="dim">{text(caption)}</p>{table}' + (_figure(headline) if headline else "")
+    )
+
+
+def _comparison(runs: Sequence[Run], evals: Sequence[Eval | None]) -> str:
+    """The same held-out prompts answered by the first and the last stage's model."""
+    before, after = evals[0], evals[-1]
+    if before is None or after is None or len(evals) < 2:
+        return ""
+    a, b = runs[0].label, runs[-1].label
+    pairs = paired_samples(before, after)
+    parts = by_outcome(pairs)
+    counts = ", ".join(f"{name}: {len(v)}" for name, v in parts.items())
+    out = [f"<h3 id=\"before-after-samples\">Held-out prompts after {text(a)} and after {text(b)}</h3>",
+           f'<p>{len(pairs)} prompts answered by both; {text(counts)}. '
+           f'The first {MAX_COMPARED_ROWS} of each kind are shown.</p>']
+    head = (f"<tr><th>prompt</th><th>answer</th><th>after {text(a)}</th><th>reward</th>"
+            f"<th>after {text(b)}</th><th>reward</th></tr>")
+    for i, (name, rows) in enumerate(parts.items()):
+        if not rows:
+            continue
+        body = "".join(
+            "<tr>" + _cell_text(x.get("prompt", "")) + _cell_text(x.get("answer", ""))
+            + _cell_text(x.get("completion", "")) + _cell("reward", x.get("reward"))
+            + _cell_text(y.get("completion", "")) + _cell("reward", y.get("reward")) + "</tr>"
+            for x, y in rows[:MAX_COMPARED_ROWS]
+        )
+        is_open = " open" if i < 2 else ""
+        out.append(f"<details{is_open}><summary>{text(name)}: {len(rows)}</summary>"
+                   f'<table class="compare">{head}{body}</table></details>')
+    return "".join(out)
 
 
 def _figure(plot: Plot) -> str:

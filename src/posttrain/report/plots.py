@@ -7,6 +7,13 @@ the eval values (logged only at eval steps) dashed with markers. Several runs sh
 panel, one colour per run. A `stacked` group (time per stage) is a stack per step, one
 panel per run, since stacks of different runs cannot share axes.
 
+Smoothing, as TensorBoard and W&B draw it: a train series of at least `SMOOTH_MIN_POINTS`
+points is drawn as its debiased exponential moving average (`ema`, TensorBoard's scalar
+smoothing) with the raw values faint behind it; the weight grows with the series' length
+(`ema_weight`: 0.6 for 75 points or fewer, 0.9 from 300 points), and each panel names the weight it
+used. Eval values are never smoothed: few, and each one matters, they are drawn as markers.
+Schedules (`UNSMOOTHED`: the learning rate, the KL coefficient) are drawn as they are.
+
 Metrics no group names go to "Other metrics" when they vary (at least two distinct
 finite values): counters logged once (`data/*`) or constant (`nonfinite_steps`) are left
 to the summary table. A new trainer's metrics thus appear without code changes; a group
@@ -38,6 +45,10 @@ TIMING_STAGES = (
 )
 MAX_OTHER_PANELS = 24
 PANEL_W, PANEL_H, MAX_COLS = 3.7, 2.7, 3  # inches; the PNGs are 100 dpi
+SMOOTH_MIN_POINTS = 20  # shorter series are drawn raw, every point marked
+EMA_MIN, EMA_MAX, EMA_SPAN = 0.6, 0.9, 30  # ema_weight(n) = clip(1 - EMA_SPAN / n, EMA_MIN, EMA_MAX)
+RAW_ALPHA = 0.25
+UNSMOOTHED = ("lr", "*/lr", "kl_coef")  # schedules, not noisy measurements: a moving average would only lag
 
 
 @dataclass(frozen=True)
@@ -77,6 +88,7 @@ class Plot:
     path: Path
     metrics: list[str]  # base names (without `eval/`) of its panels, or the stacked metrics
     note: str = ""  # e.g. which metrics did not fit
+    stage: str = ""  # the runs drawn (labels joined), when the report has several stages
 
 
 def base_name(metric: str) -> str:
@@ -115,6 +127,36 @@ def _varies(runs: Sequence[Run], base: str) -> bool:
     return len(np.unique(finite[np.isfinite(finite)])) >= 2
 
 
+def ema_weight(n: int) -> float:
+    """The smoothing weight for a series of `n` points: about 30 points' memory, kept in [0.6, 0.9]."""
+    return float(np.clip(1.0 - EMA_SPAN / max(n, 1), EMA_MIN, EMA_MAX))
+
+
+def ema(values: np.ndarray, weight: float) -> np.ndarray:
+    """TensorBoard's debiased exponential moving average of `values` (N,) → (N,).
+
+        last_i = weight * last_{i-1} + (1 - weight) * x_i,  last_0 = 0
+        smoothed_i = last_i / (1 - weight ** k_i)           k_i = finite values so far
+
+    Dividing by (1 - weight^k) removes the pull towards the zero start (as Adam's bias
+    correction does), so the curve starts at the first value. NaN values stay NaN and do
+    not move the average (a gap in the curve), and a constant series is returned as it is:
+    both as in TensorBoard.
+    """
+    finite = values[np.isfinite(values)]
+    if len(finite) and np.all(finite == finite[0]):  # a constant: its average would only add rounding noise
+        return values.astype(float)
+    out = np.full(len(values), np.nan)
+    last, k = 0.0, 0
+    for i, x in enumerate(values):
+        if not np.isfinite(x):
+            continue
+        last = weight * last + (1.0 - weight) * x
+        k += 1
+        out[i] = last / (1.0 - weight**k)
+    return out
+
+
 def _grid(n: int) -> tuple[int, int]:
     cols = min(n, MAX_COLS)
     return math.ceil(n / cols), cols
@@ -139,20 +181,35 @@ def plain(name: str) -> str:
     return ("\u200b" if name.startswith("_") else "") + name.replace("$", r"\$")
 
 
-def _draw(ax, series: Series, color: str, label: str, is_eval: bool, order: int = 0) -> None:
-    """One curve; the `order`-th run's is thinner, so equal curves of several runs all show."""
-    sparse = is_eval or len(series.steps) <= 40  # markers where single points matter
+def _draw(ax, series: Series, color: str, label: str, is_eval: bool, order: int = 0, smooth: bool = True) -> float | None:
+    """One curve; the `order`-th run's is thinner, so equal curves of several runs all show.
+
+    Returns the EMA weight when the curve was smoothed (a long train series), else None.
+    """
     scale = max(0.45, 1.0 - 0.3 * order)
-    ax.plot(
-        series.steps, series.values, color=color, label=label, linestyle="--" if is_eval else "-",
-        marker="o" if sparse else None, markersize=(5 if is_eval else 3.5) * scale, linewidth=1.9 * scale,
-    )
+    if is_eval:  # markers a reader finds at a glance, joined by a dashed line
+        ax.plot(series.steps, series.values, color=color, label=label, linestyle="--", marker="o",
+                markersize=6 * scale, markeredgecolor="white", markeredgewidth=0.8, linewidth=1.4 * scale,
+                zorder=4)
+        return None
+    if not smooth:
+        ax.plot(series.steps, series.values, color=color, label=label, linewidth=1.9 * scale)
+        return None
+    if len(series.steps) < SMOOTH_MIN_POINTS:
+        ax.plot(series.steps, series.values, color=color, label=label, marker="o", markersize=3.5 * scale,
+                linewidth=1.9 * scale)
+        return None
+    weight = ema_weight(len(series.steps))
+    ax.plot(series.steps, series.values, color=color, alpha=RAW_ALPHA, linewidth=0.8, label="_raw", zorder=1)
+    ax.plot(series.steps, ema(series.values, weight), color=color, label=label, linewidth=1.9 * scale, zorder=2)
+    return weight
 
 
 def _line_panels(runs: Sequence[Run], names: list[str]) -> Figure:
     fig, axes = _new_figure(len(names))
     several = len(runs) > 1
     for ax, name in zip(axes, names):
+        weights: set[float] = set()
         for i, run in enumerate(runs):
             for metric, is_eval in ((name, False), (EVAL + name, True)):
                 if metric not in run.metrics:
@@ -160,8 +217,14 @@ def _line_panels(runs: Sequence[Run], names: list[str]) -> Figure:
                 color = f"C{i % 10}" if several else ("C1" if is_eval else "C0")
                 split = "eval" if is_eval else "train"
                 label = f"{run.label} ({split})" if several else split
-                _draw(ax, run.metrics[metric], color, plain(label), is_eval, order=i)
+                smooth = not any(fnmatch.fnmatchcase(name, p) for p in UNSMOOTHED)
+                weight = _draw(ax, run.metrics[metric], color, plain(label), is_eval, order=i, smooth=smooth)
+                if weight is not None:
+                    weights.add(weight)
         ax.set_title(plain(name), fontsize=10)
+        if weights:
+            ax.set_title("EMA " + "/".join(f"{w:.2g}" for w in sorted(weights)), loc="right", fontsize=7,
+                         color="#5b6570")
     _legend(fig, axes)
     return fig
 
@@ -211,7 +274,7 @@ def draw_group(runs: Sequence[Run], group: PlotGroup, names: list[str]) -> Figur
     return fig
 
 
-def write_plots(runs: Sequence[Run], out_dir: Path, prefix: str = "report-") -> list[Plot]:
+def write_plots(runs: Sequence[Run], out_dir: Path, prefix: str = "report-", stage: str = "") -> list[Plot]:
     """Draw every group the runs have into `out_dir/<prefix><group>.png`."""
     plots = []
     for group, names in assign_groups(runs):
@@ -221,5 +284,5 @@ def write_plots(runs: Sequence[Run], out_dir: Path, prefix: str = "report-") -> 
         path = out_dir / f"{prefix}{group.slug}.png"
         fig.savefig(path, dpi=100, facecolor="white")
         note = f"not plotted (see the summary table): {', '.join(left_out)}" if left_out else ""
-        plots.append(Plot(group.title, path, names, note))
+        plots.append(Plot(group.title, path, names, note, stage))
     return plots

@@ -6,6 +6,11 @@ and rows without an integer `step` are skipped and counted in `Run.notes`, a ste
 twice keeps the later value of each metric (as a resumed run means it), `null` and
 non-finite values become NaN (gaps in the plots), and non-numeric values (strings,
 lists) are not metrics. A missing samples.jsonl or config.yaml is a note, not an error.
+
+Runs of different kinds of training (SFT, then RL on its model) do not share plots: their
+steps count different things. A run's kind is the set of its config's top-level sections
+(every RL trainer has `rollout`, `actor`, `critic`, ...; SFT has none of them); `stages`
+splits the runs by it.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 
 from posttrain.logging.metrics import METRICS_FILE, SAMPLES_FILE
 
@@ -57,6 +63,27 @@ class Run:
     @property
     def last_step(self) -> int | None:
         return max((int(s.steps[-1]) for s in self.metrics.values() if len(s.steps)), default=None)
+
+    @property
+    def kind(self) -> frozenset[str] | None:
+        """The top-level sections of config.yaml; None without a readable one."""
+        try:
+            tree = yaml.safe_load(self.config_text) if self.config_text is not None else None
+        except yaml.YAMLError:
+            return None
+        return frozenset(tree) if isinstance(tree, dict) else None
+
+
+def stages(runs: list[Run]) -> list[list[Run]]:
+    """The runs split by kind, in the order each kind first appears (runs without a config
+    join the first stage: nothing says they differ)."""
+    by_kind: dict[frozenset[str] | None, list[Run]] = {}
+    for run in runs:
+        kind = run.kind
+        if kind is None and by_kind:
+            kind = next(iter(by_kind))
+        by_kind.setdefault(kind, []).append(run)
+    return list(by_kind.values())
 
 
 def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
