@@ -233,18 +233,21 @@ class AdvEstimator(NamedTuple):
     """Whitens its output itself: the caller must not whiten it again."""
     grouped: bool
     """Compares the G responses of a prompt: needs G ≥ 2 and each group's rows contiguous."""
+    scale: str | None = None
+    """The one `GRPO_SCALES` name the estimator is defined with (dr_grpo: "none"), or None
+    when the user chooses (a grouped estimator then defaults to "group")."""
 
 
 ADV_ESTIMATORS: dict[str, AdvEstimator] = {
     "gae": AdvEstimator(_gae, needs_values=True, whitens=False, grouped=False),
     "grpo": AdvEstimator(_grpo, needs_values=False, whitens=False, grouped=True),
-    "dr_grpo": AdvEstimator(_grpo, needs_values=False, whitens=False, grouped=True),  # scale "none"
+    "dr_grpo": AdvEstimator(_grpo, needs_values=False, whitens=False, grouped=True, scale="none"),
     "rloo": AdvEstimator(_rloo, needs_values=False, whitens=False, grouped=True),
     "reinforce_pp": AdvEstimator(_reinforce_pp, needs_values=False, whitens=True, grouped=False),
 }
 """`algorithm.adv_estimator` → estimator. Inputs: outcome (B,) the sequence reward of
 each row; token_rewards (B, T); values (B, T), read only where needs_values; mask (B, T),
 1 on the tokens that get an advantage; group_size G; gamma, lam (gae; gamma also
-reinforce_pp); scale, a `GRPO_SCALES` name (grpo, dr_grpo; the config resolves dr_grpo's
-to "none"). Output: advantages (B, T), 0 off the mask, and from gae the critic's targets
+reinforce_pp); scale, a `GRPO_SCALES` name (grpo, dr_grpo; the entry's own `scale` when
+it has one). Output: advantages (B, T), 0 off the mask, and from gae the critic's targets
 (B, T), else None."""

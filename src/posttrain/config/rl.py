@@ -296,8 +296,9 @@ class AlgorithmConfig(RefSyncConfig):
         check(self.max_gen_batches >= 1, "algorithm.max_gen_batches", "must be >= 1")
         check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algorithm.gamma", "gamma and lam must be in [0, 1]")
         check(self.overlong.buffer >= 0, "algorithm.overlong.buffer", "must be >= 0")
-        check(not (self.adv_estimator == "dr_grpo" and self.norm_adv_by_std not in (None, "none")),
-              "algorithm.norm_adv_by_std", "dr_grpo does not scale advantages; leave it null or none")
+        fixed = self.estimator.scale
+        check(fixed is None or self.norm_adv_by_std in (None, fixed), "algorithm.norm_adv_by_std",
+              f"{self.adv_estimator} is defined with norm_adv_by_std={fixed}; leave it null or {fixed}")
         check(not (self.estimator.whitens and self.whiten_advantages is False),
               "algorithm.whiten_advantages", f"{self.adv_estimator} always whitens; leave it null or true")
         if self.kl.in_reward and self.kl.in_loss:
@@ -313,7 +314,7 @@ class AlgorithmConfig(RefSyncConfig):
     def grpo_scale(self) -> str:
         if self.norm_adv_by_std is not None:
             return self.norm_adv_by_std
-        return "none" if self.adv_estimator == "dr_grpo" else "group"
+        return self.estimator.scale or "group"
 
     @property
     def whiten(self) -> bool:
