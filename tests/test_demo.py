@@ -79,7 +79,7 @@ def test_summary_holds_the_canonical_fields(demo):
     stages = summary["stage_seconds"]
     assert set(stages) == {"data", "sft", "eval_sft", "rl", "eval_rl", "report"}
     assert sum(stages.values()) <= summary["wall_seconds"] + 1.0
-    assert summary["quick"] is True and summary["device"] == "cpu"
+    assert summary["quick"] is True and summary["device"] == "cpu" and summary["seed"] == 0
     assert summary["paths"]["model"] == str(out / "rl" / "final")
     assert summary["paths"]["report"] == str(out / "report.html")
 

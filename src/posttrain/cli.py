@@ -552,13 +552,15 @@ def _add_demo_command(sub: Any) -> None:
     p.add_argument("--out", default="runs/demo", metavar="DIR", help="output directory (default runs/demo)")
     p.add_argument("--quick", action="store_true", help="tiny sizes, to check that every stage runs (under a minute)")
     p.add_argument("--device", default="auto", metavar="DEV", help="auto (CUDA when available), cpu, cuda or cuda:N")
+    p.add_argument("--seed", type=int, default=0, metavar="N",
+                   help="seed of the data and of both trainers (default 0, the recorded run)")
     p.set_defaults(handler=_handle_demo)
 
 
 def _handle_demo(args: argparse.Namespace) -> int:
     from posttrain.demo import run_demo
 
-    run_demo(args.out, quick=args.quick, device=args.device)
+    run_demo(args.out, quick=args.quick, device=args.device, seed=args.seed)
     return 0
 
 

@@ -91,15 +91,20 @@ OUTPUTS = ("data", "sft", "eval_sft", "rl", "eval_rl", "summary.json", "report.h
 STAGES = 7
 
 
-def run_demo(out: str | Path = "runs/demo", quick: bool = False, device: str | None = None) -> dict[str, Any]:
+def run_demo(
+    out: str | Path = "runs/demo", quick: bool = False, device: str | None = None, seed: int = SEED,
+) -> dict[str, Any]:
     """Run every stage into `out` (see the module docstring); returns what summary.json holds.
 
     `device`: "auto" or None (CUDA when available), "cpu", "cuda", "cuda:N".
+    `seed`: the task's data (which problems are drawn) and both trainers' `trainer.seed`
+    (initialisation, shuffling, sampling); the evaluations are greedy.
     Raises ValueError when `out` holds files the demo did not write.
     """
     out, size, device = Path(out), QUICK if quick else FULL, device or "auto"
     data = {"train": out / "data" / "train.jsonl", "test": out / "data" / "test.jsonl"}
-    shared = [f"model.device={device}", "model.dtype=float32", "trainer.resume=never", "trainer.report_to=[]"]
+    shared = [f"model.device={device}", "model.dtype=float32", "trainer.resume=never", "trainer.report_to=[]",
+              f"trainer.seed={seed}"]
     # Both configs first, so that a bad override fails before anything is trained.
     sft_cfg = sft_config(data, out / "sft", size, shared)
     rl_cfg = rl_config(data, out / "sft" / "final", out / "rl", size, shared)
@@ -109,7 +114,7 @@ def run_demo(out: str | Path = "runs/demo", quick: bool = False, device: str | N
     stage(1, f"data: {size.n_train} training and {size.n_test} held-out arithmetic problems", out / "data")
     with timed(seconds, "data"):
         with Progress(1, "data") as bar:  # seconds; a bar so every stage reports the same way
-            make_data(out / "data", size)
+            make_data(out / "data", size, seed)
             bar.update(1)
 
     stage(2, f"SFT: the built-in tiny model from scratch, {size.sft_steps} steps", out / "sft")
@@ -138,7 +143,7 @@ def run_demo(out: str | Path = "runs/demo", quick: bool = False, device: str | N
             report = write_demo_report(out)
             bar.update(1)
 
-    summary = make_summary(before, after, seconds, time.perf_counter() - started, size, quick, device, {
+    summary = make_summary(before, after, seconds, time.perf_counter() - started, size, quick, device, seed, {
         "data": out / "data", "sft_run": out / "sft", "rl_run": out / "rl", "model": rl_model,
         "eval_sft": out / "eval_sft" / "eval.json", "eval_rl": out / "eval_rl" / "eval.json", "report": report,
     })
@@ -151,12 +156,12 @@ def run_demo(out: str | Path = "runs/demo", quick: bool = False, device: str | N
 # ---------------------------------------------------------------------------- stages
 
 
-def make_data(out: Path, size: DemoSize) -> None:
+def make_data(out: Path, size: DemoSize, seed: int = SEED) -> None:
     """train.jsonl, test.jsonl and task.json of the bundled arithmetic task (the same bytes
-    for the same size)."""
+    for the same size and seed)."""
     from posttrain.data.tasks import make_task
 
-    make_task(TASK, out, n_train=size.n_train, n_test=size.n_test, seed=SEED)
+    make_task(TASK, out, n_train=size.n_train, n_test=size.n_test, seed=seed)
 
 
 def sft_config(data: dict[str, Path], run_dir: Path, size: DemoSize, shared: Sequence[str]) -> SFTConfig:
@@ -237,7 +242,7 @@ def comparison_table(before: dict[str, float], after: dict[str, float]) -> str:
 
 def make_summary(
     before: dict[str, float], after: dict[str, float], seconds: dict[str, float], wall: float,
-    size: DemoSize, quick: bool, device: str, paths: dict[str, Path],
+    size: DemoSize, quick: bool, device: str, seed: int, paths: dict[str, Path],
 ) -> dict[str, Any]:
     """summary.json: the names DESIGN.md promises (sft_accuracy, rl_accuracy, wall_seconds) first."""
     from posttrain.models.loading import resolve_device
@@ -258,6 +263,7 @@ def make_summary(
         "sft_steps": size.sft_steps,
         "rl_steps": size.rl_steps,
         "quick": quick,
+        "seed": seed,
         "device": str(resolve_device(device)),
         "paths": {k: str(v) for k, v in paths.items()},
     }
