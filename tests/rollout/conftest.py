@@ -12,17 +12,14 @@ PROMPTS = ["12+3=", "hello world, how are", "a", "7*8="]  # different lengths: l
 def randomized(seed: int = 0, **overrides) -> BuiltinLM:
     """A 2-layer GQA model over the byte tokenizer with O(1) logits (so greedy has no near-ties)."""
     torch.manual_seed(seed)
+    shape = {"hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 4, "num_key_value_heads": 2}
     config = BuiltinConfig(
         vocab_size=262,
-        hidden_size=32,
-        intermediate_size=48,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
-        **overrides,
+        **{**shape, **overrides},
     )
     model = BuiltinLM(config).eval()
     gen = torch.Generator().manual_seed(seed)
