@@ -22,6 +22,7 @@ from posttrain.data.tasks import make_task
 from posttrain.models import BuiltinLM
 from posttrain.models.lora import apply_lora
 from posttrain.rewards.checks import RewardFunctionError
+from posttrain.rollout.native import NativeEngine
 from posttrain.trainers.rl import RLTrainer
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
@@ -481,3 +482,46 @@ def test_rl_logs_its_setup_before_the_loop(tmp_path, caplog):
     first = caplog.messages[0]
     assert first == (f"RL (grpo): BuiltinLM, {n} parameters; 64 prompts, 1 steps of 8 x 8; "
                      "rollout engine native, on cpu, torch.float32"), caplog.messages
+
+
+class RecordingEngine(NativeEngine):
+    """A native engine that logs each call with a fingerprint of the watched models' weights
+    at that moment, so the log shows which calls came before the update and which after."""
+
+    def __init__(self, model, tokenizer, watched):
+        super().__init__(model, tokenizer)
+        self.calls, self.watched = [], watched
+
+    def _log(self, name):
+        self.calls.append((name, tuple(float(sum(p.detach().double().sum() for p in m.parameters()))
+                                       for m in self.watched)))
+
+    def generate(self, *args, **kwargs):
+        self._log("generate")
+        return super().generate(*args, **kwargs)
+
+    def offload(self):
+        self._log("offload")
+
+    def resume(self):
+        self._log("resume")
+
+    def sync_weights(self, model):
+        if hasattr(self, "calls"):  # NativeEngine.__init__ syncs too
+            self._log("sync_weights")
+        super().sync_weights(model)
+
+
+def test_the_driver_offloads_the_engine_for_the_update_and_resumes_it_for_the_sync(tmp_path):
+    trainer = trainer_for(config(tmp_path, "gae", **{"trainer.max_steps": 2}))
+    r = trainer.roles
+    engine = RecordingEngine(r.actor.model, trainer.tokenizer, [r.actor.model, r.critic.model])
+    r.rollout.engine = engine
+    trainer.train()
+    names = [name for name, _ in engine.calls]
+    assert names == ["generate", "offload", "resume", "sync_weights"] * 2
+    for step in range(2):
+        generate, offload, resume, sync = (w for _, w in engine.calls[4 * step : 4 * step + 4])
+        assert offload == generate  # asleep before the critic or the actor moved
+        assert all(a != b for a, b in zip(offload, resume))  # awake after both moved
+        assert sync == resume

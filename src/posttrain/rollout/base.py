@@ -163,7 +163,8 @@ class Completions:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What the RL loop calls: `generate` for rollouts, `sync_weights` after each update."""
+    """What the RL loop calls: `generate` for rollouts, `offload` before each update,
+    `resume` and `sync_weights` after it."""
 
     tokenizer: object
 
@@ -176,6 +177,14 @@ class RolloutEngine(Protocol):
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Make the next `generate` sample from `model`'s current weights."""
+        ...
+
+    def offload(self) -> None:
+        """Give the GPU memory the engine holds to the update (vllm: sleep; others: nothing)."""
+        ...
+
+    def resume(self) -> None:
+        """Take back what `offload` gave (vllm: wake up; others: nothing)."""
         ...
 
 

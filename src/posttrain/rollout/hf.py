@@ -71,6 +71,12 @@ class HFEngine:
             )
         self.model = model
 
+    def offload(self) -> None:
+        """Nothing to free: the engine holds no memory of its own between calls."""
+
+    def resume(self) -> None:
+        """Nothing to take back (see `offload`)."""
+
     def generate(
         self, prompts: Prompts, params: SamplingParams, on_tokens: TokenCallback | None = None
     ) -> Completions:

@@ -131,6 +131,12 @@ class NativeEngine:
         """Point the engine at `model` (weights are shared, so nothing is copied)."""
         self.model = as_builtin(model)
 
+    def offload(self) -> None:
+        """Nothing to free: the engine holds no memory of its own between calls."""
+
+    def resume(self) -> None:
+        """Nothing to take back (see `offload`)."""
+
     def generate(
         self, prompts: Prompts, params: SamplingParams, on_tokens: TokenCallback | None = None
     ) -> Completions:

@@ -6,7 +6,8 @@ One driver, `rl_step` (one step of the loop in `trainers/loop.py`), calls the ro
     prompts → rollout.generate (n per prompt) → reward.score → actor.compute_logprobs (old)
       → ref.compute_logprobs (only with a KL term) → critic.compute_values (PPO)
       → advantages (`algos.ADV_ESTIMATORS[algorithm.adv_estimator]`)
-      → critic.update → actor.update (ppo_epochs × shuffled mini-batches) → rollout.sync_weights
+      → rollout.offload → critic.update → actor.update (ppo_epochs × shuffled mini-batches)
+      → rollout.sync_weights (the engine resumes, then takes the new weights)
 
 Papers: PPO (Schulman et al. 2017, arXiv 1707.06347) with GAE (arXiv 1506.02438); GRPO
 (Shao et al. 2024, arXiv 2402.03300); DAPO (Yu et al. 2025, arXiv 2503.14476); GSPO
@@ -309,9 +310,11 @@ def rl_step(trainer: RLTrainer, step: int) -> tuple[dict[str, float], RLBatch]:
             batch, metrics["kl"] = Reward.apply_kl(batch, beta, kl.kind or "k1")
         batch, adv_metrics = compute_advantages(batch, algo, n)
 
-    # 4. updates: critic first, then the actor (not during critic warmup); new weights to the engine
+    # 4. updates: critic first, then the actor (not during critic warmup); new weights to the engine,
+    #    which gives its GPU memory to the update meanwhile (a colocated vllm engine sleeps)
     rows, epochs = cfg.mini_batch_prompts * n, cfg.actor.ppo_epochs
     seed = step_seed(cfg.trainer.seed, step, UPDATE_SALT)
+    r.rollout.offload()
     with timer("update_critic"):
         critic_metrics = r.critic.update(batch, rows, epochs, seed) if r.critic is not None else {}
     with timer("update_actor"):

@@ -62,6 +62,12 @@ class Rollout:
             meta={**batch.meta, "n": n},
         )
 
+    def offload(self) -> None:
+        """Before the update: the engine gives back the GPU memory it holds (vllm sleeps)."""
+        self.engine.offload()
+
     def sync_weights(self, model: nn.Module) -> None:
-        """Sample from `model`'s current weights from the next call on."""
+        """Sample from `model`'s current weights from the next call on (the engine resumes
+        first: vllm wakes up, then loads the weights and drops its prefix cache)."""
+        self.engine.resume()
         self.engine.sync_weights(model)
