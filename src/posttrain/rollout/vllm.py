@@ -1,14 +1,24 @@
 """The vllm engine (optional extra, CUDA only): generation by a `vllm.LLM` built from
 the policy's weights, with in-place weight sync after each update.
 
-Notation: B prompts, n samples per prompt, N = B·n rows.
+Notation: B prompts, n samples per prompt, N = B·n rows. Written against vLLM 0.32
+(Python >= 3.11, transformers < 5.20); it has not run on a GPU yet.
 
 - Construction: the policy is saved as a Hugging Face checkpoint (with the
   tokenizer) to a temporary directory and vLLM loads it; pass `model_path` to load
   an existing checkpoint directory instead (required for a peft model: the base
-  checkpoint, then the merged weights are synced). `VLLM_ENABLE_V1_MULTIPROCESSING=0` is
-  set (unless the caller set it) so the engine core runs in this process and
-  `sync_weights` hands tensors to it by reference instead of pickling them.
+  checkpoint, then the merged weights are synced). `engine_env`:
+  `VLLM_ENABLE_V1_MULTIPROCESSING=0` is set (unless the caller set it) so the engine
+  core runs in this process and `sync_weights` hands tensors to it by reference; when the
+  workers are other processes anyway (multiprocessing on, or tensor_parallel_size > 1)
+  weights go as host copies, and `VLLM_ALLOW_INSECURE_SERIALIZATION=1` lets
+  `collective_rpc` pickle our worker function (TRL sets it too).
+- Colocation (TRL's colocate mode, veRL's hybrid engine): the engine is built last, after
+  the policy, reference and critic are on the GPU, with `enable_sleep_mode=True`; vLLM
+  starts only if `gpu_memory_utilization` × total memory is free, which
+  `check_gpu_memory` says before vLLM does, with the numbers. `offload()` puts it to
+  sleep (level 1: weights to host memory, KV cache dropped) while the trainer updates;
+  `resume()` wakes it before the weight sync.
 - `sync_weights(model)`: `LLM.collective_rpc` runs `model_runner.model.load_weights`
   on every worker with the policy's named tensors (vLLM >= 0.10), then the prefix
   cache is reset: cached prompt KV computed by the old weights must not be reused.
@@ -22,6 +32,9 @@ Notation: B prompts, n samples per prompt, N = B·n rows.
   other engines (also `stop_token_ids=()`: never stop).
 - `on_tokens` is a fallback: `LLM.generate` returns whole responses, so their tokens
   are replayed step by step after the call (no earlier than the answer itself).
+- Temperature: vLLM rejects T > 2 and raises 0 < T < 0.01 to 0.01 (T < 1e-5 is greedy,
+  whose logprobs are at T = 1, as ours), so the logprobs would not be those of
+  softmax(logits / T): `check_temperature` refuses such T (`rollout.temperature` too).
 - Logprobs: the engine is built with `logprobs_mode="processed_logprobs"`: the
   log-softmax of the logits vLLM samples from, after temperature. That is our
   definition (base.py) exactly when top_k, top_p and min_p are off; with a filter
@@ -35,6 +48,8 @@ import os
 import tempfile
 import time
 import warnings
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,6 +66,57 @@ from posttrain.rollout.base import (
 )
 
 INSTALL_HINT = "pip install 'posttrain[vllm]' on a CUDA machine"
+
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 2.0
+"""The sampling temperatures vLLM serves as asked (0 aside: greedy)."""
+
+
+def check_temperature(temperature: float) -> str | None:
+    """What is wrong with `temperature` for vLLM, or None: 0 (greedy) and [0.01, 2] are
+    served as asked; vLLM refuses T > 2 and would sample 0 < T < 0.01 at 0.01."""
+    if temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE:
+        return None
+    return (f"the vllm engine samples at temperatures in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}] "
+            f"(or 0, greedy), got {temperature}")
+
+
+def runs_in_process(environ: Mapping[str, str], tensor_parallel_size: int = 1) -> bool:
+    """Whether vLLM's model lives in this process, so tensors can be handed over by reference:
+    only with multiprocessing off and one worker (tensor parallel workers are processes)."""
+    return environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0" and tensor_parallel_size == 1
+
+
+def engine_env(environ: Mapping[str, str], tensor_parallel_size: int = 1) -> dict[str, str]:
+    """The environment variables to set before `vllm.LLM` is built (the caller's own win):
+    multiprocessing off by default; where the workers are other processes,
+    VLLM_ALLOW_INSECURE_SERIALIZATION=1 so `collective_rpc` may pickle a Python function."""
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")}
+    if not runs_in_process({**environ, **env}, tensor_parallel_size):
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    return env
+
+
+def check_gpu_memory(free_bytes: int, total_bytes: int, utilization: float) -> None:
+    """vLLM starts only if `utilization` × total is free (what the policy, reference and
+    critic leave); raise, with the numbers and the fix, before it fails less clearly."""
+    need = utilization * total_bytes
+    if need > free_bytes:
+        gib = 2**30
+        raise RuntimeError(
+            f"vllm engine: rollout.gpu_memory_utilization={utilization} asks for {need / gib:.1f} GiB "
+            f"but {free_bytes / gib:.1f} of {total_bytes / gib:.1f} GiB are free after the training "
+            f"models; set it to at most {free_bytes / total_bytes:.2f} (or free memory: LoRA, a shared "
+            "critic, no reference)"
+        )
+
+
+def engine_kwargs(model_path: str, dtype: str, gpu_memory_utilization: float, seed: int,
+               **extra: Any) -> dict[str, Any]:
+    """The arguments of `vllm.LLM`: sleep mode for colocation, processed logprobs (module
+    docstring); `extra` (tensor_parallel_size, max_model_len, enforce_eager, ...) on top."""
+    return {"model": model_path, "tokenizer": model_path, "dtype": dtype,
+            "gpu_memory_utilization": gpu_memory_utilization, "seed": seed,
+            "enable_sleep_mode": True, "logprobs_mode": "processed_logprobs", **extra}
 
 
 def require_vllm():
@@ -123,11 +189,13 @@ class VLLMEngine:
             gpu_memory_utilization, seed, **llm_kwargs: passed to `vllm.LLM`
                 (e.g. tensor_parallel_size, max_model_len, enforce_eager).
         """
+        tp = llm_kwargs.get("tensor_parallel_size", 1)
+        os.environ.update(engine_env(os.environ, tp))  # before vllm is imported: it reads them
+        self.in_process = runs_in_process(os.environ, tp)
         vllm = require_vllm()
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        self.in_process = os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
         self.tokenizer = tokenizer
         self._tmp = None
+        self.asleep = False
         is_peft = hasattr(model, "get_base_model")
         if model_path is None and is_peft:
             raise ValueError(
@@ -141,21 +209,29 @@ class VLLMEngine:
             tokenizer.save_pretrained(model_path)
         if dtype == "auto":
             dtype = serving_dtype(next(model.parameters()).dtype, torch.cuda.is_bf16_supported())
-        self.llm = vllm.LLM(
-            model=model_path,
-            tokenizer=model_path,
-            dtype=dtype,
-            gpu_memory_utilization=gpu_memory_utilization,
-            seed=seed,
-            logprobs_mode="processed_logprobs",
-            **llm_kwargs,
-        )
+        self.dtype = dtype
+        torch.cuda.empty_cache()  # blocks the trainer's allocator caches count as used to vLLM
+        check_gpu_memory(*torch.cuda.mem_get_info(), gpu_memory_utilization)
+        self.llm = vllm.LLM(**engine_kwargs(model_path, dtype, gpu_memory_utilization, seed, **llm_kwargs))
         self._vllm = vllm
         if is_peft:
             self.sync_weights(model)
 
+    def offload(self) -> None:
+        """Free the GPU for the update: weights to host memory, KV cache dropped (sleep level 1)."""
+        if not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def resume(self) -> None:
+        """Weights and KV cache back on the GPU (before the weight sync, or to generate)."""
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
     def sync_weights(self, model: nn.Module) -> None:
         """Copy `model`'s current weights into the running engine and drop its prefix cache."""
+        self.resume()
         merged = hasattr(model, "merge_adapter")
         if merged:
             model.merge_adapter()
@@ -172,6 +248,10 @@ class VLLMEngine:
     def generate(
         self, prompts: Prompts, params: SamplingParams, on_tokens: TokenCallback | None = None
     ) -> Completions:
+        problem = check_temperature(params.temperature)
+        if problem:
+            raise ValueError(problem)
+        self.resume()
         prompt_ids = encode_prompts(self.tokenizer, prompts)
         pad_id = pad_id_of(self.tokenizer)
         filtered = params.top_k > 0 or params.top_p < 1 or params.min_p > 0
