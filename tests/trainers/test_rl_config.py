@@ -109,3 +109,32 @@ def test_recipes_resolve_and_open_with_a_citation(recipe):
     assert text.startswith("# ") and "arXiv" in text.split("\n\n")[0]
     cfg = build_config(PPOConfig if recipe == "ppo.yaml" else GRPOConfig, RECIPES / recipe)
     assert cfg.reward.functions and cfg.eval.task == "arithmetic"
+
+
+@pytest.mark.parametrize("overrides,field", [
+    (["rollout.engine=vllm", "rollout.temperature=2.5"], "rollout.temperature"),  # vLLM refuses > 2
+    (["rollout.engine=vllm", "rollout.temperature=0.005"], "rollout.temperature"),  # vLLM would use 0.01
+    (["rollout.engine=vllm", "eval.temperature=0.001"], "eval.temperature"),
+])
+def test_vllm_temperatures_outside_what_it_serves_name_the_field(overrides, field):
+    with pytest.raises(ConfigError, match=field):
+        build(*overrides)
+
+
+def test_vllm_serves_temperatures_0_01_to_2_and_greedy_eval_and_other_engines_any():
+    for t in ("0.01", "2.0"):
+        build("rollout.engine=vllm", f"rollout.temperature={t}", "eval.temperature=0")
+    build("rollout.engine=native", "rollout.temperature=2.5")
+
+
+def test_vllm_options_carry_the_base_model_path_for_a_lora_policy():
+    from posttrain.trainers.rl_build import engine_options
+
+    cfg = build("rollout.engine=vllm", "model.path=/models/base", "rollout.gpu_memory_utilization=0.3",
+                "trainer.seed=7")
+    assert engine_options(cfg, "vllm", peft=True) == {
+        "gpu_memory_utilization": 0.3, "seed": 7, "model_path": "/models/base"}
+    assert "model_path" not in engine_options(cfg, "vllm", peft=False)  # the engine saves the policy
+    with pytest.raises(ConfigError, match="model.path"):
+        engine_options(build("rollout.engine=vllm"), "vllm", peft=True)
+    assert engine_options(build("rollout.max_batch_size=4"), "native", peft=True) == {"max_batch_size": 4}

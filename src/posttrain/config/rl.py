@@ -100,6 +100,11 @@ class RolloutConfig:
               f"must be > 0 for RL (greedy samples carry no exploration), got {self.temperature}")
         check(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
         check(self.top_k >= 0 and self.max_batch_size >= 0, "rollout.top_k", "top_k and max_batch_size must be >= 0")
+        if self.engine == "vllm":  # outside vLLM's range its log-probs are not softmax(logits / T)
+            from posttrain.rollout.vllm import check_temperature
+
+            problem = check_temperature(self.temperature)
+            check(problem is None, "rollout.temperature", problem or "")
 
 
 @dataclass
@@ -405,6 +410,11 @@ class RLConfig:
         self._validate_critic(est)
         check(self.algorithm.overlong.buffer <= self.rollout.max_new_tokens, "algorithm.overlong.buffer",
               f"must be <= rollout.max_new_tokens={self.rollout.max_new_tokens}")
+        if self.rollout.engine == "vllm" and self.eval.task is None:  # eval samples through the engine
+            from posttrain.rollout.vllm import check_temperature
+
+            problem = check_temperature(self.eval.temperature)
+            check(problem is None, "eval.temperature", problem or "")
 
     def _validate_critic(self, est: str) -> None:
         c = self.critic

@@ -74,16 +74,30 @@ def build_reward(cfg: RLConfig, reward_funcs: Any, columns: Sequence[str] | None
                   cfg.trainer.max_bad_steps)
 
 
+def engine_options(cfg: RLConfig, kind: str, peft: bool) -> dict[str, Any]:
+    """`make_engine`'s options for engine `kind`. vllm loads a peft policy's base model from
+    model.path (then syncs the merged adapters), so a LoRA run needs one."""
+    rc = cfg.rollout
+    if kind == "native":
+        return {"max_batch_size": rc.max_batch_size} if rc.max_batch_size else {}
+    if kind != "vllm":
+        return {}
+    opts: dict[str, Any] = {"gpu_memory_utilization": rc.gpu_memory_utilization, "seed": cfg.trainer.seed}
+    if peft:
+        check(cfg.model.path is not None, "model.path",
+              "rollout.engine=vllm with a LoRA policy loads the base model from model.path; set it")
+        opts["model_path"] = cfg.model.path
+    return opts
+
+
 def build_rollout(cfg: RLConfig, model: torch.nn.Module, tokenizer: Any) -> Rollout:
+    """Built last (`build_roles`): a colocated vllm engine takes its share of what the policy,
+    reference and critic leave free on the GPU."""
     from posttrain.rollout import engine_kind_for
 
     rc = cfg.rollout
     kind = engine_kind_for(model) if rc.engine == "auto" else rc.engine
-    opts: dict[str, Any] = {}
-    if kind == "native" and rc.max_batch_size:
-        opts["max_batch_size"] = rc.max_batch_size
-    if kind == "vllm":
-        opts = {"gpu_memory_utilization": rc.gpu_memory_utilization, "seed": cfg.trainer.seed}
+    opts = engine_options(cfg, kind, is_peft(model))
     return Rollout(make_engine(kind, model, tokenizer, **opts), SamplingParams.from_config(rc))
 
 
@@ -150,7 +164,7 @@ def build_roles(cfg: RLConfig, tokenizer: Any, model: Any, reward_funcs: Any, va
         actor.joint = critic.joint_forward
     if is_peft(model):
         log.info("LoRA policy: the reference is the base model with adapters disabled (no copy)")
-    return Roles(actor, build_rollout(cfg, model, tokenizer), reward, ref, critic)
+    return Roles(actor, build_rollout(cfg, model, tokenizer), reward, ref, critic)  # the engine last
 
 
 def evaluate_policy(trainer: Any, step: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
