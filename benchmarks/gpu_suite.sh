@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# The checks only a CUDA machine can run (one GPU, under 8 minutes), one PASS/FAIL/SKIP line each;
+# exits non-zero if any check fails. From the repository root:
+#
+#     bash benchmarks/gpu_suite.sh            # PYTHON=.venv/bin/python to choose the interpreter
+#
+# Checks: CUDA is visible; NCCL initialises (one process, world size 1); a few SFT steps of the
+# built-in tiny model on CUDA under bf16 autocast keep fp32 master weights and a finite loss; the
+# native engine generates on CUDA as it does on the CPU; the vllm engine's GPU tests
+# (tests/rollout/test_rollout_vllm.py) when vLLM is importable. A missing vLLM is a SKIP, not a
+# failure; POSTTRAIN_INSTALL_VLLM=1 first tries `pip install 'posttrain[vllm]'` (needs a registry).
+set -u
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python}"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+WORK="$(mktemp -d -t posttrain-gpu-suite.XXXXXX)"
+trap 'rm -rf "$WORK"' EXIT
+failed=0
+
+# check NAME SECONDS COMMAND...: run COMMAND under a time limit, print one line for it.
+check() {
+    local name=$1 limit=$2 start rc
+    shift 2
+    start=$(date +%s)
+    timeout "$limit" "$@" >"$WORK/$name.log" 2>&1
+    rc=$?
+    if [ "$rc" -eq 0 ]; then
+        echo "PASS $name ($(($(date +%s) - start)) s): $(tail -n 1 "$WORK/$name.log")"
+    else
+        failed=1
+        echo "FAIL $name (rc $rc, $(($(date +%s) - start)) s); last lines:"
+        tail -n 15 "$WORK/$name.log" | sed 's/^/    /'
+    fi
+}
+
+check cuda 60 "$PY" -c '
+import torch
+assert torch.cuda.is_available(), "torch sees no CUDA device"
+print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))'
+
+check nccl 120 "$PY" -c '
+import torch, torch.distributed as dist
+dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
+x = torch.ones(4, device="cuda")
+dist.all_reduce(x)
+assert x.tolist() == [1.0] * 4, x
+print("nccl", torch.cuda.nccl.version(), "all_reduce over 1 rank ok")
+dist.destroy_process_group()'
+
+check sft_bf16_autocast 240 "$PY" -c '
+import json, math, sys
+from pathlib import Path
+import torch
+from posttrain import SFTConfig, SFTTrainer
+from posttrain.config import build_config
+from posttrain.data.tasks import make_task
+work = Path(sys.argv[1])
+data, run = work / "arith", work / "sft"
+make_task("arithmetic", data, n_train=64, n_test=8, seed=0, difficulty="easy")
+cfg = build_config(SFTConfig, None, [
+    "model.init=tiny", "model.device=cuda", "trainer.precision=bf16", "trainer.max_steps=5",
+    f"data.train_files=[{data}/train.jsonl]", "data.train_batch_size=8", "trainer.micro_batch_size=4",
+    f"trainer.output_dir={run}", "trainer.report_to=[]", "trainer.progress=false"])
+trainer = SFTTrainer(args=cfg)
+trainer.train()
+dtypes = {p.dtype for p in trainer.model.parameters()}
+assert dtypes == {torch.float32}, f"master weights are {dtypes}, not float32"
+assert next(trainer.model.parameters()).is_cuda, "the model is not on CUDA"
+rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+losses = [r["loss"] for r in rows if "loss" in r]
+assert losses and all(math.isfinite(x) for x in losses), losses
+print(f"{len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}, weights float32 on cuda")' "$WORK"
+
+check native_engine_cuda 180 "$PY" -c '
+import sys
+sys.path.insert(0, "tests")
+import torch
+from rollout.conftest import PROMPTS, randomized
+from posttrain.data.tokenizer import build_tokenizer
+from posttrain.rollout import SamplingParams, make_engine
+tok = build_tokenizer()
+params = SamplingParams(n=2, temperature=0, max_new_tokens=16, stop_token_ids=[])
+cpu = make_engine("native", randomized(seed=3), tok).generate(PROMPTS, params)
+gpu = make_engine("native", randomized(seed=3).cuda(), tok).generate(PROMPTS, params)
+assert torch.equal(gpu.response_ids.cpu(), cpu.response_ids), "greedy tokens differ from the CPU"
+diff = (gpu.logprobs.cpu() - cpu.logprobs).abs().max().item()
+assert diff < 1e-3, f"logprobs differ from the CPU by {diff}"
+sampled = make_engine("native", randomized(seed=3).cuda(), tok).generate(
+    PROMPTS, SamplingParams(n=4, temperature=1.0, max_new_tokens=16, seed=0))
+assert torch.equal(sampled.response_mask.sum(-1).cpu(), sampled.lengths.cpu())
+print(f"greedy equals the CPU, logprob diff {diff:.1e}; {len(sampled.lengths)} sampled rows")'
+
+if ! "$PY" -c 'import vllm' >/dev/null 2>&1 && [ "${POSTTRAIN_INSTALL_VLLM:-0}" = 1 ]; then
+    timeout 300 "$PY" -m pip install -q -e '.[vllm]' >"$WORK/pip.log" 2>&1 ||
+        echo "note: pip install '.[vllm]' failed: $(tail -n 1 "$WORK/pip.log")"
+fi
+if "$PY" -c 'import vllm' >/dev/null 2>&1; then
+    check vllm_engine 360 "$PY" -m pytest -q -p no:cacheprovider -rs tests/rollout/test_rollout_vllm.py
+else
+    echo "SKIP vllm_engine: vLLM is not importable (pip install 'posttrain[vllm]', or POSTTRAIN_INSTALL_VLLM=1)"
+fi
+
+[ "$failed" -eq 0 ] && echo "gpu_suite: all checks passed" || echo "gpu_suite: FAILED"
+exit "$failed"
