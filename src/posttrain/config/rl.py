@@ -26,6 +26,20 @@ from posttrain.config.sections import ModelConfig, RefSyncConfig, TrainerConfig,
 
 log = logging.getLogger(__name__)
 
+VLLM_MIN_TEMPERATURE, VLLM_MAX_TEMPERATURE = 0.01, 2.0
+"""The sampling temperatures vLLM serves as asked (0 aside: greedy)."""
+
+
+def check_vllm_temperature(temperature: float) -> str | None:
+    """What is wrong with `temperature` for the vllm engine, or None (config and engine both
+    check it; the constants are vLLM's): 0 (greedy) and [0.01, 2] are
+    served as asked; vLLM refuses T > 2 and would sample 0 < T < 0.01 at 0.01."""
+    if temperature == 0 or VLLM_MIN_TEMPERATURE <= temperature <= VLLM_MAX_TEMPERATURE:
+        return None
+    return (f"the vllm engine samples at temperatures in [{VLLM_MIN_TEMPERATURE}, {VLLM_MAX_TEMPERATURE}] "
+            f"(or 0, greedy), got {temperature}")
+
+
 AdvEstimatorName = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"]
 """The keys of `posttrain.algos.ADV_ESTIMATORS`, spelt out for the validator, the docs and
 type checkers (tests/algos/test_registries.py checks that they stay equal)."""
@@ -101,9 +115,7 @@ class RolloutConfig:
         check(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
         check(self.top_k >= 0 and self.max_batch_size >= 0, "rollout.top_k", "top_k and max_batch_size must be >= 0")
         if self.engine == "vllm":  # outside vLLM's range its log-probs are not softmax(logits / T)
-            from posttrain.rollout.vllm import check_temperature
-
-            problem = check_temperature(self.temperature)
+            problem = check_vllm_temperature(self.temperature)
             check(problem is None, "rollout.temperature", problem or "")
 
 
@@ -411,9 +423,7 @@ class RLConfig:
         check(self.algorithm.overlong.buffer <= self.rollout.max_new_tokens, "algorithm.overlong.buffer",
               f"must be <= rollout.max_new_tokens={self.rollout.max_new_tokens}")
         if self.rollout.engine == "vllm" and self.eval.task is None:  # eval samples through the engine
-            from posttrain.rollout.vllm import check_temperature
-
-            problem = check_temperature(self.eval.temperature)
+            problem = check_vllm_temperature(self.eval.temperature)
             check(problem is None, "eval.temperature", problem or "")
 
     def _validate_critic(self, est: str) -> None:

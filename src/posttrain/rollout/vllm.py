@@ -54,6 +54,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from posttrain.config.rl import check_vllm_temperature as check_temperature
 from posttrain.data.collate import pad_id_of
 from posttrain.rollout.base import (
     Completions,
@@ -66,19 +67,6 @@ from posttrain.rollout.base import (
 )
 
 INSTALL_HINT = "pip install 'posttrain[vllm]' on a CUDA machine"
-
-MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 2.0
-"""The sampling temperatures vLLM serves as asked (0 aside: greedy)."""
-
-
-def check_temperature(temperature: float) -> str | None:
-    """What is wrong with `temperature` for vLLM, or None: 0 (greedy) and [0.01, 2] are
-    served as asked; vLLM refuses T > 2 and would sample 0 < T < 0.01 at 0.01."""
-    if temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE:
-        return None
-    return (f"the vllm engine samples at temperatures in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}] "
-            f"(or 0, greedy), got {temperature}")
-
 
 def runs_in_process(environ: Mapping[str, str], tensor_parallel_size: int = 1) -> bool:
     """Whether vLLM's model lives in this process, so tensors can be handed over by reference:
