@@ -1,0 +1,213 @@
+"""`posttrain eval` and `posttrain generate`: load a model, sample from it, score or print."""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+import unicodedata
+from pathlib import Path
+from typing import Any
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    """Model loading and sampling flags shared by `eval` and `generate`."""
+    p.add_argument("model", help="local Hugging Face model directory (config.json, weights, tokenizer)")
+    p.add_argument("--n", type=int, default=1, metavar="K", help="samples per prompt (default 1)")
+    p.add_argument("--temperature", type=float, default=None, metavar="T",
+                   help="sampling temperature; 0 = greedy (default: 0 with --n 1, else 1.0)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default 1.0 = off)")
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, metavar="N",
+                   help=f"most generated tokens per sample (default {max_new_tokens})")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed (default 0)")
+    p.add_argument("--engine", choices=["native", "hf", "vllm"], default=None,
+                   help="rollout engine (default: native for Llama checkpoints the built-in model runs, else hf)")
+    p.add_argument("--device", default="auto", metavar="DEV", help="auto (CUDA when available), cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weight dtype (default auto: bfloat16 on CUDA when supported, else float32)")
+
+
+def _add_eval_commands(sub: Any) -> None:
+    ev = sub.add_parser(
+        "eval",
+        help="sample a model on a dataset and report accuracy, pass@k, lengths and rewards",
+        description="Sample --n completions of every prompt in --data, score them with reward functions "
+        "and report accuracy, pass@k (unbiased estimator), response length, truncation rate and reward "
+        "statistics. Writes OUT/eval.json (metrics + settings) and OUT/samples.jsonl (one line per sample). "
+        "OUT defaults to runs/eval/NAME, NAME from the model folder: the run's name for RUN/final "
+        "(runs/sft/final -> runs/eval/sft), RUN-step-N for RUN/checkpoints/step-N, else the folder's name. "
+        "An OUT that already holds an eval is refused unless --overwrite.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=textwrap.dedent("""\
+            rewards: --task NAME scores with task_reward(task=NAME) (a bundled task or rg:<name>); each
+            --reward adds a function: a built-in name (math_accuracy, exact_match, task_reward, ...),
+            'module:function', 'file.py:function', or a JSON dict with options, e.g.
+            --reward '{"name": "format_reward", "pattern": "^<answer>.*</answer>$"}'.
+            Default: task_reward when the rows have a `task` column, else math_accuracy (needs `answer`).
+            A sample is correct when its total (weighted) reward >= --correct-threshold.
+
+            examples:
+              posttrain eval runs/grpo/final --data data/arith/test.jsonl --task arithmetic --n 8 --out runs/eval
+              posttrain eval MODEL --data gsm8k_test.jsonl --reward math_accuracy --n 4 --temperature 0.6"""),
+    )
+    _add_sampling_args(ev, max_new_tokens=256)
+    ev.add_argument("--data", required=True, metavar="FILE",
+                    help="prompts: JSONL/JSON/Parquet/CSV file, glob or saved datasets folder with a `prompt` column")
+    ev.add_argument("--reward", action="append", default=[], metavar="SPEC",
+                    help="a reward function (repeatable); see below")
+    ev.add_argument("--reward-weights", type=float, nargs="+", default=None, metavar="W",
+                    help="one weight per reward function, in order (default all 1.0)")
+    ev.add_argument("--task", default=None, metavar="NAME", help="score with this task's verifier (overrides the rows' `task`)")
+    ev.add_argument("--correct-threshold", type=float, default=1.0, metavar="X",
+                    help="a sample is correct when its total reward >= this (default 1.0)")
+    ev.add_argument("--num-examples", type=int, default=None, metavar="N", help="evaluate only the first N rows (default all)")
+    ev.add_argument("--batch-size", type=int, default=32, metavar="B", help="prompts per generation call (default 32)")
+    ev.add_argument("--reward-timeout", type=float, default=60.0, metavar="S",
+                    help="seconds a reward function may take per batch (default 60)")
+    ev.add_argument("--out", default=None, metavar="DIR",
+                    help="output directory (default runs/eval/NAME, see above)")
+    ev.add_argument("--overwrite", action="store_true", help="replace the eval.json and samples.jsonl already in OUT")
+    ev.set_defaults(handler=_handle_eval)
+
+    gen = sub.add_parser(
+        "generate",
+        help="sample completions of one prompt",
+        description="Sample --n completions of PROMPT and print them. With --chat the prompt is sent as a "
+        "user message through the tokenizer's chat template (with the generation prompt).",
+    )
+    _add_sampling_args(gen, max_new_tokens=128)
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    gen.set_defaults(handler=_handle_generate)
+
+
+def _sampling_checks(args: argparse.Namespace) -> float:
+    """Validate the shared sampling flags before any model is loaded; the temperature to use."""
+    for flag in ("n", "max_new_tokens", "batch_size", "num_examples"):
+        value = getattr(args, flag, None)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    temperature = args.temperature if args.temperature is not None else (0.0 if args.n == 1 else 1.0)
+    if temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {temperature}")
+    return temperature
+
+
+def _load_model(args: argparse.Namespace) -> tuple[Any, Any]:
+    from posttrain.config import ModelConfig
+    from posttrain.config.sections import check_device
+    from posttrain.models.factory import build_model_and_tokenizer
+    from posttrain.models.llama_checkpoint import read_config_json
+
+    check_device(args.device, "--device")
+    read_config_json(args.model)  # a clear error when MODEL is not a model directory
+    return build_model_and_tokenizer(ModelConfig(path=args.model, device=args.device, dtype=args.dtype))
+
+
+def _make_engine(args: argparse.Namespace, model: Any, tokenizer: Any) -> tuple[str, Any]:
+    """--engine, else native for the built-in model and hf otherwise; vLLM reads MODEL itself."""
+    from posttrain.rollout import engine_kind_for, make_engine
+
+    kind = args.engine or engine_kind_for(model)
+    opts = {"model_path": args.model} if kind == "vllm" else {}
+    return kind, make_engine(kind, model, tokenizer, **opts)
+
+
+def _reward_specs(args: argparse.Namespace, rows: Any) -> list[Any]:
+    """--task and --reward specs, else the default: task_reward with a `task` column, else math_accuracy."""
+    import json
+
+    specs: list[Any] = [{"name": "task_reward", "task": args.task}] if args.task else []
+    for spec in args.reward:
+        specs.append(json.loads(spec) if spec.lstrip().startswith("{") else spec)
+    if not specs:
+        specs = ["task_reward"] if any(r.get("task") for r in rows) else ["math_accuracy"]
+    needs_answer = {"task_reward", "math_accuracy"} & {s if isinstance(s, str) else s.get("name") for s in specs}
+    if needs_answer:
+        missing = next((i for i, r in enumerate(rows) if "answer" not in r), None)
+        if missing is not None:
+            raise ValueError(
+                f"{rows.locate(missing)}: no `answer` column for {', '.join(sorted(needs_answer))}; "
+                "add one or pass --reward SPEC"
+            )
+    return specs
+
+
+def default_eval_dir(model: str) -> Path:
+    """runs/eval/NAME for a model folder: RUN for RUN/final, RUN-step-N for
+    RUN/checkpoints/step-N, else the folder's own name."""
+    path = Path(model).resolve()
+    if path.name == "final":
+        name = path.parent.name
+    elif path.parent.name == "checkpoints":
+        name = f"{path.parent.parent.name}-{path.name}"
+    else:
+        name = path.name
+    return Path("runs") / "eval" / name
+
+
+def _eval_out(args: argparse.Namespace) -> Path:
+    """Where eval writes; an earlier eval there is refused unless --overwrite."""
+    out = Path(args.out) if args.out else default_eval_dir(args.model)
+    found = [f for f in ("eval.json", "samples.jsonl") if (out / f).exists()]
+    if found and not args.overwrite:
+        raise ValueError(f"{out} already holds an eval ({', '.join(found)}); pass --out DIR for a new "
+                         "folder, or --overwrite to replace it")
+    return out
+
+
+def _handle_eval(args: argparse.Namespace) -> int:
+    from posttrain.data.sources import load_rows
+    from posttrain.evaluation import evaluate
+    from posttrain.rewards import RewardRunner
+
+    temperature = _sampling_checks(args)
+    out = _eval_out(args)
+    rows = load_rows(args.data)
+    missing = next((i for i, r in enumerate(rows) if "prompt" not in r), None)
+    if missing is not None:
+        raise ValueError(f"{rows.locate(missing)}: no `prompt` column (eval needs prompt rows, as TRL's GRPO)")
+    specs = _reward_specs(args, rows)
+    runner = RewardRunner.from_specs(specs, weights=args.reward_weights, timeout_s=args.reward_timeout)
+    rows = rows[: args.num_examples] if args.num_examples else rows
+    model, tokenizer = _load_model(args)
+    kind, engine = _make_engine(args, model, tokenizer)
+    report = evaluate(
+        model, tokenizer, rows, runner, n=args.n, temperature=temperature, max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size, engine=engine, seed=args.seed, top_p=args.top_p,
+        correct_threshold=args.correct_threshold, progress=True,
+    )
+    report.settings.update({"engine": kind, "model": args.model, "data": args.data, "reward_specs": specs})
+    replaced = (out / "eval.json").exists() or (out / "samples.jsonl").exists()
+    paths = report.write(out)
+    print(report.table())
+    print(f"{'replaced' if replaced else 'wrote'} {paths['eval']} and {paths['samples']} ({len(report.samples)} samples)")
+    return 0
+
+
+def _handle_generate(args: argparse.Namespace) -> int:
+    from posttrain.evaluation import prompt_input
+    from posttrain.rollout import SamplingParams
+
+    temperature = _sampling_checks(args)
+    model, tokenizer = _load_model(args)
+    _, engine = _make_engine(args, model, tokenizer)
+    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    params = SamplingParams(n=args.n, temperature=temperature, top_p=args.top_p,
+                            max_new_tokens=args.max_new_tokens, seed=args.seed)
+    out = engine.generate([prompt_input(tokenizer, prompt)], params)
+    for i, (text, length, reason) in enumerate(zip(out.texts, out.lengths.tolist(), out.finish_reason)):
+        print(f"--- sample {i + 1}/{args.n} ({length} tokens, finish: {reason}) ---")
+        print(printable(text))
+    return 0
+
+
+def printable(text: str) -> str:
+    """`text` with its control characters other than newline and tab written as escapes
+    (\\r, \\x1b, ...), so a terminal shows what the model wrote instead of obeying it (a
+    carriage return or an escape sequence would overwrite lines or swallow the newline)."""
+    return "".join(
+        c.encode("unicode_escape").decode() if c not in "\n\t" and unicodedata.category(c) == "Cc" else c
+        for c in text
+    )
