@@ -145,12 +145,13 @@ def test_headline_plot_puts_the_stages_one_after_the_other(demo_report):
     lines = {line.get_label(): line for line in ax.get_lines() if not line.get_label().startswith("_")}
     sft_points = lines["sft: evals during training (100 problems)"].get_xdata().tolist()
     rl_points = lines["rl: evals during training (100 problems)"].get_xdata().tolist()
-    assert sft_points == [250, 500, 750, 1000]
-    assert rl_points == [SFT_STEPS + s for s in range(RL_EVAL_EVERY, RL_STEPS + 1, RL_EVAL_EVERY)]
-    assert lines["sft: final model, held-out, 60 problems"].get_xdata().tolist() == [SFT_STEPS]
-    assert lines["rl: final model, held-out, 60 problems"].get_xdata().tolist() == [SFT_STEPS + RL_STEPS]
+    # Each stage is one axis unit wide, whatever its step count: stage i's step s is at i + s / last_step.
+    assert sft_points == pytest.approx([s / SFT_STEPS for s in (250, 500, 750, 1000)])
+    assert rl_points == pytest.approx([1 + s / RL_STEPS for s in range(RL_EVAL_EVERY, RL_STEPS + 1, RL_EVAL_EVERY)])
+    assert lines["sft: final model, held-out, 60 problems"].get_xdata().tolist() == [1.0]
+    assert lines["rl: final model, held-out, 60 problems"].get_xdata().tolist() == [2.0]
     dividers = [line.get_xdata()[0] for line in ax.get_lines() if line.get_label().startswith("_")]
-    assert dividers == [SFT_STEPS]  # the divider between the stages
+    assert dividers == [1.0]  # the divider between the stages
     labels = [t.get_text() for t in ax.get_xticklabels()]
     assert "1000 | 0" in labels and labels[-1] == "560" and labels.count("200") == 2  # RL counts from its 0
 

@@ -97,37 +97,36 @@ def load_eval(path: Path) -> Eval:
     return result
 
 
-def stage_offsets(runs: Sequence[Run]) -> list[int]:
-    """Where each stage starts on the pipeline's axis: the steps of the stages before it."""
-    offsets, at = [], 0
-    for run in runs:
-        offsets.append(at)
-        at += run.last_step or 0
-    return offsets
+def stage_spans(runs: Sequence[Run]) -> list[tuple[float, float]]:
+    """(start, steps per axis unit) of each stage on the pipeline's axis: every stage gets the
+    same width (1), so a 100-step RL stage after 1000 SFT steps is not squeezed into a tenth
+    of the panel. Stage i's step s sits at i + s / last_step."""
+    return [(float(i), float(max(run.last_step or 0, 1))) for i, run in enumerate(runs)]
 
 
 def draw_pipeline_accuracy(runs: Sequence[Run], evals: Sequence[Eval | None]) -> Figure:
-    """Held-out accuracy across the pipeline: each stage's eval points, then its final eval (a star)."""
+    """Held-out accuracy across the pipeline: each stage's eval points, then its final eval (a
+    star); the stages side by side, each as wide as the others, each counting its own steps."""
     fig = Figure(figsize=(12.0, 4.2), layout="constrained")
     ax = fig.subplots()
-    offsets = stage_offsets(runs)
-    ends = [o + (run.last_step or 0) for o, run in zip(offsets, runs)]
+    spans = stage_spans(runs)
     ticks: list[float] = []
     labels: list[str] = []
     top = 0.0
-    for i, (run, ev, start, end) in enumerate(zip(runs, evals, offsets, ends)):
+    for i, (run, ev, (start, steps)) in enumerate(zip(runs, evals, spans)):
         color = f"C{i % 10}"
+        end = start + 1.0
         if i:
             ax.axvline(start, color="#5b6570", linestyle=":", linewidth=1.2)
-        ax.axvspan(start, max(end, start + 1), color=color, alpha=0.05, linewidth=0)
-        ax.text(start + 0.01 * ends[-1], 0.96, run.label, transform=ax.get_xaxis_transform(), ha="left", va="top",
+        ax.axvspan(start, end, color=color, alpha=0.05, linewidth=0)
+        ax.text(start + 0.01 * len(runs), 0.96, run.label, transform=ax.get_xaxis_transform(), ha="left", va="top",
                 fontsize=11, fontweight="bold", color=color)
         series = run.metrics.get("eval/" + ACCURACY)
         if series is not None and len(series.steps):
             top = max(top, float(np.nanmax(series.values, initial=0.0)))
             n = _eval_size(run)
-            ax.plot(series.steps + start, series.values, color=color, linestyle="--", marker="o", markersize=6,
-                    markeredgecolor="white", markeredgewidth=0.8, linewidth=1.4, zorder=3,
+            ax.plot(start + series.steps / steps, series.values, color=color, linestyle="--", marker="o",
+                    markersize=6, markeredgecolor="white", markeredgewidth=0.8, linewidth=1.4, zorder=3,
                     label=f"{run.label}: evals during training" + (f" ({n} problems)" if n else ""))
         if ev is not None and ACCURACY in ev.metrics:
             n = f", {ev.n_problems} problems" if ev.n_problems else ""
@@ -138,21 +137,21 @@ def draw_pipeline_accuracy(runs: Sequence[Run], evals: Sequence[Eval | None]) ->
                         va="bottom", fontsize=10, fontweight="bold", color=color, zorder=6,
                         bbox={"facecolor": "white", "edgecolor": color, "linewidth": 0.6, "pad": 1.5})
             top = max(top, y)
-        span, gap = end - start, 0.04 * max(ends[-1], 1)  # no tick label closer than `gap` to a stage's ends
-        locator = MaxNLocator(nbins=max(3, round(10 * span / max(ends[-1], 1))), steps=[1, 2, 2.5, 5, 10], integer=True)
+        span = int(run.last_step or 0)
+        locator = MaxNLocator(nbins=max(3, round(10 / len(runs))), steps=[1, 2, 2.5, 5, 10], integer=True)
         for t in locator.tick_values(0, span):
-            if (t == 0 and not i) or gap <= t <= span - gap:
-                ticks.append(start + t)
+            if (t == 0 and not i) or 0.08 <= t / steps <= 0.92:  # no tick label crowding a stage's ends
+                ticks.append(start + t / steps)
                 labels.append(str(int(t)))
         ticks.append(end)  # a stage's last step; where the next one starts, its 0 too
         labels.append(str(span) if i == len(runs) - 1 else f"{span} | 0")
     ax.set_xticks(ticks, labels)
-    ax.set_xlim(-0.01 * ends[-1], ends[-1] * 1.01 + 1)
+    ax.set_xlim(-0.01 * len(runs), len(runs) * 1.01)
     upper = min(1.0, 1.25 * top + 0.02)  # room above the highest point for the stage names
     ax.set_ylim(-0.03 * upper, upper)  # a point at 0 shows whole
     ax.set_yticks([t for t in MaxNLocator(nbins=6, steps=[1, 2, 2.5, 5, 10]).tick_values(0, upper) if 0 <= t <= upper])
     ax.yaxis.set_major_formatter(PercentFormatter(1.0))
-    ax.set_xlabel("step (each stage counts its own steps from 0)", fontsize=9)
+    ax.set_xlabel("step (each stage counts its own steps from 0; the stages are drawn equally wide)", fontsize=9)
     ax.set_ylabel("accuracy", fontsize=9)
     ax.tick_params(labelsize=8)
     ax.grid(alpha=0.3)
