@@ -169,9 +169,9 @@ def test_constructed_pairs_show_steps_on_both_sides_whatever_worked_is(tmp_path)
         info = make_preferences("arithmetic", tmp_path / str(worked), n_train=200, n_test=0, seed=0, worked=worked)
         for row in load_rows(info["train"]):
             chosen, rejected = row["chosen"].splitlines(), row["rejected"].splitlines()
-            assert len(chosen) == len(rejected) == 3, row  # two steps and the answer line (3 operands)
+            assert len(chosen) == len(rejected) == 4, row  # three steps and the answer line (4 operands)
             if row["error"] == "answer_typo":
-                assert chosen[:2] == rejected[:2]
+                assert chosen[:3] == rejected[:3]
 
 
 def test_bare_fraction_mixes_forms_evenly_and_keeps_every_pair_right_and_wrong(tmp_path):
@@ -251,7 +251,7 @@ def sha(path):
 def test_constructed_pairs_keep_their_bytes(tmp_path):
     easy = make_preferences("arithmetic", tmp_path / "easy", n_train=50, n_test=10, seed=0, difficulty="easy")
     bare = make_preferences("arithmetic", tmp_path / "bare", n_train=50, n_test=10, seed=2, pairs_per_prompt=3,
-                            bare_fraction=0.5)
+                            bare_fraction=0.5, num_operands=3)  # `medium` had 3 operands then
     for name, info in (("easy", easy), ("bare", bare)):
         assert tuple(sha(info[k]) for k in ("train", "test", "meta")) == PINNED[name], name
 
