@@ -17,8 +17,9 @@ strategy or the world size).
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch import nn
@@ -67,6 +68,28 @@ class Wrapped:
         if self._ddp is not None:
             return self._ddp(loss_fn, batch)
         return loss_fn(self.module, batch)
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Under fsdp2, every parameter gathered (and kept so through each forward) for the
+        duration, so code that reads weights past `forward` runs (the native engine's fused
+        decode reads each layer's projections): held-out evaluation holds the full model on
+        every rank. Collective: every rank enters it. A no-op otherwise."""
+        if not self.sharded:
+            yield
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        modules = [m for m in self.module.modules() if isinstance(m, FSDPModule)]
+        for m in modules:
+            m.set_reshard_after_forward(False)
+            m.unshard()
+        try:
+            yield
+        finally:
+            for m in modules:
+                m.reshard()
+                m.set_reshard_after_forward(True)
 
     def full_model(self) -> nn.Module | None:
         """A plain module with the full weights on rank 0 (None on the others). Under fsdp2

@@ -348,7 +348,7 @@ class OptimizerTask:
     def evaluate(self, step: int) -> tuple[dict[str, float], list[dict]]:
         assert self._evaluate is not None
         self.model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), self.wrapped.gathered():
             metrics, samples = self._evaluate(self.model, step)
         self.model.train()
         return metrics, samples[:SAMPLES_PER_EVAL]
