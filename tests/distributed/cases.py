@@ -108,6 +108,8 @@ def float32_grads(strategy: str, out: Path | None) -> dict[str, torch.Tensor]:
     examples, _ = tokenize_dataset(SFT_ROWS, tok, "prompt_completion", 64, True, False, "truncate")
     batches = EpochBatches(examples, 5, 2, lambda ex: pad_collate(ex, tok.pad_token_id), shuffle=False)
     wrapped = distributed.wrap(model, strategy, ctx)
+    if model.lm_head.weight is not model.model.embed_tokens.weight:
+        raise AssertionError(f"{strategy} untied the embeddings")
     collective = distributed.Collective(ctx.world_size, ctx.device) if ctx else None
     if ctx:
         batches.shard(ctx.rank, ctx.world_size, collective)

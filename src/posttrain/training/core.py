@@ -260,12 +260,12 @@ def train_step(
             parts.append((int(n_units), metrics))
     lr = float(optimizer.param_groups[0]["lr"])
     merged = merge_metrics(parts)
-    local_sum = float(torch.stack(loss_sums).sum()) if loss_sums else 0.0
+    loss_total: torch.Tensor | float = torch.stack(loss_sums).sum() if loss_sums else 0.0
     scale = n_total
     if collective is not None:
-        n_global, loss_global = collective.all_sum([n_total, local_sum])
+        n_global, loss_total = collective.all_sum([n_total, float(loss_total)])
         merged = collective.reduce_metrics(n_total, merged)
-        n_total, local_sum = int(n_global), loss_global
+        n_total = int(n_global)
         scale = n_total / collective.world_size  # the backward averaged over the ranks
     if n_total == 0:
         optimizer.zero_grad(set_to_none=True)
@@ -279,7 +279,8 @@ def train_step(
     )
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor norm over the shards
         grad_norm = grad_norm.full_tensor()
-    loss, norm = local_sum / n_total, float(grad_norm)
+    mean_loss = torch.as_tensor(loss_total, dtype=torch.float64, device=device) / n_total
+    loss, norm = torch.stack([mean_loss, grad_norm.double().to(device)]).tolist()  # one device sync
     nonfinite = not (math.isfinite(loss) and math.isfinite(norm))
     if not nonfinite:
         optimizer.step()
