@@ -184,3 +184,13 @@ def test_torchrun_of_the_cli_trains_evaluates_and_only_rank_0_writes(tmp_path):
     assert [m["step"] for m in logged] == [1, 2]  # once per step: rank 1 wrote nothing
     assert all("eval/loss" in m and "eval/accuracy" in m for m in logged)
     assert (run / "final" / "model.safetensors").is_file() and (run / "config.yaml").is_file()
+
+
+def test_what_cannot_run_data_parallel_is_refused_before_training():
+    from posttrain.trainers.batches import EpochBatches
+    from posttrain.trainers.loop import RefSync
+
+    with pytest.raises(ConfigError, match="data.train_batch_size=1 is smaller than the 2 ranks"):
+        EpochBatches([{}] * 4, 1, 1, list).shard(0, 2)
+    with pytest.raises(ConfigError, match="trainer.strategy=fsdp2"):
+        RefSync(steps=2).check(reference=object(), sharded=True)
