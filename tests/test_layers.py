@@ -21,7 +21,8 @@ LAYERS = [
     {"trainers"},                               # SFT, RM, DPO, RL and the loop
     {"export", "report"},                       # commands on saved runs
     {"serve", "sample_preferences", "demo"},    # commands that run models
-    {"cli", "__init__", "__main__"},            # the user surface
+    {"cli", "__init__"},                        # the user surface
+    {"__main__"},                               # python -m posttrain (torchrun -m posttrain)
 ]
 """Low to high. A top-level module or package of `posttrain` may import its own modules
 and those of lower layers only (not even its neighbours in the same layer)."""

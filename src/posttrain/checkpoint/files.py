@@ -7,6 +7,10 @@ Layout of one checkpoint (`RUN_DIR/checkpoints/step-N/`):
                                           adapter_model.safetensors instead)
     tokenizer.json, ...                   `tokenizer.save_pretrained`
     trainer_state.pt                      optimizer, scheduler, RNG states, data_state, step
+    dcp/                                  data-parallel runs (trainer.strategy ddp|fsdp2): model
+                                          and optimizer as torch.distributed.checkpoint shards,
+                                          written by every rank (trainer_state.pt then holds
+                                          no optimizer); the HF files hold the gathered model
     trainer_state.json                    step, metrics, data_state, time (for people), and
                                           "run": the command and settings that wrote it
     COMPLETE                              written last: {"step": N, "files": {name: bytes}}
@@ -38,7 +42,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -67,12 +71,13 @@ def save_checkpoint(
     step: int,
     model: torch.nn.Module,
     tokenizer: Any,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     data_state: dict[str, Any],
     keep: int,
     metrics: dict[str, Any] | None = None,
     run: RunRecord | None = None,
+    write_shards: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write `RUN_DIR/checkpoints/step-{step}/` atomically and keep the newest `keep` ones.
 
@@ -80,6 +85,9 @@ def save_checkpoint(
     returned as is by `load_checkpoint`. `keep <= 0` keeps every checkpoint.
     `tokenizer` may be None. An existing `step-{step}` is replaced. `run` is recorded in
     trainer_state.json for `check_resume` (the training loop always passes it).
+    `write_shards(folder)`, when given, writes the optimizer's (and the model's) state
+    into the unsealed folder (data-parallel runs: every rank writes its DCP shard there, and
+    returns once all have); `optimizer` is then None.
     """
     root = Path(run_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
@@ -89,7 +97,7 @@ def save_checkpoint(
         _save_pretrained(tmp, model, tokenizer)
         state = {
             "step": step,
-            "optimizer": optimizer.state_dict(),
+            "optimizer": optimizer.state_dict() if optimizer is not None else None,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "rng": _rng_state(),
             "data_state": data_state,
@@ -104,6 +112,8 @@ def save_checkpoint(
         if run is not None:
             readable["run"] = run.as_json()
         (tmp / STATE_JSON).write_text(json.dumps(readable, indent=2) + "\n")
+        if write_shards is not None:
+            write_shards(tmp)
         _seal(tmp, step)
     if keep > 0:
         complete = [p for p in _step_dirs(root) if _incomplete_reason(p) is None]
@@ -114,24 +124,28 @@ def save_checkpoint(
 
 def load_checkpoint(
     path: str | Path,
-    model: torch.nn.Module,
+    model: torch.nn.Module | None,
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     restore_rng: bool = True,
 ) -> dict[str, Any]:
     """Restore a checkpoint into existing objects (the optimizer keeps its parameters).
 
-    Loads the weights into `model` in place (see `load_weights`), then the
-    optimizer, scheduler and RNG states when given / asked. Returns
-    {"step", "data_state", "metrics", "path"}.
+    Loads the weights into `model` in place (see `load_weights`; None: the caller loads
+    them, e.g. from the DCP shards), then the optimizer, scheduler and RNG states when
+    given / asked. Returns {"step", "data_state", "metrics", "path"}.
     """
     path = Path(path)
     reason = _incomplete_reason(path)
     if reason is not None:
         raise ValueError(f"checkpoint {path} is incomplete: {reason}")
-    load_weights(path, model)
+    if model is not None:
+        load_weights(path, model)
     state = torch.load(path / STATE_PT, map_location="cpu", weights_only=True)
     if optimizer is not None:
+        if state["optimizer"] is None:
+            raise ValueError(f"checkpoint {path} holds its optimizer state as DCP shards ({path}/dcp): "
+                             "it was written with trainer.strategy=ddp|fsdp2; resume it with one of those")
         optimizer.load_state_dict(state["optimizer"])
     if scheduler is not None:
         if state["scheduler"] is None:

@@ -101,7 +101,16 @@ def model_signature(model: torch.nn.Module) -> str:
     model = _unwrap(model)
     shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
     digest = hashlib.sha1(repr(shapes).encode()).hexdigest()[:12]
-    return f"{type(model).__name__}, {sum(p.numel() for p in model.parameters()):,} parameters, shapes {digest}"
+    return f"{_class_name(model)}, {sum(p.numel() for p in model.parameters()):,} parameters, shapes {digest}"
+
+
+def _class_name(model: torch.nn.Module) -> str:
+    """The model's class, not FSDP2's `FSDP<class>` subclass that `fully_shard` swaps in (the
+    shapes of its DTensor parameters are the full ones, so the rest of the signature holds)."""
+    cls = type(model)
+    if cls.__name__.startswith("FSDP") and cls.__bases__ and cls.__bases__[-1].__name__ == cls.__name__[4:]:
+        cls = cls.__bases__[-1]
+    return cls.__name__
 
 
 def check_resume(checkpoint: Path, run: RunRecord, resume: str, max_steps: int) -> list[str]:

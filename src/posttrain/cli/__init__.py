@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from posttrain import distributed
 from posttrain.cli.sampling import _add_eval_commands
 from posttrain.config import ConfigError, RunStopped, build_config, iter_fields
 from posttrain.config.core import type_name
@@ -424,4 +425,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        distributed.shutdown()  # leave torchrun's process group (a no-op in one process)
 

@@ -192,7 +192,14 @@ class OfflineTrainerConfig(TrainerConfig):
     shared options plus the micro-batch size. RL cuts its batches by `actor.*` instead."""
 
     micro_batch_size: int = 8
-    """Examples per forward/backward pass; gradients accumulate up to data.train_batch_size."""
+    """Examples per forward/backward pass on one rank; gradients accumulate up to data.train_batch_size."""
+    strategy: Literal["none", "ddp", "fsdp2"] = "none"
+    """Data parallelism under `torchrun --nproc_per_node N -m posttrain CMD ...`: `ddp` replicates
+    the model on every rank; `fsdp2` shards it (`fully_shard` per decoder layer, then the root).
+    data.train_batch_size stays the global batch, split across the ranks, and the update equals
+    the one-process update. Checkpoints of ddp/fsdp2 are sharded (DCP, resumable at another
+    number of ranks, one included) beside a plain HF folder. `none`: one process, no
+    torch.distributed."""
 
     def validate(self) -> None:
         super().validate()

@@ -7,6 +7,9 @@ from typing import Any
 
 import torch
 
+from posttrain.config import ConfigError
+from posttrain.distributed import Collective, rank_slice
+
 
 class EpochBatches:
     """Each step takes the next `batch_size` examples of a seeded per-epoch permutation,
@@ -32,6 +35,17 @@ class EpochBatches:
         self.collate, self.seed, self.shuffle = collate, seed, shuffle
         self.epoch, self.index = 0, 0
         self._order = self._permutation(0)
+        self.rank, self.world_size = 0, 1
+        self.collective: Collective | None = None
+        """Set by `shard`: the all-reduces of the group (for step totals across ranks)."""
+
+    def shard(self, rank: int, world_size: int, collective: Collective | None = None) -> None:
+        """From now on `next_step` gives this rank's contiguous slice of each step's examples
+        (`distributed.rank_slice`); every rank walks the same order, so the state is shared."""
+        if self.batch_size < world_size:
+            raise ConfigError(f"data.train_batch_size={self.batch_size} is smaller than the {world_size} "
+                              "ranks: every rank needs at least one example per step")
+        self.rank, self.world_size, self.collective = rank, world_size, collective
 
     def _permutation(self, epoch: int) -> list[int]:
         n = len(self.examples)
@@ -53,8 +67,9 @@ class EpochBatches:
         return picked
 
     def next_step(self) -> list[Any]:
-        """The next step's micro-batches, each collated."""
+        """The next step's micro-batches (this rank's, see `shard`), each collated."""
         idx = self.next_indices()
+        idx = idx[rank_slice(len(idx), self.rank, self.world_size)]
         m = self.micro_batch_size
         return [self.collate([self.examples[i] for i in idx[j : j + m]]) for j in range(0, len(idx), m)]
 

@@ -54,6 +54,7 @@ from posttrain.config.core import check
 from posttrain.config.preference import DPOAlgorithmConfig, DPOConfig
 from posttrain.data.batch import IGNORE_INDEX, PairBatch
 from posttrain.data.preference import pair_collate, prepare_pairs
+from posttrain.distributed import Collective
 from posttrain.evaluation import task_eval
 from posttrain.logging import get_logger
 from posttrain.models.factory import build_model
@@ -138,10 +139,13 @@ def dpo_step_loss(
     return loss_sum, n, metrics
 
 
-def with_step_totals(micro_batches: list[PairBatch]) -> list[PairBatch]:
-    """The micro-batches with their step's pair and chosen-token counts (for the RPO token mean)."""
+def with_step_totals(micro_batches: list[PairBatch], collective: Collective | None = None) -> list[PairBatch]:
+    """The micro-batches with their step's pair and chosen-token counts (for the RPO token mean),
+    summed over the data-parallel ranks when `collective` is given."""
     pairs = sum(len(mb) for mb in micro_batches)
     tokens = sum(int((mb.chosen_labels[:, 1:] != IGNORE_INDEX).sum()) for mb in micro_batches)
+    if collective is not None:
+        pairs, tokens = (int(v) for v in collective.all_sum([pairs, tokens]))
     return [mb.replace(step_pairs=float(pairs), step_chosen_tokens=float(max(tokens, 1))) for mb in micro_batches]
 
 
@@ -149,7 +153,7 @@ class StepTotalBatches(EpochBatches):
     """`EpochBatches` whose micro-batches also carry their step's totals (`with_step_totals`)."""
 
     def next_step(self) -> list[Any]:
-        return with_step_totals(super().next_step())
+        return with_step_totals(super().next_step(), self.collective)
 
 
 class DPOTrainer:

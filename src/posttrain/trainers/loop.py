@@ -21,7 +21,13 @@ follows the same rules:
   `trainer.max_bad_steps` of them in a row stop the run, naming the last good checkpoint;
 - the reference sync (TR-DPO, `algorithm.ref_sync_steps` / `ref_sync_alpha`) for every
   task that has a reference;
-- `final/`.
+- `final/`;
+- data parallelism (a task with a `collective`: SFT, RM, DPO under torchrun with
+  `trainer.strategy=ddp|fsdp2`): every rank runs the loop in step; only rank 0 claims the
+  run directory, writes config.yaml, metrics and the progress bar; the wall-clock budget is
+  agreed over the ranks (MAX) so all stop at the same step; every rank evaluates the whole
+  held-out set (only rank 0's numbers are logged, which are the same); checkpoints and
+  `final/` are written together (`OptimizerTask.save`).
 
 `OptimizerTask` is the task of SFT, RM and DPO (one model, one optimizer, a batch stream
 and a loss); the RL trainer is a task of its own (`trainers/rl.py`).
@@ -37,7 +43,10 @@ from typing import Any, Protocol
 
 import torch
 
+from posttrain import distributed
 from posttrain.checkpoint import (
+    CHECKPOINTS,
+    FINAL,
     RunModels,
     RunRecord,
     check_resume,
@@ -127,10 +136,14 @@ class RefSync:
     def due(self, step: int) -> bool:
         return self.steps > 0 and step % self.steps == 0
 
-    def check(self, reference: Any) -> None:
-        """Refuse before training what cannot be synced: no reference, or a LoRA one."""
+    def check(self, reference: Any, sharded: bool = False) -> None:
+        """Refuse before training what cannot be synced: no reference, a LoRA one, or a policy
+        sharded by FSDP2 (its parameters are shards)."""
         if not self.steps:
             return
+        if sharded:
+            raise ConfigError("algorithm.ref_sync_steps: the policy is sharded (trainer.strategy=fsdp2) and the "
+                              "reference is not; use trainer.strategy=ddp or algorithm.ref_sync_steps=0")
         if reference is None:
             raise ConfigError("algorithm.ref_sync_steps: this run has no reference model to sync")
         if reference.shares_policy:
@@ -143,11 +156,17 @@ class Budget:
     """`trainer.max_time_s`: wall-clock seconds since this object was made (the loop's
     start), checked at the end of each step; None never runs out."""
 
-    def __init__(self, seconds: float | None):
-        self.seconds, self.started = seconds, time.perf_counter()
+    def __init__(self, seconds: float | None, collective: Any = None):
+        self.seconds, self.started, self.collective = seconds, time.perf_counter(), collective
 
     def spent(self, step: int) -> bool:
-        if self.seconds is None or time.perf_counter() - self.started < self.seconds:
+        """Past the budget; with data-parallel ranks, past it on any rank (all stop together)."""
+        if self.seconds is None:
+            return False
+        over = time.perf_counter() - self.started >= self.seconds
+        if self.collective is not None:
+            over = self.collective.all_max([float(over)])[0] > 0
+        if not over:
             return False
         log.info("trainer.max_time_s=%g reached at step %d: evaluating, saving and stopping", self.seconds, step)
         return True
@@ -159,18 +178,20 @@ def run(task: Task, config: Any, ref_sync: RefSync | None = None) -> FitResult:
     cfg: TrainerConfig = config.trainer
     run_dir = Path(cfg.output_dir)
     ref_sync = ref_sync or RefSync()
-    ref_sync.check(task.reference)
+    collective = getattr(task, "collective", None)
+    main = getattr(task, "is_main", True)
+    ref_sync.check(task.reference, getattr(task, "sharded", False))
     config_dict = to_dict(config)
     record = RunRecord.of(config.command, config_dict, task.model)
-    step, last_ckpt = _start(task, config, record)
-    sink = MetricsLogger(run_dir, cfg.report_to, config_dict)
+    step, last_ckpt = _start(task, config, record, main, collective)
+    sink = MetricsLogger(run_dir, cfg.report_to, config_dict) if main else _NoSink()
     sink.truncate_after(step)
     guard = BadStepGuard(cfg.max_bad_steps)
     metrics: dict[str, float] = dict(task.start_metrics) if step == 0 else {}
     last_eval: dict[str, float] = {}
     evaluated_at = None
-    budget = Budget(cfg.max_time_s)
-    with sink, Progress(cfg.max_steps, task.desc, initial=step, enabled=cfg.progress) as progress:
+    budget = Budget(cfg.max_time_s, collective)
+    with sink, Progress(cfg.max_steps, task.desc, initial=step, enabled=cfg.progress and main) as progress:
         while step < cfg.max_steps:
             out = task.step(step + 1)
             step += 1
@@ -201,16 +222,21 @@ def run(task: Task, config: Any, ref_sync: RefSync | None = None) -> FitResult:
     return FitResult(run_dir, final_dir, step, metrics)
 
 
-def _start(task: Task, config: Any, record: RunRecord) -> tuple[int, Path | None]:
+def _start(task: Task, config: Any, record: RunRecord, main: bool = True,
+           collective: Any = None) -> tuple[int, Path | None]:
     """The resume step, before anything is written: find the checkpoint `trainer.resume`
     asks for and check that it is one of this run (before any weights load), make the run
-    directory this run's, write config.yaml, then restore. Returns (step, checkpoint or None)."""
+    directory this run's, write config.yaml (rank 0 of data-parallel ranks; the others
+    wait for it), then restore. Returns (step, checkpoint or None)."""
     cfg: TrainerConfig = config.trainer
     run_dir = Path(cfg.output_dir)
     resume_from = resolve_resume(run_dir, cfg.resume)
     changed = check_resume(resume_from, record, cfg.resume, cfg.max_steps) if resume_from is not None else []
-    claim_run_dir(run_dir, resume_from, cfg.resume, cfg.overwrite)
-    save_config(config, run_dir / "config.yaml")
+    if main:
+        claim_run_dir(run_dir, resume_from, cfg.resume, cfg.overwrite)
+        save_config(config, run_dir / "config.yaml")
+    if collective is not None:
+        collective.barrier()
     if resume_from is None:
         return 0, None
     if changed:
@@ -218,6 +244,18 @@ def _start(task: Task, config: Any, record: RunRecord) -> tuple[int, Path | None
     step = task.restore(resume_from)
     log.info("resumed from %s at step %d", resume_from, step)
     return step, resume_from
+
+
+class _NoSink:
+    """The metrics sink of a data-parallel rank other than 0: it writes nothing."""
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None: ...
+    def log_samples(self, step: int, rows: list[dict]) -> None: ...
+    def truncate_after(self, step: int) -> None: ...
+    def __enter__(self) -> _NoSink:
+        return self
+
+    def __exit__(self, *exc: object) -> None: ...
 
 
 def _timed_eval(task: Task, step: int, sink: MetricsLogger) -> dict[str, float]:
@@ -251,6 +289,13 @@ class OptimizerTask:
     `evaluate(model, step) -> (metrics, samples)` runs every `trainer.eval_steps` and at the
     end (the first `SAMPLES_PER_EVAL` samples go to samples.jsonl). `reference`, when the
     loss has one, is synced by the loop and saved in checkpoints once it has been synced.
+
+    Data parallelism (`trainer.strategy` ddp|fsdp2, in a process group `distributed.init_from_env`
+    joined): the model is wrapped (`distributed.wrap`), the stream yields this rank's slice of
+    each global batch, `train_step` all-reduces the normalisation and the metrics, and
+    checkpoints hold the model and optimizer as DCP shards (`_save_sharded`) beside the
+    gathered HF folder. ddp|fsdp2 in one process (no group) trains as `none` but writes the
+    same sharded checkpoints, so a run can resume at any number of ranks.
     """
 
     def __init__(
@@ -272,46 +317,97 @@ class OptimizerTask:
         self.start_metrics = dict(start_metrics or {})
         self.desc, self.reference = desc, reference
         self.has_eval = evaluate is not None
-        self.optimizer = build_optimizer(model, cfg)
+        self.strategy = getattr(cfg, "strategy", "none")
+        self.dist = distributed.current() if self.strategy != "none" else None
+        self.wrapped = distributed.wrap(model, self.strategy, self.dist)
+        self.collective = distributed.Collective(self.dist.world_size, self.dist.device) if self.dist else None
+        self.is_main = self.dist is None or self.dist.is_main
+        self.sharded = self.wrapped.sharded
+        if self.dist is not None:
+            batches.shard(self.dist.rank, self.dist.world_size, self.collective)
+        self.optimizer = build_optimizer(model, cfg)  # after wrapping: FSDP2's parameters are shards
         self.scheduler = build_scheduler(self.optimizer, cfg, cfg.max_steps)
 
     @property
     def model(self) -> torch.nn.Module:
         return self._model
 
+    def _loss(self, model: torch.nn.Module, batch: Any) -> Any:
+        return self.wrapped.loss(self.loss_fn, batch)
+
     def step(self, step: int) -> StepOutput:
         t0 = time.perf_counter()
         self.model.train()
         micro_batches = self.batches.next_step()
-        result = train_step(self.model, micro_batches, self.loss_fn, self.optimizer, self.scheduler,
-                            self.cfg.max_grad_norm, self.cfg.precision)
-        metrics = {**result.as_metrics(self.unit), **_throughput(micro_batches, time.perf_counter() - t0)}
+        result = train_step(self.model, micro_batches, self._loss, self.optimizer, self.scheduler,
+                            self.cfg.max_grad_norm, self.cfg.precision, self.collective)
+        timing = _throughput(micro_batches, time.perf_counter() - t0, self.collective)
+        metrics = {**result.as_metrics(self.unit), **timing}
         return StepOutput(metrics, result.nonfinite, result.skipped, {"loss": result.loss, "lr": result.lr})
 
     def evaluate(self, step: int) -> tuple[dict[str, float], list[dict]]:
         assert self._evaluate is not None
         self.model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), self.wrapped.gathered():
             metrics, samples = self._evaluate(self.model, step)
         self.model.train()
         return metrics, samples[:SAMPLES_PER_EVAL]
 
     def save(self, run_dir: Path, step: int, metrics: dict[str, float], keep: int, run: RunRecord) -> Path:
         ref = self.reference.saved_model() if self.reference is not None else None
+        if self.strategy != "none":
+            return self._save_sharded(run_dir, step, metrics, keep, run, ref)
         return save_checkpoint(run_dir, step, RunModels(self.model, reference=ref), self.tokenizer, self.optimizer, self.scheduler,
                                self.batches.state_dict(), keep, metrics, run)
 
+    def _save_sharded(self, run_dir: Path, step: int, metrics: dict[str, float], keep: int, run: RunRecord,
+                      ref: torch.nn.Module | None) -> Path:
+        """Every rank: its DCP shard of model + optimizer into the unsealed folder rank 0 made;
+        rank 0: the gathered model as the HF folder, trainer_state (scheduler, RNG, data
+        position), and the seal only once every rank has written (a barrier)."""
+        full = self.wrapped.full_model()  # collective under fsdp2
+        path = Path(run_dir) / CHECKPOINTS / f"step-{step}"
+        if self.is_main:
+            path = save_checkpoint(run_dir, step, RunModels(full, reference=ref), self.tokenizer, None, self.scheduler,
+                                   self.batches.state_dict(), keep, metrics, run, self._write_shards)
+        else:
+            self._write_shards(None)
+        if self.collective is not None:
+            self.collective.barrier()  # rank 0 has sealed and published it
+        return path
+
+    def _write_shards(self, folder: Path | None) -> None:
+        if self.collective is not None:
+            folder = Path(self.collective.broadcast(str(folder) if folder is not None else None))
+        assert folder is not None
+        distributed.save_sharded(folder / distributed.SHARDS, self.model, self.optimizer)
+        if self.collective is not None:
+            self.collective.barrier()  # every rank's shard is on disk before rank 0 seals
+
     def restore(self, checkpoint: Path) -> int:
-        state = load_checkpoint(checkpoint, self.model, self.optimizer, self.scheduler)
+        if self.strategy != "none":
+            shards = checkpoint / distributed.SHARDS
+            if not shards.is_dir():
+                raise ValueError(f"checkpoint {checkpoint} has no DCP shards ({distributed.SHARDS}/): it was "
+                                 f"written with trainer.strategy=none, and this run uses {self.strategy}")
+            state = load_checkpoint(checkpoint, None, None, self.scheduler)
+            distributed.load_sharded(shards, self.model, self.optimizer)
+        else:
+            state = load_checkpoint(checkpoint, self.model, self.optimizer, self.scheduler)
         self.batches.load_state_dict(state["data_state"])
         if self.reference is not None:
             RunModels.load_reference(checkpoint, self.reference)
         return state["step"]
 
     def save_final(self, run_dir: Path) -> Path:
-        final_dir = save_final(run_dir, merged_for_export(self.model), self.tokenizer)
-        if is_peft(self.model):
-            self.model.save_pretrained(final_dir / "adapter")  # the adapter alone, for peft users
+        full = self.wrapped.full_model()  # collective under fsdp2; None on ranks but 0
+        final_dir = Path(run_dir) / FINAL
+        if full is not None:
+            final_dir = save_final(run_dir, merged_for_export(full), self.tokenizer)
+            if is_peft(full):
+                full.save_pretrained(final_dir / "adapter")  # the adapter alone, for peft users
+        if self.collective is not None:
+            self.collective.barrier()
         return final_dir
 
 
@@ -335,7 +431,10 @@ def fit(
     return run(task, config, ref_sync)
 
 
-def _throughput(micro_batches: list[Any], seconds: float) -> dict[str, float]:
-    """Input tokens per second of the step, padding excluded (each batch's `num_tokens()`)."""
+def _throughput(micro_batches: list[Any], seconds: float, collective: Any = None) -> dict[str, float]:
+    """Input tokens per second of the step, padding excluded (each batch's `num_tokens()`);
+    with data-parallel ranks, all ranks' tokens over the slowest rank's seconds."""
     tokens = sum(mb.num_tokens() for mb in micro_batches)
+    if collective is not None:
+        tokens, seconds = collective.all_sum([tokens])[0], collective.all_max([seconds])[0]
     return {"timing/step": seconds, "throughput/tokens_per_s": tokens / max(seconds, 1e-9)}

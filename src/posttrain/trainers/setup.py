@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from posttrain.config.core import check, validate_tree
+from posttrain.distributed import init_from_env
 from posttrain.models.factory import load_tokenizer
 from posttrain.training.core import set_seed
 
@@ -20,7 +21,8 @@ def prepare_run(
     processing_class: Any,
     checks: Callable[[], None] | None = None,
 ) -> tuple[Any, Any, Any]:
-    """Validate `args` (then run the trainer's own `checks`), seed, and resolve the data
+    """Validate `args` (then run the trainer's own `checks`), join torchrun's process group
+    (`trainer.strategy`, when launched with WORLD_SIZE > 1), seed, and resolve the data
     sources and the tokenizer.
 
     A string `model` is a local model directory (it becomes `model.path`). Datasets passed
@@ -37,6 +39,9 @@ def prepare_run(
     eval_source = eval_dataset if eval_dataset is not None else (args.data.eval_files or None)
     task = getattr(getattr(args, "eval", None), "task", None)
     check(eval_source is not None or task is None, "eval.task", "needs held-out data: set data.eval_files")
+    strategy = getattr(args.trainer, "strategy", None)  # sft, rm and dpo have one
+    if strategy is not None:
+        init_from_env(strategy)  # under torchrun, before any model is built
     set_seed(args.trainer.seed)
     tokenizer = processing_class if processing_class is not None else load_tokenizer(args.model)
     return train_source, eval_source, tokenizer

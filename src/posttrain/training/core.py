@@ -26,7 +26,7 @@ import random
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -38,6 +38,17 @@ LossFn = Callable[
     [torch.nn.Module, Any], tuple[torch.Tensor, int | torch.Tensor, Mapping[str, Any]]
 ]
 """`loss_fn(model, micro_batch) -> (loss_sum, n_units, metrics)`; see `train_step`."""
+
+
+class StepCollective(Protocol):
+    """The all-reduces `train_step` needs across data-parallel ranks
+    (`posttrain.distributed.Collective`; see its module doc for why each is needed)."""
+
+    world_size: int
+
+    def all_sum(self, values: list[float]) -> list[float]: ...
+    def all_max(self, values: list[float]) -> list[float]: ...
+    def reduce_metrics(self, n_units: float, metrics: Mapping[str, float]) -> dict[str, float]: ...
 
 
 class TrainingDiverged(RunStopped):
@@ -199,6 +210,7 @@ def train_step(
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     max_grad_norm: float,
     precision: str = "fp32",
+    collective: StepCollective | None = None,
 ) -> StepResult:
     """One optimizer step over `micro_batches`, gradients normalised by units across all of them.
 
@@ -217,35 +229,58 @@ def train_step(
     When the loss or the gradient norm is NaN/inf, or the step has no units,
     the gradients are dropped and neither the optimizer nor the scheduler is
     stepped (`skipped=True`); feed the result to `BadStepGuard.update`.
-    Gradients are None on return. Not done here: `model.train()`, and the
-    all-reduce of Σ n_units a multi-rank run will need before the division.
+    Gradients are None on return. Not done here: `model.train()`.
+
+    Data-parallel (`collective` given; the model is DDP/FSDP2-wrapped, so the backward
+    averages gradients over the W ranks): every rank runs max_r(#micro-batches) passes,
+    repeating its last micro-batch with weight 0 where it has fewer; Σ n_units and Σ loss_sum
+    are all-reduced, and the averaged gradient is divided by N / W, N the global Σ n_units,
+    so the update is the one of the whole global batch in one process. The metrics are
+    reduced over ranks (`collective.reduce_metrics`); `n_tokens` is the global N.
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
     device = params[0].device
     optimizer.zero_grad(set_to_none=True)
+    micro_batches = list(micro_batches)
+    passes = len(micro_batches)
+    if collective is not None:
+        passes = int(collective.all_max([passes])[0])
     loss_sums, parts, n_total = [], [], 0
-    for micro_batch in micro_batches:
+    for i in range(passes):
+        real = i < len(micro_batches)
         with autocast(precision, device):
-            loss_sum, n_units, metrics = loss_fn(model, micro_batch)
+            loss_sum, n_units, metrics = loss_fn(model, micro_batches[min(i, len(micro_batches) - 1)])
+        if not real:  # an extra pass so every rank runs as many collectives; it weighs nothing
+            loss_sum = loss_sum * 0.0
         if loss_sum.requires_grad:  # a micro-batch with nothing to learn may return a constant
             loss_sum.backward()
-        loss_sums.append(loss_sum.detach().float())
-        n_total += int(n_units)
-        parts.append((int(n_units), metrics))
+        if real:
+            loss_sums.append(loss_sum.detach().double())
+            n_total += int(n_units)
+            parts.append((int(n_units), metrics))
     lr = float(optimizer.param_groups[0]["lr"])
     merged = merge_metrics(parts)
+    loss_total: torch.Tensor | float = torch.stack(loss_sums).sum() if loss_sums else 0.0
+    scale = n_total
+    if collective is not None:
+        n_global, loss_total = collective.all_sum([n_total, float(loss_total)])
+        merged = collective.reduce_metrics(n_total, merged)
+        n_total = int(n_global)
+        scale = n_total / collective.world_size  # the backward averaged over the ranks
     if n_total == 0:
         optimizer.zero_grad(set_to_none=True)
         return StepResult(0.0, math.nan, lr, 0, skipped=True, metrics=merged)
 
     for p in params:
         if p.grad is not None:
-            p.grad.div_(n_total)
+            p.grad.div_(scale)
     grad_norm = torch.nn.utils.clip_grad_norm_(
         params, max_grad_norm if max_grad_norm > 0 else math.inf
     )
-    mean_loss = torch.stack(loss_sums).sum() / n_total
-    loss, norm = torch.stack([mean_loss, grad_norm.float().to(mean_loss.device)]).tolist()
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor norm over the shards
+        grad_norm = grad_norm.full_tensor()
+    mean_loss = torch.as_tensor(loss_total, dtype=torch.float64, device=device) / n_total
+    loss, norm = torch.stack([mean_loss, grad_norm.double().to(device)]).tolist()  # one device sync
     nonfinite = not (math.isfinite(loss) and math.isfinite(norm))
     if not nonfinite:
         optimizer.step()
