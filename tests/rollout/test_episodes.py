@@ -121,15 +121,20 @@ def test_max_turns_and_max_total_tokens_are_respected(native, tok):
     assert out.finish_reason == ["length"] * 8
 
 
-def test_eos_ends_the_episode_and_the_environment_still_sees_the_turn(native, tok):
+def test_eos_ends_a_turn_and_the_environment_decides_whether_the_episode_goes_on(native, tok):
     eos = tok.eos_token_id
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=40, stop_token_ids=(eos,), seed=0)
-    out, env = run(native, tok, params=params, limits=MultiTurnLimits(9, 400), done_after=(99,))
-    ended_by_eos = [r for r in range(len(out)) if out.response_ids[r, int(out.total_lengths[r]) - 1] == eos]
-    assert ended_by_eos, "the test needs an EOS somewhere; pick another seed"
-    for r in ended_by_eos:
-        assert out.finish_reason[r] == "stop" and not out.truncated[r]
-        assert sum(1 for row, _ in env.seen if row == r) == int(out.turns[r])
+    out, env = run(native, tok, params=params, limits=MultiTurnLimits(9, 400), done_after=(3,))
+    assert out.turns.tolist() == [3] * 8 and out.finish_reason == ["stop"] * 8
+    after_eos = 0
+    for r in range(len(out)):
+        ids = out.response_ids[r, : int(out.total_lengths[r])].tolist()
+        mask = out.response_mask[r, : len(ids)].tolist()
+        for pos in (p for p, t in enumerate(ids[:-1]) if t == eos and mask[p] == 1):
+            assert mask[pos + 1] == 0  # the environment's answer follows the EOS
+            after_eos += 1
+    assert after_eos, "the test needs an EOS before the last turn somewhere; pick another seed"
+    assert all("<|eos|>" not in text for _, text in env.seen)
 
 
 def test_stop_string_ends_a_model_turn(native, tok):

@@ -16,9 +16,11 @@ The loop (`run_episodes`), one iteration per sampled token:
      when its trajectory reaches `max_total_tokens`;
   3. the `TurnHandler` (the environment, `posttrain.envs`) answers every turn that ended in
      this iteration, all of them in one call (it runs them concurrently);
-  4. a row finishes on EOS, when the handler says done, after `max_turns` model turns, or
-     when its trajectory (with the answer) would pass `max_total_tokens`; finished rows
-     leave the batch;
+  4. a row finishes when the handler says done, after `max_turns` model turns, or when
+     its trajectory (with the answer) would pass `max_total_tokens`; finished rows leave
+     the batch. EOS ends a turn, not the episode: the environment decides (a turn without
+     a tool call is a final answer; a chat model ends every turn, tool calls included,
+     with its end-of-turn token);
   5. every running row feeds its chunk: the token just sampled, plus the environment's
      answer for rows whose turn ended. Mixed widths are left-padded inside the chunk, so
      the last column of every row is its newest real token and gives its next logits.
@@ -126,9 +128,9 @@ class Episodes:
     turns: torch.Tensor
     """(N,) long: model turns per row."""
     truncated: torch.Tensor
-    """(N,) bool: a turn or token limit ended the episode (not EOS, not the environment)."""
+    """(N,) bool: a turn or token limit ended the episode (not the environment)."""
     finish_reason: list[str]
-    """N strings: "stop" (EOS or the environment ended it) or "length" (a limit did)."""
+    """N strings: "stop" (the environment ended it) or "length" (a limit did)."""
     texts: list[str]
     """N strings: the trajectory decoded, special tokens skipped."""
     turn_texts: list[list[str]]
@@ -238,7 +240,7 @@ def _after_turn(row: _Row, why: str | None, reply: Reply | None, limits: MultiTu
     row.turns += 1
     row.turn = []
     row.infos.append(dict(reply.info))
-    if why == "eos" or reply.done:
+    if reply.done:
         row.reason = "stop"
     elif why == "total" or row.turns >= limits.max_turns:
         row.reason = "length"
