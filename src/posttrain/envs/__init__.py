@@ -23,6 +23,7 @@ thread and sandbox machinery), below `workers`.
 
 from posttrain.envs.base import Environment, StepResult
 from posttrain.envs.builtin_tools import BUILTIN_TOOLS, calculator, python
+from posttrain.envs.chat import ChatProtocol, render_prompt
 from posttrain.envs.driver import EnvironmentTurns, episode_metrics, play_episodes
 from posttrain.envs.text_protocol import TextProtocol, format_call, format_results, parse_calls
 from posttrain.envs.tool_env import ToolEnvironment
@@ -30,6 +31,7 @@ from posttrain.envs.tools import Tool, ToolCall, ToolOutcome, as_tool, run_calls
 
 __all__ = [
     "BUILTIN_TOOLS",
+    "ChatProtocol",
     "Environment",
     "EnvironmentTurns",
     "StepResult",
@@ -46,5 +48,6 @@ __all__ = [
     "parse_calls",
     "play_episodes",
     "python",
+    "render_prompt",
     "run_calls",
 ]

@@ -36,13 +36,15 @@ _SIGNATURE = re.compile(r"\s*([A-Za-z_]\w*)\((.*)\)\s*", re.DOTALL)
 
 @dataclass(frozen=True)
 class MalformedCall:
-    """A `<call>` whose inside is not `NAME(ARGS)`: answered with an error result."""
+    """A call that does not read (a `<call>` whose inside is not `NAME(ARGS)`, a chat tool
+    call that is not JSON): answered with an error result."""
 
     text: str
+    hint: str = f"write {CALL_START}name(arguments){CALL_END}"
 
     @property
     def message(self) -> str:
-        return f"error: malformed call {self.text!r}; write {CALL_START}name(arguments){CALL_END}"
+        return f"error: malformed call {self.text!r}; {self.hint}"
 
 
 def parse_calls(text: str) -> list[ToolCall | MalformedCall]:
