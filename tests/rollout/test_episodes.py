@@ -183,3 +183,14 @@ def test_the_policy_loss_and_gradient_ignore_observation_token_logprobs(native, 
 def test_limits_are_checked():
     with pytest.raises(ValueError):
         MultiTurnLimits(max_turns=0)
+
+
+def test_the_limits_come_from_the_rollout_multi_turn_config():
+    from posttrain.config import ConfigError, GRPOConfig, build_config
+
+    base = ["model.init=tiny", "data.train_files=[train.jsonl]"]
+    cfg = build_config(GRPOConfig, None, [*base, "rollout.multi_turn.max_turns=3", "rollout.multi_turn.max_total_tokens=99"])
+    assert MultiTurnLimits.from_config(cfg.rollout.multi_turn) == MultiTurnLimits(max_turns=3, max_total_tokens=99)
+    assert MultiTurnLimits.from_config(GRPOConfig().rollout.multi_turn) == MultiTurnLimits()  # one set of defaults
+    with pytest.raises(ConfigError, match="rollout.multi_turn.max_turns"):
+        build_config(GRPOConfig, None, [*base, "rollout.multi_turn.max_turns=0"])

@@ -63,6 +63,11 @@ class MultiTurnLimits:
         if self.max_turns < 1 or self.max_total_tokens < 1:
             raise ValueError(f"multi-turn limits must be >= 1, got {self}")
 
+    @classmethod
+    def from_config(cls, multi_turn) -> MultiTurnLimits:
+        """The limits of a `rollout.multi_turn` config section (`config.rl.MultiTurnConfig`)."""
+        return cls(max_turns=multi_turn.max_turns, max_total_tokens=multi_turn.max_total_tokens)
+
 
 @dataclass
 class Reply:
