@@ -194,7 +194,10 @@ def run_episodes(
         ended = {}  # output row -> why its model turn ended
         for r, t, lp in zip(held, tok.tolist(), logp.tolist()):
             row = rows[r]
-            row.ids.append(t), row.model.append(1), row.logp.append(lp), row.turn.append(t)
+            row.ids.append(t)
+            row.model.append(1)
+            row.logp.append(lp)
+            row.turn.append(t)
             if t in stop_ids:
                 ended[r] = "eos"
             elif stops.completes(row.turn):

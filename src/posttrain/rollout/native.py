@@ -184,7 +184,7 @@ class NativeEngine:
     ) -> Episodes:
         """`params.n` multi-turn episodes of every prompt with `handler` answering each model
         turn (`episodes.run_episodes`); each row's KV cache grows by the appended tokens only
-        (`native_episodes`)."""
+        (`native_episodes`). All rows run at once (`max_batch_size` does not apply)."""
         from posttrain.rollout.native_episodes import NativeEpisodeModel
 
         prompt_ids = encode_prompts(self.tokenizer, prompts)

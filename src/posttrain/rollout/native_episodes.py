@@ -24,6 +24,9 @@ import torch
 from posttrain.data.collate import left_pad
 from posttrain.rollout.native import DecodeWeights, NativeEngine, _decode_step
 
+FIRST_ROOM = 64
+"""Cache positions allocated after the prompt at the start; `_reserve` doubles from there."""
+
 
 class NativeEpisodeModel:
     """KV-cache extension over a NativeEngine's model (module docstring)."""
@@ -34,7 +37,7 @@ class NativeEpisodeModel:
 
     def start(self, prompt_ids: list[list[int]], n: int) -> torch.Tensor:
         room = max(len(p) for p in prompt_ids) + self.max_total_tokens + 1
-        self.cache, logits, key_mask, self.next_pos = self.engine._prefill(prompt_ids, n, 64, self.pad_id)
+        self.cache, logits, key_mask, self.next_pos = self.engine._prefill(prompt_ids, n, FIRST_ROOM, self.pad_id)
         rows, device = len(self.next_pos), self.model.device
         self.valid = torch.ones(rows, self.cache.max_len, dtype=torch.bool, device=device)
         if key_mask is not None:
