@@ -67,6 +67,8 @@ def play_episodes(
 
     The environment's stop strings (`env.protocol.stop`, if it has a protocol) are added to
     `params.stop`. Rows need a `prompt` (a string, or chat messages for a chat model)."""
+    if not rows:
+        raise ValueError("play_episodes needs at least one row")
     n = params.n
     envs = [env_factory() for _ in rows for _ in range(n)]
     prompts = [_prompt(engine.tokenizer, env, row) for env, row in zip(envs, (r for r in rows for _ in range(n)))]
