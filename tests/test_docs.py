@@ -1,4 +1,4 @@
-"""docs/: config.md is generated and up to date; algorithms.md names only things that exist."""
+"""docs/: config.md is generated and up to date; algorithms.md names only things that exist; agents.md's example runs."""
 
 import importlib
 import re
@@ -95,3 +95,14 @@ def _resolves(dotted: str) -> bool:
             return False
         return True
     return False
+
+
+def test_agents_md_example_runs():
+    """The user-environment example of docs/agents.md, as written."""
+    text = (ROOT / "docs" / "agents.md").read_text(encoding="utf-8")
+    example = text.split("## Example: a user environment")[1].split("```python\n")[1].split("```")[0]
+    scope: dict = {"__name__": "agents_example"}
+    exec(compile(example, "docs/agents.md", "exec"), scope)
+    episodes, metrics = scope["episodes"], scope["metrics"]
+    assert len(episodes) == 2 and 1 <= metrics["turns/mean"] <= 3
+    assert sorted(scope["Shop"]().tools) == ["calculator", "price"]

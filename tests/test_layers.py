@@ -16,7 +16,8 @@ LAYERS = [
     {"checkpoint"},                             # save / resume
     {"data"},                                   # formats, collators, tasks
     {"models"},                                 # built-in decoder, heads, loading, LoRA
-    {"training", "rollout", "rewards", "envs"},  # training core, engines, reward functions
+    {"training", "rollout", "rewards"},         # training core, engines, reward functions
+    {"envs"},                                   # environments and tools: drive rollout, run tools with rewards' sandbox
     {"evaluation", "workers", "distributed"},   # the roles; task evaluation
     {"trainers"},                               # SFT, RM, DPO, RL and the loop
     {"export", "report"},                       # commands on saved runs

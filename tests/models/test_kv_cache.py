@@ -92,3 +92,15 @@ def test_cache_overflow_and_wrong_shapes_are_errors(tiny_lm):
         tiny_lm(torch.zeros(2, 1, dtype=torch.long), cache=cache)
     with pytest.raises(ValueError, match=r"attention_mask must be \(B, cached \+ new\)"):
         tiny_lm(torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1), cache=cache)
+
+
+def test_reserve_grows_the_cache_and_keeps_what_it_holds(tiny_lm):
+    ids = torch.randint(0, 61, (2, 9))
+    cache = tiny_lm.new_cache(2, 4)
+    first = tiny_lm(ids[:, :4], cache=cache)
+    cache.reserve(2)  # already large enough: nothing happens
+    assert cache.max_len == 4
+    cache.reserve(9)
+    assert cache.max_len == 9 and cache.length == 4
+    rest = tiny_lm(ids[:, 4:], cache=cache)
+    assert torch.allclose(torch.cat([first, rest], dim=1), tiny_lm(ids), atol=ATOL)

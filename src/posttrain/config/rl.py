@@ -72,9 +72,27 @@ class RLDataConfig:
         check(self.train_batch_size > 0, "data.train_batch_size", f"must be > 0, got {self.train_batch_size}")
 
 
-ROLLOUT_ENGINE_OPTIONS = ("engine", "max_batch_size", "gpu_memory_utilization", "use_rollout_logprobs")
-"""The RolloutConfig fields that choose or tune the engine; every other one is a
-SamplingParams field of the same name (`SamplingParams.from_config`)."""
+ROLLOUT_ENGINE_OPTIONS = ("engine", "max_batch_size", "gpu_memory_utilization", "use_rollout_logprobs", "multi_turn")
+"""The RolloutConfig fields that choose or tune the engine (and the episode limits); every
+other one is a SamplingParams field of the same name (`SamplingParams.from_config`)."""
+
+
+@dataclass
+class MultiTurnConfig:
+    """Limits of multi-turn episodes (`posttrain.rollout.episodes`), when an environment
+    answers the model's turns (`posttrain.envs`)."""
+
+    max_turns: int = 4
+    """Most model turns per episode; an episode the environment has not ended by then is
+    truncated. Each model turn is cut at rollout.max_new_tokens."""
+    max_total_tokens: int = 512
+    """Most tokens of an episode after the prompt, model and environment tokens together;
+    an episode that would pass it is truncated."""
+
+    def validate(self) -> None:
+        check(self.max_turns >= 1, "rollout.multi_turn.max_turns", f"must be >= 1, got {self.max_turns}")
+        check(self.max_total_tokens >= 1, "rollout.multi_turn.max_total_tokens",
+              f"must be >= 1, got {self.max_total_tokens}")
 
 
 @dataclass
@@ -106,6 +124,8 @@ class RolloutConfig:
     """Use the engine's log-probs as old log-probs and skip the actor's recompute pass.
     Checked once against a recompute on the first batch: if any token differs by more than
     1e-3 the run warns and recomputes for the rest of the run (veRL recomputes always)."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Episode limits of multi-turn rollouts."""
 
     def validate(self) -> None:
         check(self.n >= 1, "rollout.n", f"must be >= 1, got {self.n}")

@@ -102,6 +102,19 @@ class KVCache:
             torch.index_select(filled, 1, rows, out=out[:, :, : self.length])
         return out
 
+    def reserve(self, max_len: int) -> None:
+        """Make room for at least `max_len` positions per row (a copy of the filled ones into
+        new storage when it grows; nothing when it is already that large). Multi-turn
+        rollouts, whose total length is not known up front, grow the cache this way."""
+        if max_len <= self.max_len:
+            return
+        for name in ("_keys", "_values"):
+            store = getattr(self, name)
+            layers, batch, _, heads, dim = store.shape
+            grown = store.new_empty((layers, batch, max_len, heads, dim))
+            grown[:, :, : self.length] = store[:, :, : self.length]
+            setattr(self, name, grown)
+
     def reset(self) -> None:
         """Forget all cached positions (the storage is reused)."""
         self.length = 0

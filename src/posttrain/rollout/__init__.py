@@ -14,6 +14,11 @@ All three return the same `Completions`, whose logprobs are log softmax(logits /
 of the sampled tokens (see base.py). `generate(..., on_tokens=f)` calls f with each
 step's new tokens as they are decoded (vllm: replayed after the call); `TextStream`
 turns them into text (`posttrain serve` streams it).
+
+Multi-turn episodes (episodes.py): `engine.generate_episodes(prompts, params, limits,
+handler)` (native and hf) lets a `TurnHandler` (an environment, `posttrain.envs`) answer
+each model turn; the trajectory comes back as one response whose `response_mask` is 0 on
+the environment's tokens.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from posttrain.rollout.base import (
     filter_logits,
     sample_next,
 )
+from posttrain.rollout.episodes import Episodes, MultiTurnLimits, Reply, TurnHandler
 
 
 def _native(model, tokenizer, **opts):
@@ -76,11 +82,15 @@ def make_engine(kind: str, model: nn.Module, tokenizer, **opts) -> RolloutEngine
 __all__ = [
     "ENGINES",
     "Completions",
+    "Episodes",
+    "MultiTurnLimits",
     "Prompts",
+    "Reply",
     "RolloutEngine",
     "SamplingParams",
     "TextStream",
     "TokenCallback",
+    "TurnHandler",
     "engine_kind_for",
     "filter_logits",
     "make_engine",

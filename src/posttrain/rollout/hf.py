@@ -46,6 +46,7 @@ from posttrain.rollout.base import (
     encode_prompts,
     resolve_seed,
 )
+from posttrain.rollout.episodes import Episodes, MultiTurnLimits, TurnHandler, run_episodes
 
 # Most float32 logits (rows x tokens x vocab) alive at once in the logprob forward.
 _LOGPROB_CHUNK_ELEMENTS = 1 << 26
@@ -120,6 +121,26 @@ class HFEngine:
                 "seconds": time.perf_counter() - start,
             },
         )
+
+    def generate_episodes(
+        self, prompts: Prompts, params: SamplingParams, limits: MultiTurnLimits, handler: TurnHandler
+    ) -> Episodes:
+        """`params.n` multi-turn episodes of every prompt with `handler` answering each model
+        turn (`episodes.run_episodes`), re-encoding histories after answers (`hf_episodes`)."""
+        from posttrain.rollout.hf_episodes import HFEpisodeModel
+
+        prompt_ids = encode_prompts(self.tokenizer, prompts)
+        pad_id = pad_id_of(self.tokenizer)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.inference_mode():
+                backend = HFEpisodeModel(self.model, pad_id)
+                out = run_episodes(backend, prompt_ids, params, limits, handler, self.tokenizer, pad_id)
+        finally:
+            self.model.train(was_training)
+        out.meta["engine"] = "hf"
+        return out
 
     @torch.inference_mode()
     def _logprobs(

@@ -65,6 +65,7 @@ from posttrain.rollout.base import (
     resolve_seed,
     sample_next,
 )
+from posttrain.rollout.episodes import Episodes, MultiTurnLimits, TurnHandler, run_episodes
 
 
 def as_builtin(model: nn.Module) -> BuiltinLM:
@@ -177,6 +178,27 @@ class NativeEngine:
                 "seconds": time.perf_counter() - start,
             },
         )
+
+    def generate_episodes(
+        self, prompts: Prompts, params: SamplingParams, limits: MultiTurnLimits, handler: TurnHandler
+    ) -> Episodes:
+        """`params.n` multi-turn episodes of every prompt with `handler` answering each model
+        turn (`episodes.run_episodes`); each row's KV cache grows by the appended tokens only
+        (`native_episodes`). All rows run at once (`max_batch_size` does not apply)."""
+        from posttrain.rollout.native_episodes import NativeEpisodeModel
+
+        prompt_ids = encode_prompts(self.tokenizer, prompts)
+        pad_id = pad_id_of(self.tokenizer)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.inference_mode():
+                backend = NativeEpisodeModel(self, pad_id, limits.max_total_tokens, DecodeWeights.of(self.model))
+                out = run_episodes(backend, prompt_ids, params, limits, handler, self.tokenizer, pad_id)
+        finally:
+            self.model.train(was_training)
+        out.meta["engine"] = "native"
+        return out
 
     def _prefill(self, prompt_ids: list[list[int]], n: int, max_new: int, pad_id: int):
         """Prompts through the model once, cache rows repeated n times.

@@ -1,0 +1,66 @@
+"""Environments and tools from names and import paths (what a config or the command line gives).
+
+    resolve_environment("guess_number")                  # a built-in environment
+    resolve_environment("my_envs.py:Shop")               # a class in a file, by path
+    resolve_environment("mypkg.envs:Shop")               # an importable module
+    resolve_environment(Shop)                            # a class or factory as it is
+    resolve_tools(["calculator", "my_tools.py:lookup"])  # built-in tools and functions
+
+An environment spec resolves to a factory: a callable with no arguments that returns a
+fresh `Environment` (a class, as TRL's `environment_factory`). Import paths are read by
+`posttrain.rewards.load_object`, the reward functions' loader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from posttrain.envs.base import Environment
+from posttrain.envs.builtin_tools import BUILTIN_TOOLS
+from posttrain.envs.games import GuessNumber
+from posttrain.rewards import load_object
+
+BUILTIN_ENVIRONMENTS: dict[str, Callable[[], Environment]] = {"guess_number": GuessNumber}
+"""The built-in environments by name."""
+
+
+def resolve_environment(spec: str | Callable[[], Environment]) -> Callable[[], Environment]:
+    """The environment factory of a built-in name, a `module:Class` / `file.py:Class` path,
+    or a callable (returned as it is)."""
+    if callable(spec) and not isinstance(spec, str):
+        return spec
+    if spec in BUILTIN_ENVIRONMENTS:
+        return BUILTIN_ENVIRONMENTS[spec]
+    if not isinstance(spec, str) or ":" not in spec:
+        raise ValueError(
+            f"unknown environment {spec!r}: use a built-in ({', '.join(sorted(BUILTIN_ENVIRONMENTS))}), "
+            "'module:Class' or 'file.py:Class'"
+        )
+    factory = _load(spec, "environment")
+    if not callable(factory):
+        raise ValueError(f"environment {spec!r} is a {type(factory).__name__}, not a class or factory")
+    return factory
+
+
+def resolve_tools(specs: Sequence[str | Callable[..., Any]]) -> list[Callable[..., Any]]:
+    """Tool functions of built-in names (`calculator`, `python`), `module:function` /
+    `file.py:function` paths, or callables (kept as they are)."""
+    out = []
+    for spec in specs:
+        if callable(spec) and not isinstance(spec, str):
+            out.append(spec)
+        elif spec in BUILTIN_TOOLS:
+            out.append(BUILTIN_TOOLS[spec])
+        elif isinstance(spec, str) and ":" in spec:
+            out.append(_load(spec, "tool"))
+        else:
+            raise ValueError(f"unknown tool {spec!r}: use {', '.join(sorted(BUILTIN_TOOLS))} or 'module:function'")
+    return out
+
+
+def _load(spec: str, what: str) -> Any:
+    try:
+        return load_object(spec)
+    except ValueError as e:  # the loader words its errors for rewards
+        raise ValueError(f"{what} {spec!r}: {str(e).split(': ', 1)[-1]}") from None

@@ -1,0 +1,292 @@
+"""Multi-turn episodes: the model and an environment take turns, every row in one batched loop.
+
+Notation: N rows (B prompts x n samples), R rows still running, V vocab, W the widest
+chunk of tokens fed to the model in one forward, T the longest trajectory.
+
+An episode row is one growing token sequence:
+
+    prompt | model turn 1 | env answer 1 | model turn 2 | env answer 2 | ... | model turn k
+
+The loop (`run_episodes`), one iteration per sampled token:
+  1. sample the next token of every running row from its logits (`base.sample_next`, with
+     Exp(1) noise drawn for all N rows from one CPU generator, so a row's sample does not
+     depend on which rows are still running, nor on the engine);
+  2. a row's model turn ends on a stop token (EOS), on a stop string (the tool-call end,
+     `SamplingParams.stop`), after `SamplingParams.max_new_tokens` tokens in the turn, or
+     when its trajectory reaches `max_total_tokens`;
+  3. the `TurnHandler` (the environment, `posttrain.envs`) answers every turn that ended in
+     this iteration, all of them in one call (it runs them concurrently);
+  4. a row finishes when the handler says done, after `max_turns` model turns, or when
+     its trajectory (with the answer) would pass `max_total_tokens`; finished rows leave
+     the batch. EOS ends a turn, not the episode: the environment decides (a turn without
+     a tool call is a final answer; a chat model ends every turn, tool calls included,
+     with its end-of-turn token);
+  5. every running row feeds its chunk: the token just sampled, plus the environment's
+     answer for rows whose turn ended. Mixed widths are left-padded inside the chunk, so
+     the last column of every row is its newest real token and gives its next logits.
+
+The `EpisodeModel` (one per engine) turns chunks into next-token logits: the native engine
+extends each row's KV cache with the chunk only (a prefill of the appended tokens, never
+the history again); the hf engine re-encodes the rows' whole histories after an
+environment answer and decodes single tokens with transformers' cache in between. With
+the same seed both give the same episodes (tests/rollout/test_episodes.py).
+
+Masks: `response_mask` is 1 on model tokens only (environment tokens are context, never
+trained on), `sequence_mask` 1 on every real token of the trajectory (what the model
+attends to). `lengths` and `num_tokens` count model tokens only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from posttrain.rollout.base import SamplingParams, StopStrings, resolve_seed, sample_next
+
+
+@dataclass(frozen=True)
+class MultiTurnLimits:
+    """The episode limits (config keys `rollout.multi_turn.*`)."""
+
+    max_turns: int = 4
+    """Most model turns per episode; an episode still running after it is truncated."""
+    max_total_tokens: int = 512
+    """Most tokens of the whole trajectory after the prompt (model and environment tokens);
+    an episode that would pass it is truncated. Each model turn is also cut at
+    `SamplingParams.max_new_tokens`."""
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1 or self.max_total_tokens < 1:
+            raise ValueError(f"multi-turn limits must be >= 1, got {self}")
+
+    @classmethod
+    def from_config(cls, multi_turn) -> MultiTurnLimits:
+        """The limits of a `rollout.multi_turn` config section (`config.rl.MultiTurnConfig`)."""
+        return cls(max_turns=multi_turn.max_turns, max_total_tokens=multi_turn.max_total_tokens)
+
+
+@dataclass
+class Reply:
+    """The environment's answer to one model turn."""
+
+    tokens: list[int]
+    """Tokens appended to the trajectory (the formatted observation); ignored when done."""
+    done: bool
+    """The episode is over (the model answered, or the environment ended it)."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """Anything to report about the step (reward, tool calls, errors), kept per turn."""
+
+
+class TurnHandler(Protocol):
+    """Answers the model turns that ended in one loop iteration (`posttrain.envs` adapts
+    an `Environment` to this)."""
+
+    def respond(self, rows: list[int], texts: list[str]) -> list[Reply]:
+        """rows: output row of each ended turn; texts: the turn decoded (special tokens
+        skipped, stop token left out, stop string kept). One Reply per row, same order."""
+        ...
+
+
+class EpisodeModel(Protocol):
+    """An engine's view of the model for the episode loop; rows are those still held,
+    in the order of the last `start` / `keep`."""
+
+    def start(self, prompt_ids: list[list[int]], n: int) -> torch.Tensor:
+        """Encode B prompts and repeat each n times (rows grouped by prompt) -> logits (N, V)."""
+        ...
+
+    def feed(self, chunks: list[list[int]]) -> torch.Tensor:
+        """Append one non-empty token list per held row -> next-token logits (R, V)."""
+        ...
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Hold only batch rows `rows` (long indices into the rows held now)."""
+        ...
+
+
+@dataclass
+class Episodes:
+    """One call's episodes, N = B·n rows grouped by prompt. Tensors on the CPU; padding holds
+    `pad_token_id` in `response_ids` and 0 in every mask and in `logprobs`."""
+
+    prompt_ids: list[list[int]]
+    """N prompts, unpadded."""
+    prompt_index: torch.Tensor
+    """(N,) long: the prompt each row answers."""
+    response_ids: torch.Tensor
+    """(N, T) long: the whole trajectory after the prompt (model and environment tokens)."""
+    response_mask: torch.Tensor
+    """(N, T) long: 1 on model tokens, 0 on environment tokens and padding."""
+    sequence_mask: torch.Tensor
+    """(N, T) long: 1 on every trajectory token (model and environment), 0 on padding."""
+    logprobs: torch.Tensor
+    """(N, T) float32: log softmax(logits / T)[token] of model tokens (as `Completions`); 0
+    on environment tokens and padding."""
+    lengths: torch.Tensor
+    """(N,) long: model tokens per row = response_mask.sum(-1)."""
+    total_lengths: torch.Tensor
+    """(N,) long: trajectory tokens per row = sequence_mask.sum(-1)."""
+    turns: torch.Tensor
+    """(N,) long: model turns per row."""
+    truncated: torch.Tensor
+    """(N,) bool: a turn or token limit ended the episode (not the environment)."""
+    finish_reason: list[str]
+    """N strings: "stop" (the environment ended it) or "length" (a limit did)."""
+    texts: list[str]
+    """N strings: the trajectory decoded, special tokens skipped."""
+    turn_texts: list[list[str]]
+    """Per row, each model turn's text as the handler saw it."""
+    infos: list[list[dict]]
+    """Per row, the handler's `Reply.info` of each turn."""
+    pad_token_id: int = 0
+    meta: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Model tokens over all rows (what throughput counts; environment tokens are not)."""
+        return int(self.lengths.sum())
+
+
+@dataclass
+class _Row:
+    """One episode's state in the loop."""
+
+    ids: list[int] = field(default_factory=list)
+    model: list[int] = field(default_factory=list)  # 1 model token, 0 environment token
+    logp: list[float] = field(default_factory=list)
+    turn: list[int] = field(default_factory=list)  # tokens of the current model turn
+    turns: int = 0
+    reason: str | None = None  # set when the row finishes
+    turn_texts: list[str] = field(default_factory=list)
+    infos: list[dict] = field(default_factory=list)
+
+
+def run_episodes(
+    model: EpisodeModel,
+    prompt_ids: list[list[int]],
+    params: SamplingParams,
+    limits: MultiTurnLimits,
+    handler: TurnHandler,
+    tokenizer,
+    pad_id: int,
+) -> Episodes:
+    """Play `params.n` episodes of every prompt (module docstring); rows grouped by prompt."""
+    start = time.perf_counter()
+    n, rows = params.n, [_Row() for _ in range(len(prompt_ids) * params.n)]
+    gen = torch.Generator().manual_seed(resolve_seed(params.seed))
+    stop_ids = set(params.resolved_stop_token_ids(tokenizer))
+    stops = StopStrings(tokenizer, params.stop)
+    held = list(range(len(rows)))  # output row of each batch row
+    logits = model.start(prompt_ids, n)
+    steps = forwards = 0
+    while held:
+        noise = None
+        if not params.greedy:  # all N rows every step: a row's draw ignores the others
+            noise = torch.empty(len(rows), logits.shape[-1]).exponential_(generator=gen)[held]
+        tok, logp = sample_next(logits, params, None if noise is None else noise.to(logits.device))
+        ended = {}  # output row -> why its model turn ended
+        for r, t, lp in zip(held, tok.tolist(), logp.tolist()):
+            row = rows[r]
+            row.ids.append(t)
+            row.model.append(1)
+            row.logp.append(lp)
+            row.turn.append(t)
+            if t in stop_ids:
+                ended[r] = "eos"
+            elif stops.completes(row.turn):
+                ended[r] = "call"
+            elif len(row.ids) >= limits.max_total_tokens:
+                ended[r] = "total"
+            elif len(row.turn) >= params.max_new_tokens:
+                ended[r] = "turn"
+        answers = _answer(rows, ended, handler, tokenizer, stop_ids)
+        chunks, keep = [], []
+        for i, (r, t) in enumerate(zip(held, tok.tolist())):
+            extra = _after_turn(rows[r], ended.get(r), answers.get(r), limits)
+            if rows[r].reason is None:
+                keep.append(i)
+                chunks.append([t, *extra])
+        steps += 1
+        if len(keep) < len(held):
+            held = [held[i] for i in keep]
+            model.keep(torch.tensor(keep, dtype=torch.long))
+        if held:
+            logits = model.feed(chunks)
+            forwards += 1
+    return _assemble(prompt_ids, rows, n, tokenizer, pad_id, {
+        "decode_steps": steps, "forwards": forwards, "seconds": time.perf_counter() - start,
+    })
+
+
+def _answer(rows, ended: dict[int, str], handler: TurnHandler, tokenizer, stop_ids) -> dict[int, Reply]:
+    """Ask the handler about every turn that ended, in one call; record the turn text."""
+    if not ended:
+        return {}
+    texts = []
+    for r in ended:
+        turn = rows[r].turn[:-1] if rows[r].turn[-1] in stop_ids else rows[r].turn
+        texts.append(tokenizer.decode(turn, skip_special_tokens=True))
+        rows[r].turn_texts.append(texts[-1])
+    replies = handler.respond(list(ended), texts)
+    if len(replies) != len(texts):
+        raise ValueError(f"the turn handler answered {len(replies)} turns, expected {len(texts)}")
+    return dict(zip(ended, replies))
+
+
+def _after_turn(row: _Row, why: str | None, reply: Reply | None, limits: MultiTurnLimits) -> list[int]:
+    """Apply the end of a model turn to `row`: finish it (set `reason`) or return the
+    environment tokens to append (also added to the row, unmasked)."""
+    if why is None:
+        return []
+    row.turns += 1
+    row.turn = []
+    row.infos.append(dict(reply.info))
+    if reply.done:
+        row.reason = "stop"
+    elif why == "total" or row.turns >= limits.max_turns:
+        row.reason = "length"
+    elif len(row.ids) + len(reply.tokens) >= limits.max_total_tokens:
+        row.reason = "length"  # the answer would leave no room for another model token
+    if row.reason is not None:
+        return []
+    row.ids += reply.tokens
+    row.model += [0] * len(reply.tokens)
+    row.logp += [0.0] * len(reply.tokens)
+    return list(reply.tokens)
+
+
+def _assemble(prompt_ids, rows: Sequence[_Row], n: int, tokenizer, pad_id: int, meta: dict) -> Episodes:
+    width = max((len(r.ids) for r in rows), default=0)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    seq = torch.zeros((len(rows), width), dtype=torch.long)
+    logp = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, r in enumerate(rows):
+        k = len(r.ids)
+        ids[i, :k], mask[i, :k], seq[i, :k] = torch.tensor(r.ids), torch.tensor(r.model), 1
+        logp[i, :k] = torch.tensor(r.logp)
+    return Episodes(
+        prompt_ids=[list(p) for p in prompt_ids for _ in range(n)],
+        prompt_index=torch.arange(len(rows)) // n,
+        response_ids=ids,
+        response_mask=mask,
+        sequence_mask=seq,
+        logprobs=logp,
+        lengths=mask.sum(-1),
+        total_lengths=seq.sum(-1),
+        turns=torch.tensor([r.turns for r in rows], dtype=torch.long),
+        truncated=torch.tensor([r.reason == "length" for r in rows], dtype=torch.bool),
+        finish_reason=[r.reason or "length" for r in rows],
+        texts=[tokenizer.decode(r.ids, skip_special_tokens=True) for r in rows],
+        turn_texts=[r.turn_texts for r in rows],
+        infos=[r.infos for r in rows],
+        pad_token_id=pad_id,
+        meta=meta,
+    )

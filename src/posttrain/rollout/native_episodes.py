@@ -1,0 +1,80 @@
+"""The native engine's `EpisodeModel`: each row's KV cache grows by the appended tokens only.
+
+Notation: R rows held, L filled cache positions (shared by all rows, as in `KVCache`),
+W chunk width, P the longest prompt, D head dim.
+
+- start: the prompts are prefilled once each and their cache rows repeated n times
+  (`NativeEngine._prefill`).
+- feed: one forward of the R chunks, left-padded to W, at cache positions [L, L + W).
+  `valid` (R, capacity) bool records which cache positions hold a real token of each
+  row (prompt padding and chunk padding are False); it is the attention key mask of every
+  later forward. Positions (RoPE) count real tokens only, so a row's logits are those of
+  its unpadded sequence. A width-1 chunk (plain decoding) runs `native._decode_step` on
+  the call's `DecodeWeights`; a wider one (an environment answer) runs
+  `BuiltinLM.hidden_states` with the cache. Nothing before position L is recomputed.
+- keep: `cache.select` (compaction) of the rows still running.
+- The cache grows by doubling (`KVCache.reserve`), since an episode's length is only
+  bounded by the limits; RoPE's table covers P + max_total_tokens positions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from posttrain.data.collate import left_pad
+from posttrain.rollout.native import DecodeWeights, NativeEngine, _decode_step
+
+FIRST_ROOM = 64
+"""Cache positions allocated after the prompt at the start; `_reserve` doubles from there."""
+
+
+class NativeEpisodeModel:
+    """KV-cache extension over a NativeEngine's model (module docstring)."""
+
+    def __init__(self, engine: NativeEngine, pad_id: int, max_total_tokens: int, weights: DecodeWeights | None):
+        self.engine, self.model, self.pad_id = engine, engine.model, pad_id
+        self.max_total_tokens, self.weights = max_total_tokens, weights
+
+    def start(self, prompt_ids: list[list[int]], n: int) -> torch.Tensor:
+        room = max(len(p) for p in prompt_ids) + self.max_total_tokens + 1
+        self.cache, logits, key_mask, self.next_pos = self.engine._prefill(prompt_ids, n, FIRST_ROOM, self.pad_id)
+        rows, device = len(self.next_pos), self.model.device
+        self.valid = torch.ones(rows, self.cache.max_len, dtype=torch.bool, device=device)
+        if key_mask is not None:
+            self.valid = key_mask[:, 0, 0].clone()
+        self.valid[:, self.cache.length :] = False
+        positions = torch.arange(room, device=device)[None]
+        self.cos, self.sin = (t[0] for t in self.model.model.rotary_emb(positions, self.model.dtype))
+        return logits
+
+    def feed(self, chunks: list[list[int]]) -> torch.Tensor:
+        width, length, device = max(len(c) for c in chunks), self.cache.length, self.model.device
+        self._reserve(length + width)
+        ids, chunk_mask = left_pad(chunks, self.pad_id, device)  # (R, W)
+        self.valid[:, length : length + width] = chunk_mask.bool()
+        if width == 1:
+            pos = self.next_pos
+            logits = _decode_step(
+                self.model, ids[:, 0], self.cos[pos][:, None], self.sin[pos][:, None],
+                self.valid[:, None, None, : length + 1], self.cache, self.weights,
+            )
+        else:
+            pos = self.next_pos[:, None] + (chunk_mask.cumsum(-1) - 1).clamp(min=0)  # (R, W)
+            mask = self.valid[:, : length + width].long()
+            hidden = self.model.hidden_states(ids, mask, pos, self.cache)  # (R, W, H)
+            logits = self.model.lm_head(hidden[:, -1])
+        self.next_pos = self.next_pos + chunk_mask.sum(-1)
+        return logits
+
+    def keep(self, rows: torch.Tensor) -> None:
+        rows = rows.to(self.model.device)
+        self.cache.select(rows)
+        self.valid, self.next_pos = self.valid[rows], self.next_pos[rows]
+
+    def _reserve(self, needed: int) -> None:
+        if needed <= self.cache.max_len:
+            return
+        grown = max(needed, 2 * self.cache.max_len)
+        self.cache.reserve(grown)
+        extra = torch.zeros(len(self.valid), grown - self.valid.shape[1], dtype=torch.bool, device=self.valid.device)
+        self.valid = torch.cat([self.valid, extra], dim=1)
