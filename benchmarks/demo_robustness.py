@@ -62,7 +62,7 @@ def main() -> int:
               "about one run on this machine", file=sys.stderr)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    jobs = [(s, t) for s in args.seeds for t in args.threads]
+    jobs = [(s, t) for t in args.threads for s in args.seeds]  # one thread count after the other
 
     done: list[dict[str, Any]] = []
 

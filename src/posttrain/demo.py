@@ -37,6 +37,12 @@ from posttrain.config import GRPOConfig, ModelConfig, SFTConfig, build_config
 from posttrain.logging import Progress
 
 TASK = "arithmetic"
+# The demonstrations show their steps in 30% of the problems (the `medium` preset: half). At
+# half, greedy decoding takes either way on about half the prompts, a choice small float
+# differences flip: SFT accuracy then ranged 38-73% over seeds and RL gained +9 to +39. At
+# 30% the SFT model answers from its head, seed after seed, and RL learns that the worked
+# way pays (benchmarks/README.md, "Demo robustness").
+TASK_OPTIONS = {"worked": 0.3}
 SEED = 0
 
 # SFT of the built-in model from scratch: the shipped recipes/sft_arithmetic.yaml (benchmarks/
@@ -49,12 +55,13 @@ QUICK_SFT_STEPS = 40
 # RL from the SFT model: the shipped recipes/grpo.yaml (group-normalised advantages, clip
 # 0.2, seq-mean-token-mean, k3 KL in the loss with β = 0.04, lr 5e-5). Its reward.functions
 # also score both evaluations (a sample is correct when its total is >= 1). RL learns within
-# ~50 steps that showing the steps pays, then holds (benchmarks/README.md, "Demo
-# robustness"); 100 steps leave margin. The wall-clock budget bounds the stage on a CPU
-# slower than the ones measured: the run stops at the first step past it, then evaluates.
+# 25-50 steps that showing the steps pays, then holds (benchmarks/README.md, "Demo
+# robustness"). The stage runs 100 steps or 120 s, whichever ends first (one torch thread on
+# a 2-core Xeon makes ~70 steps in 120 s): the run stops at the first step past the budget,
+# then evaluates. The budget keeps the demo within 10 minutes on slower CPUs.
 RL_RECIPE = "grpo"
 RL_STEPS = 100
-RL_MAX_SECONDS = 240
+RL_MAX_SECONDS = 120
 QUICK_RL_STEPS = 3
 # --quick: 4 prompts x 4 samples of at most 32 tokens per step.
 QUICK_RL_OVERRIDES = [
@@ -81,7 +88,7 @@ class DemoSize:
 
 FULL = DemoSize(
     n_train=8000, n_test=500,
-    sft_steps=SFT_STEPS, sft_extra=("trainer.eval_steps=200", "eval.num_examples=200"),
+    sft_steps=SFT_STEPS, sft_extra=("trainer.eval_steps=250", "eval.num_examples=200"),
     rl_steps=RL_STEPS, rl_extra=("trainer.eval_steps=25", "eval.num_examples=100", f"trainer.max_time_s={RL_MAX_SECONDS}"),
 )
 QUICK = DemoSize(
@@ -165,7 +172,7 @@ def make_data(out: Path, size: DemoSize, seed: int = SEED) -> None:
     for the same size and seed)."""
     from posttrain.data.tasks import make_task
 
-    make_task(TASK, out, n_train=size.n_train, n_test=size.n_test, seed=seed)
+    make_task(TASK, out, n_train=size.n_train, n_test=size.n_test, seed=seed, **TASK_OPTIONS)
 
 
 def sft_config(data: dict[str, Path], run_dir: Path, size: DemoSize, shared: Sequence[str]) -> SFTConfig:

@@ -63,6 +63,13 @@ def starts_with_digit(prompts, completions, completion_ids, **columns):
     return [1.0 if c[:1].isdigit() else 0.0 for c in completions]
 
 
+def alternating(prompts, completions, completion_ids, **columns):
+    """1, 0, 1, 0, ...: every group of rollout.n = 4 has a spread, whatever a random model samples,
+    so every GRPO step has advantages to learn from (starts_with_digit can give a group, or a
+    whole step, equal rewards on one CPU and not on another)."""
+    return [float(i % 2) for i in range(len(completions))]
+
+
 def overrides(run_dir, **extra):
     base = {"trainer.output_dir": str(run_dir), "trainer.report_to": [], "trainer.progress": False,
             "trainer.learning_rate": 1e-3, "trainer.lr_scheduler": "constant", "trainer.max_steps": 4,
@@ -79,10 +86,10 @@ def offline(cls, config_class, rows, **extra):
 
 
 def rl(cls, config_class, **extra):
-    def make(tok, run_dir, model=None, **over):
+    def make(tok, run_dir, model=None, reward=starts_with_digit, **over):
         opts = {"rollout.n": 4, "rollout.max_new_tokens": 3, "actor.micro_batch_size": 8, **extra, **over}
         cfg = build_config(config_class, None, overrides(run_dir, **opts))
-        return cls(model if model is not None else tiny_lm(tok), reward_funcs=[starts_with_digit], args=cfg,
+        return cls(model if model is not None else tiny_lm(tok), reward_funcs=[reward], args=cfg,
                    train_dataset=PROMPTS, processing_class=tok)
     return make
 
@@ -201,7 +208,8 @@ def test_the_reference_after_a_sync_is_the_mix_of_policy_and_initial_reference(t
 
 @pytest.mark.parametrize("command", list(SYNCED))
 def test_resume_restores_the_synced_reference_exactly(tok, tmp_path, command):
-    opts = {**SYNCED[command], "algorithm.ref_sync_steps": 1, "trainer.save_steps": 2}
+    opts = {**SYNCED[command], "algorithm.ref_sync_steps": 1, "trainer.save_steps": 2,
+            **({"reward": alternating} if command == "grpo" else {})}  # the policy must move for the check below
     full = COMMANDS[command](tok, tmp_path / "full", **opts)
     full.train()
     cut = tmp_path / "cut"
