@@ -49,7 +49,8 @@ def test_sampled_pairs_keep_their_bytes(tmp_path, monkeypatch):
     # sha256 prefixes of the same run (a SeededEngine in place of the model) before the sampling
     # moved out of data/make_preferences.py (commit 015f5f7).
     monkeypatch.setattr(sp, "load_engine", lambda path: SeededEngine())
-    info = sp.sample_preferences("arithmetic", tmp_path / "s", "tiny-model", n_train=40, n_test=10, seed=5, samples=4)
+    info = sp.sample_preferences("arithmetic", tmp_path / "s", "tiny-model", n_train=40, n_test=10, seed=5, samples=4,
+                                 num_operands=3)  # `medium` had 3 operands then
     assert (info["n_train"], info["n_test"]) == (40, 8)  # two held-out prompts were all right or all wrong
     assert [sha(info[k]) for k in ("train", "test", "meta")] == ["c87b85d9c46a1b0a", "e1bdc29bb5ef33af",
                                                                 "b6f524ab88dce504"]
