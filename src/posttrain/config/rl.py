@@ -381,7 +381,61 @@ class RLEvalConfig:
 
 
 @dataclass
-class GRPOTrainerConfig(TrainerConfig):
+class RLTrainerConfig(TrainerConfig):
+    """The shared optimisation options plus where the RL roles run (veRL's names)."""
+
+    backend: Literal["local", "ray"] = "local"
+    """Where the roles run. `local`: every role in this process (Ray is never imported).
+    `ray`: actor, rollout and reference colocated in one Ray actor per worker (veRL's hybrid
+    engine), trainer.nnodes × trainer.n_workers_per_node workers joined in one gloo
+    torch.distributed group; the actor's update and the log-prob passes are data-parallel
+    over them, and give the update of the local backend (exact: loss normalised by the
+    all-reduced global weight). The driver, the reward and the prompt stream stay in this
+    process; generation runs on worker 0 (the local backend's tokens, exactly). Ray starts
+    locally on 127.0.0.1 unless ray.address says otherwise."""
+    nnodes: int = 1
+    """Nodes of the Ray cluster the workers span (trainer.backend=ray)."""
+    n_workers_per_node: int = 1
+    """Worker processes per node (trainer.backend=ray; veRL's n_gpus_per_node: on a CPU a
+    worker is a process with placement.cpus_per_worker threads)."""
+    collective_timeout_s: float = 600.0
+    """How long a torch.distributed collective between the workers may wait (trainer.backend=ray)."""
+
+    def validate(self) -> None:
+        super().validate()
+        check(self.nnodes >= 1, "trainer.nnodes", f"must be >= 1, got {self.nnodes}")
+        check(self.n_workers_per_node >= 1, "trainer.n_workers_per_node", f"must be >= 1, got {self.n_workers_per_node}")
+        check(self.collective_timeout_s > 0, "trainer.collective_timeout_s", "must be > 0 seconds")
+
+    @property
+    def world_size(self) -> int:
+        """Data-parallel workers: nnodes × n_workers_per_node (1 on the local backend)."""
+        return self.nnodes * self.n_workers_per_node if self.backend == "ray" else 1
+
+
+@dataclass
+class PlacementConfig:
+    """Resources of each worker (trainer.backend=ray): one placement-group bundle per worker."""
+
+    cpus_per_worker: int = 1
+    """CPU cores reserved for each worker, and its torch threads."""
+
+    def validate(self) -> None:
+        check(self.cpus_per_worker >= 1, "placement.cpus_per_worker", f"must be >= 1, got {self.cpus_per_worker}")
+
+
+@dataclass
+class RayConfig:
+    """The Ray cluster (trainer.backend=ray)."""
+
+    address: str | None = None
+    """null: start Ray in this process, bound to 127.0.0.1, and stop it at the end of the run;
+    `auto`: join the cluster `ray start --head` / `ray start --address=HEAD:6379` made on this
+    machine's nodes; or a cluster address (HOST:PORT, ray://HOST:10001)."""
+
+
+@dataclass
+class GRPOTrainerConfig(RLTrainerConfig):
     """The shared optimisation options, in GRPO's own run directory."""
 
     output_dir: str = "runs/grpo"
@@ -390,7 +444,7 @@ class GRPOTrainerConfig(TrainerConfig):
 
 
 @dataclass
-class PPOTrainerConfig(TrainerConfig):
+class PPOTrainerConfig(RLTrainerConfig):
     """The shared optimisation options, in PPO's own run directory."""
 
     output_dir: str = "runs/ppo"
@@ -419,11 +473,15 @@ class RLConfig:
     """Rewards."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """Advantage estimator, KL, DAPO tricks."""
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    trainer: RLTrainerConfig = field(default_factory=RLTrainerConfig)
     """Steps, optimizer (the actor's), schedule, logging, checkpoints. max_steps, warmup
     and the schedule count RL steps; micro-batches are actor.micro_batch_size."""
     eval: RLEvalConfig = field(default_factory=RLEvalConfig)
     """Held-out evaluation."""
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    """Resources of each worker (trainer.backend=ray)."""
+    ray: RayConfig = field(default_factory=RayConfig)
+    """The Ray cluster (trainer.backend=ray)."""
 
     def validate(self) -> None:
         d, a, n = self.data, self.actor, self.rollout.n
@@ -440,6 +498,8 @@ class RLConfig:
                 check_divides(mini * n, "actor.ppo_mini_batch_size·rollout.n",
                               self.critic.micro_batch_size, "critic.micro_batch_size")
         self._validate_critic(est)
+        if self.trainer.backend == "ray":
+            self._validate_ray(mini * n)
         check(self.algorithm.overlong.buffer <= self.rollout.max_new_tokens, "algorithm.overlong.buffer",
               f"must be <= rollout.max_new_tokens={self.rollout.max_new_tokens}")
         if self.rollout.engine == "vllm" and self.eval.task is None:  # eval samples through the engine
@@ -462,6 +522,20 @@ class RLConfig:
               "critic.share_backbone", "the joint loss needs a loss_agg_mode other than seq-mean-token-sum-norm")
         check(c.warmup_steps < self.trainer.max_steps, "critic.warmup_steps",
               f"must be < trainer.max_steps={self.trainer.max_steps}")
+
+    def _validate_ray(self, mini_rows: int) -> None:
+        """What the Ray backend runs today: the critic-free family, native/hf engines."""
+        world = self.trainer.world_size
+        check(not self.use_critic, "trainer.backend",
+              "the critic (algorithm.adv_estimator=gae, PPO) does not run on Ray workers yet; "
+              "use trainer.backend=local for PPO")
+        check(self.rollout.engine in ("auto", "native", "hf"), "rollout.engine",
+              f"trainer.backend=ray runs the native or hf engine in its workers, not {self.rollout.engine}")
+        check(not self.algorithm.ref_sync_steps, "algorithm.ref_sync_steps",
+              "the reference sync does not run on Ray workers yet; set algorithm.ref_sync_steps=0")
+        check(mini_rows >= world, "trainer.n_workers_per_node",
+              f"every worker needs a row of each mini-batch: actor.ppo_mini_batch_size·rollout.n={mini_rows} "
+              f"< {world} workers (trainer.nnodes × trainer.n_workers_per_node)")
 
     @property
     def mini_batch_prompts(self) -> int:

@@ -162,7 +162,10 @@ class RLTrainer:
         """Run the RL loop (`trainers/loop.run`): trainer.max_steps steps of `rl_step`."""
         a = self.args
         log.info("%s", self.setup_line())
-        return run(self, a, RefSync(a.algorithm.ref_sync_steps, a.algorithm.ref_sync_alpha))
+        try:
+            return run(self, a, RefSync(a.algorithm.ref_sync_steps, a.algorithm.ref_sync_alpha))
+        finally:
+            self.roles.close()  # trainer.backend=ray: the workers (and a Ray the run started) stop
 
     def setup_line(self) -> str:
         """What is trained, on what, with what (as `posttrain sft` logs it)."""

@@ -39,6 +39,13 @@ class Roles:
     reward: Reward
     ref: Reference | None
     critic: Critic | None
+    group: Any = None
+    """The worker group the roles run on (trainer.backend=ray), closed at the end of the run."""
+
+    def close(self) -> None:
+        """Stop the workers (and a Ray this run started); nothing on the local backend."""
+        if self.group is not None:
+            self.group.close()
 
 
 def check_reward_source(cfg: RLConfig, reward_funcs: Any) -> None:
@@ -137,11 +144,24 @@ def build_critic(cfg: RLConfig, policy: torch.nn.Module, value_model: Any) -> Cr
     return Critic(value_model, cfg, cfg.trainer.max_steps)
 
 
+def build_reference(cfg: RLConfig, policy: torch.nn.Module) -> Reference | None:
+    """π_ref when the run has a KL term (a frozen copy of `policy`, or its adapter-disabled
+    self with LoRA), else None."""
+    a = cfg.actor
+    if not cfg.algorithm.kl.enabled:
+        return None
+    return Reference.for_policy(policy, temperature=cfg.rollout.temperature, micro_batch_size=a.micro_batch_size,
+                                max_tokens_per_micro_batch=a.max_tokens_per_micro_batch,
+                                precision=cfg.trainer.precision)
+
+
 def build_roles(cfg: RLConfig, tokenizer: Any, model: Any, reward_funcs: Any, value_model: Any,
                 columns: Sequence[str] | None = None, data: str = "the data") -> Roles:
     """Reward and critic checks first (cheap, fail early: `build_reward` checks the reward
     against the data's `columns`), then the policy, reference, critic, actor, rollout.
-    Dropout is off in every model: see `disable_dropout`."""
+    Dropout is off in every model: see `disable_dropout`. trainer.backend=ray: the policy
+    goes to the workers, which build actor, reference and rollout each (`rl_ray`); the
+    reward stays here."""
     from posttrain.models.factory import build_model
     from posttrain.models.loading import disable_dropout
 
@@ -150,12 +170,12 @@ def build_roles(cfg: RLConfig, tokenizer: Any, model: Any, reward_funcs: Any, va
     if not isinstance(model, torch.nn.Module):
         model = build_model(cfg.model, tokenizer, train=True)
     disable_dropout(model, "policy")  # before the reference and a critic are copied from it
-    a = cfg.actor
-    ref = None
-    if cfg.algorithm.kl.enabled:
-        ref = Reference.for_policy(model, temperature=cfg.rollout.temperature, micro_batch_size=a.micro_batch_size,
-                                   max_tokens_per_micro_batch=a.max_tokens_per_micro_batch,
-                                   precision=cfg.trainer.precision)
+    if cfg.trainer.backend == "ray":
+        from posttrain.trainers.rl_ray import build_ray_roles
+
+        actor, rollout, ref, group = build_ray_roles(cfg, tokenizer, model)
+        return Roles(actor, rollout, reward, ref, None, group)
+    ref = build_reference(cfg, model)
     critic = build_critic(cfg, model, value_model) if cfg.use_critic else None
     shared = critic is not None and critic.shared
     actor = Actor(model, cfg, cfg.trainer.max_steps - cfg.critic.warmup_steps,

@@ -48,7 +48,8 @@ class StepCollective(Protocol):
 
     def all_sum(self, values: list[float]) -> list[float]: ...
     def all_max(self, values: list[float]) -> list[float]: ...
-    def reduce_metrics(self, n_units: float, metrics: Mapping[str, float]) -> dict[str, float]: ...
+    def reduce_metrics(self, n_units: float | Mapping[str, float], metrics: Mapping[str, float]) -> dict[str, float]: ...
+    def sync_gradients(self, params: list[torch.Tensor]) -> None: ...
 
 
 class TrainingDiverged(RunStopped):
@@ -258,13 +259,16 @@ def train_step(
             loss_sums.append(loss_sum.detach().double())
             n_total += int(n_units)
             parts.append((int(n_units), metrics))
+    if collective is not None:  # averages the gradients unless a DDP / FSDP2 backward did
+        collective.sync_gradients(params)
     lr = float(optimizer.param_groups[0]["lr"])
     merged = merge_metrics(parts)
     loss_total: torch.Tensor | float = torch.stack(loss_sums).sum() if loss_sums else 0.0
     scale = n_total
     if collective is not None:
         n_global, loss_total = collective.all_sum([n_total, float(loss_total)])
-        merged = collective.reduce_metrics(n_total, merged)
+        units = {k: float(sum(n for n, m in parts if k in m)) for k in merged}  # as merge_metrics weighs them
+        merged = collective.reduce_metrics(units, merged)
         n_total = int(n_global)
         scale = n_total / collective.world_size  # the backward averaged over the ranks
     if n_total == 0:

@@ -55,6 +55,7 @@ from posttrain.algos import (
 )
 from posttrain.config.rl import RLConfig
 from posttrain.training.core import (
+    StepCollective,
     StepResult,
     autocast,
     build_optimizer,
@@ -97,10 +98,16 @@ class Actor:
             (optimizer, schedule, clipping, precision; trainer.learning_rate is the actor's).
         total_steps: RL steps the schedule spans.
         extra_params: more parameters for the actor's optimizer (a shared value head).
+        collective: the data-parallel group of a Ray worker (None: one process).
     """
 
-    def __init__(self, model: nn.Module, cfg: RLConfig, total_steps: int, extra_params: nn.Module | None = None):
+    def __init__(self, model: nn.Module, cfg: RLConfig, total_steps: int, extra_params: nn.Module | None = None,
+                 collective: StepCollective | None = None):
         self.model, self.cfg = model, cfg
+        self.collective = collective
+        """Set on a data-parallel worker (the Ray backend): each optimizer step all-reduces
+        its normalisation, gradients and metrics (`train_step`), so a worker's share of a
+        mini-batch gives the whole mini-batch's update."""
         self.a, self.loss_cfg, self.kl = cfg.actor, cfg.actor.policy_loss, cfg.algorithm.kl
         self.temperature, self.max_len = cfg.rollout.temperature, cfg.rollout.max_new_tokens
         self.joint: JointForward | None = None
@@ -213,22 +220,25 @@ class Actor:
         optimizer step (one epoch, one mini-batch: the loss then uses its own log-probs,
         detached); `ref_logp` with the KL in the loss; `values` and `returns` with a shared
         value head (`joint`)."""
-        self._require_update_fields(batch, mini_batch_rows, epochs)
+        self.require_update_fields(batch, mini_batch_rows, epochs)
+        return self.update_mini_batches(shuffled_mini_batches(batch, mini_batch_rows, epochs, seed), kl_coef)
+
+    def update_mini_batches(self, minis: list[RLBatch], kl_coef: float) -> dict[str, float]:
+        """One optimizer step per mini-batch, then one scheduler step; the metrics averaged
+        over the steps. On a data-parallel worker each `minis[k]` is this worker's share of
+        mini-batch k (every worker gets the same number, each at least one row)."""
         self.model.train()
         results: list[StepResult] = []
-        for epoch in range(epochs):
-            order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(seed + epoch))
-            for mini in batch.select(order).split(mini_batch_rows):
-                result = train_step(
-                    self.model, self.update_parts(mini), partial(self.loss, kl_coef=kl_coef),
-                    self.optimizer, None, self.cfg.trainer.max_grad_norm, self.cfg.trainer.precision,
-                )
-                results.append(result)
+        for mini in minis:
+            results.append(train_step(
+                self.model, self.update_parts(mini), partial(self.loss, kl_coef=kl_coef),
+                self.optimizer, None, self.cfg.trainer.max_grad_norm, self.cfg.trainer.precision, self.collective,
+            ))
         self.scheduler.step()
         self.steps += 1
         return average_steps(results)
 
-    def _require_update_fields(self, batch: RLBatch, mini_batch_rows: int, epochs: int) -> None:
+    def require_update_fields(self, batch: RLBatch, mini_batch_rows: int, epochs: int) -> None:
         """`update`'s fields (see there), checked before any forward pass."""
         role = "actor.update"
         batch.require(*FORWARD_FIELDS, "advantages", role=role)
@@ -239,6 +249,17 @@ class Actor:
             batch.require("ref_logp", role=role, why="the KL term is in the loss")
         if self.joint is not None:
             batch.require("values", "returns", role=role, why="a shared value head trains with the actor")
+
+
+def shuffled_mini_batches(batch: RLBatch, rows: int, epochs: int, seed: int) -> list[RLBatch]:
+    """The mini-batches of an update, in order: epoch e shuffles the rows with seed + e and
+    cuts them in mini-batches of `rows` rows (the driver of the Ray backend cuts them as
+    the local actor does, then shares each out over the workers)."""
+    out: list[RLBatch] = []
+    for epoch in range(epochs):
+        order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(seed + epoch))
+        out += batch.select(order).split(rows)
+    return out
 
 
 def average_steps(results: list[StepResult], role: str = "actor") -> dict[str, float]:

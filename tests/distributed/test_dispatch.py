@@ -1,0 +1,110 @@
+"""Splitting a batch over workers and gathering it back (no processes), and the checks the
+Ray backend's config makes before anything starts."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from posttrain.config import ConfigError, build_config
+from posttrain.config.rl import GRPOConfig, PPOConfig
+from posttrain.distributed.dispatch import balanced_partition, gather_rows, shard_rows
+from posttrain.distributed.groups import LocalWorkerGroup
+from posttrain.workers import RLBatch
+
+
+def rl_batch(rows: int) -> RLBatch:
+    """Rows of different lengths: prompt i has 1 + i % 3 tokens, response i has 1 + (3i) % 5."""
+    tp, tr = 3, 5
+    prompt_len = torch.tensor([1 + i % 3 for i in range(rows)])
+    lengths = torch.tensor([1 + (3 * i) % tr for i in range(rows)])
+    prompt_mask = (torch.arange(tp)[None, :] >= tp - prompt_len[:, None]).long()
+    response_mask = (torch.arange(tr)[None, :] < lengths[:, None]).long()
+    ids = torch.arange(rows * (tp + tr)).view(rows, tp + tr)
+    return RLBatch(prompt_ids=ids[:, :tp] * prompt_mask, prompt_mask=prompt_mask,
+                   response_ids=ids[:, tp:] * response_mask, response_mask=response_mask, lengths=lengths,
+                   prompts=[f"p{i}" for i in range(rows)])
+
+
+def row_sums(batch: RLBatch) -> torch.Tensor:
+    """(B, Tr): a per-row computation, like a log-prob pass."""
+    return batch.response_ids * 2 + batch.prompt_ids.sum(1, keepdim=True)
+
+
+def test_balanced_partition_by_hand():
+    # longest first to the lightest part with room: 5→A, 4→B, 2→B(6), 1→A(6), 1→A(7), 1→B(7)
+    assert balanced_partition([5, 1, 1, 1, 4, 2], 2) == [[0, 1, 2], [3, 4, 5]]
+    # without equal sizes the big row may stay alone
+    assert balanced_partition([9, 1, 1, 1], 2, equal_size=False) == [[0], [1, 2, 3]]
+
+
+@pytest.mark.parametrize("rows,world", [(7, 2), (8, 3), (5, 5), (3, 4)])
+def test_shard_and_gather_give_the_whole_batch_result(rows, world):
+    batch = rl_batch(rows)
+    sharded = shard_rows(batch, world)
+    assert len({len(p) for p in sharded.parts}) == 1 and sum(map(len, sharded.parts)) % world == 0
+    assert sorted(sharded.order.tolist()) == list(range(len(sharded.order)))
+    out = gather_rows([row_sums(p) for p in sharded.parts], sharded)
+    torch.testing.assert_close(out, row_sums(batch), rtol=0, atol=0)
+    back = gather_rows(sharded.parts, sharded)  # containers gather too
+    assert back.prompts == batch.prompts and torch.equal(back.response_ids, batch.response_ids)
+
+
+def test_shares_are_balanced_by_tokens():
+    batch = rl_batch(12)
+    totals = [int(p.token_counts().sum()) for p in shard_rows(batch, 2).parts]
+    naive = [int(p.token_counts().sum()) for p in batch.chunk(2)]
+    assert abs(totals[0] - totals[1]) <= max(1, abs(naive[0] - naive[1]))
+    assert abs(totals[0] - totals[1]) <= int(batch.token_counts().max())
+
+
+def test_an_update_share_is_not_padded_and_every_worker_gets_a_row():
+    sharded = shard_rows(rl_batch(5), 2, pad=False)
+    assert sorted(map(len, sharded.parts)) == [2, 3] and sharded.rows == 5
+
+
+class Doubler:
+    def __init__(self, rank, world_size, collective, factor):
+        self.factor, self.rank, self.collective = factor, rank, collective
+
+    def compute(self, batch):
+        return row_sums(batch) * self.factor
+
+    def whoami(self):
+        return self.rank
+
+
+def test_local_group_has_the_ray_group_interface():
+    group = LocalWorkerGroup(Doubler, 3)
+    batch = rl_batch(5)
+    torch.testing.assert_close(group.dp_compute("compute", batch), row_sums(batch) * 3)
+    assert group.one_to_all("whoami") == [0] and group.rank_zero("whoami") == 0
+    assert group.worker.collective is None
+    group.close()
+
+
+def grpo(*overrides):
+    return build_config(GRPOConfig, None, ["data.train_batch_size=2", "rollout.n=2", "actor.micro_batch_size=2",
+                                           *overrides])
+
+
+def test_ray_backend_config_checks():
+    assert grpo().trainer.backend == "local" and grpo().trainer.world_size == 1
+    cfg = grpo("trainer.backend=ray", "trainer.nnodes=2", "trainer.n_workers_per_node=2")
+    assert cfg.trainer.world_size == 4 and cfg.ray.address is None and cfg.placement.cpus_per_worker == 1
+    with pytest.raises(ConfigError, match="trainer.n_workers_per_node"):
+        grpo("trainer.backend=ray", "trainer.n_workers_per_node=8")  # 4 rows per mini-batch, 8 workers
+    with pytest.raises(ConfigError, match="trainer.backend"):
+        build_config(PPOConfig, None, ["trainer.backend=ray"])
+    with pytest.raises(ConfigError, match="placement.cpus_per_worker"):
+        grpo("trainer.backend=ray", "placement.cpus_per_worker=0")
+    with pytest.raises(ConfigError, match="trainer.backend"):
+        grpo("trainer.backend=spark")
+
+
+def test_the_local_backend_never_imports_ray():
+    code = ("import sys; import posttrain, posttrain.trainers.rl, posttrain.distributed; "
+            "from posttrain.config import build_config; from posttrain.config.rl import GRPOConfig; "
+            "build_config(GRPOConfig, None, []); assert 'ray' not in sys.modules, 'ray imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,217 @@
+"""trainer.backend=ray on CPU: 2 workers give the local backend's update exactly, the CLI runs
+end to end with the local run's directory and metrics, an impossible placement fails in
+seconds, and no Ray process outlives a run.
+
+The driver-side roles are first checked without Ray, over a `LocalWorkerGroup`. Ray runs on 127.0.0.1 in a short temp dir; the tests that share a session get it from one
+module fixture, whose finalizer shuts it down and checks that its raylet is gone.
+"""
+
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+
+from posttrain import GRPOConfig, GRPOTrainer
+from posttrain.cli import main
+from posttrain.config import ConfigError, build_config
+from posttrain.data.tasks import make_task
+from posttrain.distributed.groups import GroupSpec, LocalWorkerGroup, RayWorkerGroup
+from posttrain.distributed.ray_session import RaySession
+from posttrain.models import BuiltinLM
+from posttrain.trainers.rl_build import Roles
+from posttrain.trainers.rl_ray import Colocated, build_ray_roles
+
+ROOT = Path(__file__).resolve().parents[2]
+WORDS = "a b c d e f g h".split()
+PROMPTS = [{"prompt": " ".join(WORDS[(i * 7 + k) % 8] for k in range(1 + i % 4))} for i in range(32)]
+COMPARED = ("grad_norm", "policy_loss", "entropy", "clip_frac", "approx_kl", "kl", "lr", "reward/mean",
+            "response_length/mean")
+
+
+def raylets(marker: str = "") -> set[int]:
+    """Pids of live raylet processes (whose command line holds `marker`)."""
+    found = set()
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if "raylet" in cmd and marker in cmd and "/raylet" in cmd.split(" ")[0]:
+                found.add(int(proc.name))
+    return found
+
+
+def wait_gone(pids: set[int], seconds: float = 15.0) -> set[int]:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        pids = {p for p in pids if Path(f"/proc/{p}").exists()}
+        if not pids:
+            break
+        time.sleep(0.2)
+    return pids
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    pytest.importorskip("ray")
+    session = RaySession(None)
+    marker = session.temp_dir
+    try:
+        yield session
+    finally:
+        own = raylets(marker)
+        session.close()
+        assert not wait_gone(own), "a raylet outlived ray.shutdown()"
+
+
+def word_tokenizer():
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+
+
+def tiny_model_f64():
+    torch.manual_seed(0)
+    return BuiltinLM.from_preset("tiny", vocab_size=len(WORDS) + 3, num_hidden_layers=1, hidden_size=32,
+                                 intermediate_size=64, num_attention_heads=4, num_key_value_heads=4,
+                                 bos_token_id=1, eos_token_id=2, pad_token_id=0).double()
+
+
+def starts_with_a(prompts, completions, completion_ids, **columns):
+    return [1.0 if ids and ids[0] == 3 else 0.0 for ids in completion_ids]
+
+
+def grpo_config(run_dir, **overrides):
+    base = {"rollout.n": 4, "rollout.max_new_tokens": 4, "data.train_batch_size": 4, "actor.micro_batch_size": 4,
+            "trainer.max_steps": 3, "trainer.learning_rate": 3e-2, "trainer.lr_scheduler": "constant",
+            "trainer.precision": "fp32", "trainer.report_to": [], "trainer.progress": False,
+            "trainer.output_dir": str(run_dir)}
+    base.update(overrides)
+    return build_config(GRPOConfig, None, [f"{k}={json.dumps(v) if isinstance(v, list) else v}" for k, v in base.items()])
+
+
+def lines(run_dir):
+    return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+TOKEN_MEANS = ("entropy", "clip_frac", "approx_kl", "kl")
+"""Token means merged with the loss's weights: under a seq-mean aggregation a micro-batch
+weighs its sequences, so these depend on how rows are grouped (locally, on
+actor.micro_batch_size too); the loss, the gradient and the parameters do not."""
+
+SETTINGS = {
+    "on-policy token-mean": {},
+    "mini-batches, seq-mean, KL in the loss": {
+        "actor.ppo_mini_batch_size": 2, "actor.micro_batch_size": 2,
+        "actor.policy_loss.loss_agg_mode": "seq-mean-token-mean",
+        "algorithm.kl.in_loss": "true", "algorithm.kl.coef": 0.1,
+    },
+}
+
+
+def train(model, cfg, group=None):
+    """Train a copy of `model`; with `group`, on the driver-side roles over that group."""
+    trainer = GRPOTrainer(copy.deepcopy(model), reward_funcs=[starts_with_a], args=cfg,
+                          train_dataset=PROMPTS, processing_class=word_tokenizer())
+    if group is not None:
+        policy = trainer.roles.actor.model
+        actor, rollout, ref, group = build_ray_roles(cfg, trainer.tokenizer, policy, group(copy.deepcopy(policy)))
+        trainer.roles = Roles(actor, rollout, trainer.roles.reward, ref, None, group)
+        trainer.reference = ref
+    trainer.train()
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_driver_side_roles_over_a_local_group_give_the_local_run(tmp_path, name):
+    model = tiny_model_f64()
+    local = train(model, grpo_config(tmp_path / "local", **SETTINGS[name]))
+    cfg = grpo_config(tmp_path / "group", **SETTINGS[name])
+    grouped = train(model, cfg, lambda policy: LocalWorkerGroup(Colocated, cfg, word_tokenizer(), policy))
+    for k in local:
+        assert float((local[k] - grouped[k]).abs().max()) <= 1e-12, k
+    for a, b in zip(lines(tmp_path / "local"), lines(tmp_path / "group"), strict=True):
+        for key in COMPARED:
+            assert a[key] == pytest.approx(b[key], abs=1e-12), (a["step"], key)
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_two_workers_give_the_local_update(ray_session, tmp_path, name):
+    model = tiny_model_f64()
+    runs = {backend: train(model, grpo_config(tmp_path / backend, **SETTINGS[name], **{
+        "trainer.backend": backend, "trainer.n_workers_per_node": 2})) for backend in ("local", "ray")}
+    moved = max(float((runs["local"][k] - model.state_dict()[k]).abs().max()) for k in runs["local"])
+    assert moved > 1e-4  # the run trained
+    for k in runs["local"]:
+        assert float((runs["local"][k] - runs["ray"][k]).abs().max()) <= 1e-10, k
+    seq_mean = SETTINGS[name].get("actor.policy_loss.loss_agg_mode", "token-mean") != "token-mean"
+    for a, b in zip(lines(tmp_path / "local"), lines(tmp_path / "ray"), strict=True):
+        for key in COMPARED:
+            if not (seq_mean and key in TOKEN_MEANS):
+                assert a[key] == pytest.approx(b[key], abs=1e-9), (a["step"], key)
+
+
+def test_a_ray_run_resumes_exactly_from_its_checkpoint(ray_session, tmp_path):
+    """The restore loads the driver's mirror, which goes to every worker (`RayActor.steps`)."""
+    model = tiny_model_f64()
+    over = {"trainer.backend": "ray", "trainer.n_workers_per_node": 2, "trainer.save_steps": 1}
+    full = train(model, grpo_config(tmp_path / "full", **over))
+    run = tmp_path / "cut"
+    shutil.copytree(tmp_path / "full", run)
+    shutil.rmtree(run / "checkpoints" / "step-3")
+    shutil.rmtree(run / "final")
+    resumed = train(model, grpo_config(run, **over))
+    for k in full:
+        assert float((full[k] - resumed[k]).abs().max()) <= 1e-10, k
+    assert [m["step"] for m in lines(run)] == [1, 2, 3]
+
+
+def test_an_impossible_placement_fails_in_seconds_naming_the_key(ray_session):
+    start = time.perf_counter()
+    with pytest.raises(ConfigError, match=r"trainer.n_workers_per_node: .* 64 CPUs, but the Ray cluster has \d+ CPUs"):
+        RayWorkerGroup(GroupSpec(1, 64, 1, None), dict)
+    assert time.perf_counter() - start < 10
+    assert ray_session.ray.is_initialized()  # a joined session is left running
+
+
+def cli_args(data, run, backend):
+    return ["grpo", "--config", str(ROOT / "recipes" / "grpo.yaml"), "model.path=null", "model.init=tiny",
+            f"data.train_files=[{data / 'train.jsonl'}]", f"data.eval_files=[{data / 'test.jsonl'}]",
+            "eval.num_examples=2", "eval.max_new_tokens=6", "trainer.eval_steps=2", "trainer.save_steps=1",
+            "data.train_batch_size=2", "actor.ppo_mini_batch_size=2",
+            "rollout.n=2", "rollout.max_new_tokens=6", "actor.micro_batch_size=4", "trainer.max_steps=2",
+            "algorithm.overlong.buffer=0", f"trainer.output_dir={run}", "trainer.report_to=[]",
+            "trainer.progress=false", f"trainer.backend={backend}", "trainer.nnodes=1", "trainer.n_workers_per_node=2"]
+
+
+def test_cli_grpo_on_ray_runs_end_to_end_like_local_and_leaves_no_process(tmp_path):
+    pytest.importorskip("ray")
+    data = tmp_path / "data"
+    make_task("arithmetic", data, n_train=16, n_test=4, seed=0, difficulty="easy")
+    before = raylets()
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "posttrain", *cli_args(data, tmp_path / "ray", "ray")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not wait_gone(raylets() - before), "the run left a raylet behind"
+    torch.manual_seed(0)
+    assert main(cli_args(data, tmp_path / "local", "local")) == 0
+    ray_lines, local_lines = lines(tmp_path / "ray"), lines(tmp_path / "local")
+    assert [m["step"] for m in ray_lines] == [m["step"] for m in local_lines] == [1, 2]
+    assert [sorted(m) for m in ray_lines] == [sorted(m) for m in local_lines]
+    listing = {p.relative_to(tmp_path / "ray").as_posix() for p in (tmp_path / "ray").rglob("*")}
+    assert listing == {p.relative_to(tmp_path / "local").as_posix() for p in (tmp_path / "local").rglob("*")}
+    assert (tmp_path / "ray" / "final" / "config.json").is_file() and "eval/accuracy" in ray_lines[-1]
+    assert sorted(p.name for p in (tmp_path / "ray" / "checkpoints").iterdir()) == ["step-1", "step-2"]
