@@ -26,9 +26,19 @@ thread and sandbox machinery), below `workers`.
 from posttrain.envs.base import Environment, StepResult
 from posttrain.envs.builtin_tools import BUILTIN_TOOLS, calculator, python
 from posttrain.envs.chat import ChatProtocol, render_prompt
-from posttrain.envs.driver import EnvironmentTurns, episode_metrics, play_episodes
+from posttrain.envs.driver import (
+    EnvironmentTurns,
+    episode_metrics,
+    merge_episode_metrics,
+    play_episodes,
+)
 from posttrain.envs.games import GuessNumber
-from posttrain.envs.registry import BUILTIN_ENVIRONMENTS, resolve_environment, resolve_tools
+from posttrain.envs.registry import (
+    BUILTIN_ENVIRONMENTS,
+    episode_factory,
+    resolve_environment,
+    resolve_tools,
+)
 from posttrain.envs.text_protocol import TextProtocol, format_call, format_results, parse_calls
 from posttrain.envs.tool_env import ToolEnvironment
 from posttrain.envs.tools import Tool, ToolCall, ToolOutcome, as_tool, run_calls
@@ -48,9 +58,11 @@ __all__ = [
     "ToolOutcome",
     "as_tool",
     "calculator",
+    "episode_factory",
     "episode_metrics",
     "format_call",
     "format_results",
+    "merge_episode_metrics",
     "parse_calls",
     "play_episodes",
     "python",

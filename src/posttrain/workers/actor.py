@@ -92,17 +92,20 @@ class Actor:
     Args:
         model: the policy (BuiltinLM, transformers causal LM, or peft-wrapped).
         cfg: the run's config, read where it is: `actor.*` (loss, micro-batches, entropy),
-            `rollout.temperature` and `rollout.max_new_tokens` (the L of
-            seq-mean-token-sum-norm), `algorithm.kl` (a KL term in the loss), `trainer.*`
+            `rollout.temperature` and `rollout.max_response_tokens()` (the L of
+            seq-mean-token-sum-norm: max_new_tokens, or an episode's most model tokens),
+            `algorithm.kl` (a KL term in the loss), `trainer.*`
             (optimizer, schedule, clipping, precision; trainer.learning_rate is the actor's).
         total_steps: RL steps the schedule spans.
         extra_params: more parameters for the actor's optimizer (a shared value head).
+        episodes: the responses are multi-turn episodes (an environment given in Python).
     """
 
-    def __init__(self, model: nn.Module, cfg: RLConfig, total_steps: int, extra_params: nn.Module | None = None):
+    def __init__(self, model: nn.Module, cfg: RLConfig, total_steps: int, extra_params: nn.Module | None = None,
+                 episodes: bool = False):
         self.model, self.cfg = model, cfg
         self.a, self.loss_cfg, self.kl = cfg.actor, cfg.actor.policy_loss, cfg.algorithm.kl
-        self.temperature, self.max_len = cfg.rollout.temperature, cfg.rollout.max_new_tokens
+        self.temperature, self.max_len = cfg.rollout.temperature, cfg.rollout.max_response_tokens(episodes)
         self.joint: JointForward | None = None
         owner = model if extra_params is None else nn.ModuleList([model, extra_params])
         self.optimizer = build_optimizer(owner, cfg.trainer)
