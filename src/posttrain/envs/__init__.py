@@ -14,7 +14,8 @@
   built-in byte tokenizer.
 - chat.py: the chat-template path for HF chat models (`apply_chat_template(tools=...)`,
   `tokenizer.parse_response`).
-- tool_env.py: `ToolEnvironment`; games.py: `GuessNumber` (higher / lower feedback).
+- tool_env.py: `ToolEnvironment`; games.py: `GuessNumber` (higher / lower feedback);
+  task_envs.py: `ArithmeticTools` (the `arithmetic_tools` task's calculator and scorer).
 - driver.py: one environment per episode in the rollout's episode loop
   (`rollout.episodes`), environment rewards and the episode metrics.
 - registry.py: environments and tools from built-in names, `module:attr` or `file.py:attr`.
@@ -39,11 +40,13 @@ from posttrain.envs.registry import (
     resolve_environment,
     resolve_tools,
 )
+from posttrain.envs.task_envs import ArithmeticTools
 from posttrain.envs.text_protocol import TextProtocol, format_call, format_results, parse_calls
 from posttrain.envs.tool_env import ToolEnvironment
 from posttrain.envs.tools import Tool, ToolCall, ToolOutcome, as_tool, run_calls
 
 __all__ = [
+    "ArithmeticTools",
     "BUILTIN_ENVIRONMENTS",
     "BUILTIN_TOOLS",
     "ChatProtocol",

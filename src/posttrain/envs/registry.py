@@ -21,10 +21,14 @@ from typing import Any
 from posttrain.envs.base import Environment
 from posttrain.envs.builtin_tools import BUILTIN_TOOLS
 from posttrain.envs.games import GuessNumber
+from posttrain.envs.task_envs import ArithmeticTools
 from posttrain.envs.tool_env import ToolEnvironment
 from posttrain.rewards import load_object
 
-BUILTIN_ENVIRONMENTS: dict[str, Callable[[], Environment]] = {"guess_number": GuessNumber}
+BUILTIN_ENVIRONMENTS: dict[str, Callable[[], Environment]] = {
+    "arithmetic_tools": ArithmeticTools,
+    "guess_number": GuessNumber,
+}
 """The built-in environments by name."""
 
 
