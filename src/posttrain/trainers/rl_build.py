@@ -196,7 +196,7 @@ def build_roles(cfg: RLConfig, tokenizer: Any, model: Any, reward_funcs: Any, va
 def evaluate_policy(trainer: Any, step: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """eval/* metrics and samples: the task's scorer on greedy completions when eval.task
     is set (as `posttrain sft` reports it), else the reward functions on eval.temperature
-    samples (which play episodes when the rollout does: rollout.env / rollout.tools)."""
+    samples; both play episodes when the rollout does (rollout.env / rollout.tools)."""
     e, cfg = trainer.args.eval, trainer.args
     examples = trainer.eval_examples
     max_new = e.max_new_tokens or cfg.rollout.max_new_tokens
@@ -209,7 +209,9 @@ def evaluate_policy(trainer: Any, step: int) -> tuple[dict[str, float], list[dic
 
             rows = [{"prompt": x["prompt"], **x["columns"]} for x in examples]
             check("answer" in rows[0], "eval.task", "the eval rows need an `answer` column")
-            metrics, samples = evaluate_task(model, trainer.tokenizer, rows, e.task, max_new, e.batch_size, e.temperature)
+            rollout = trainer.roles.rollout  # episodes when the run plays them
+            metrics, samples = evaluate_task(model, trainer.tokenizer, rows, e.task, max_new, e.batch_size,
+                                             e.temperature, rollout.env_factory, rollout.limits)
         else:
             metrics, samples = _evaluate_with_rewards(trainer, examples, max_new, step)
     finally:
