@@ -27,6 +27,13 @@ functions, set the threshold for their weighted sum. Metrics, over all B prompts
     reward/<fn>/errors     samples whose call failed (they got the runner's failure reward)
     num_prompts, num_samples, timing/gen, timing/reward, throughput/tokens_per_s
 
+With `environment` (a per-episode factory, `posttrain.envs`) every sample is a multi-turn
+episode (`envs.play_episodes`, under `limits`; `max_new_tokens` is then per model turn):
+the reward functions score the whole trajectory and get its environment reward as the
+column `env_reward`, `response_length` counts model tokens, and the metrics add
+`turns/mean`, `turns/max`, `tool_calls/mean`, `tool/errors`, `tool/timeouts`, `env/errors`,
+`env/reward/mean` and `episode/truncated`; each sample record adds `turns` and `tool_calls`.
+
 Where this departs from veRL's validation: veRL reports `mean@n`, `best@n` and `maj@n`
 via bootstrap; we report the closed-form pass@k estimate, which has no sampling noise
 of its own. With temperature 0 the n samples are identical, so pass@k = accuracy.
@@ -45,10 +52,13 @@ from typing import Any
 
 import torch
 
+from posttrain.envs import merge_episode_metrics, play_episodes
 from posttrain.logging import Progress
 from posttrain.rewards import RewardResult, RewardRunner, task_reward
 from posttrain.rollout import (
     Completions,
+    Episodes,
+    MultiTurnLimits,
     RolloutEngine,
     SamplingParams,
     engine_kind_for,
@@ -137,8 +147,11 @@ def evaluate(
     top_p: float = 1.0,
     correct_threshold: float = 1.0,
     progress: bool = False,
+    environment: Any = None,
+    limits: MultiTurnLimits | None = None,
 ) -> EvalReport:
-    """Sample n completions of every row's prompt, score them, and summarise.
+    """Sample n completions (or episodes, with `environment`) of every row's prompt, score
+    them, and summarise.
 
     Args:
         rows: dicts with `prompt` (string or chat messages) and any columns for the rewards.
@@ -151,6 +164,9 @@ def evaluate(
             give the same samples; None draws from torch's global RNG.
         correct_threshold: a sample is correct when its total reward is >= this.
         progress: show a progress bar (with ETA) over the batches on stderr.
+        environment: a factory of one environment per episode (module docstring); None =
+            single-turn completions.
+        limits: the episodes' turn and token limits (default `MultiTurnLimits()`).
     """
     if not rows or batch_size < 1:
         raise ValueError(f"evaluate needs at least one row and batch_size >= 1, got {len(rows)} rows, {batch_size}")
@@ -164,17 +180,17 @@ def evaluate(
     samples: list[dict[str, Any]] = []
     errors = dict.fromkeys(reward_runner.names, 0.0)
     timing = {"gen": 0.0, "reward": 0.0}
+    episode_parts: list[tuple[int, dict[str, float]]] = []
     with Progress(len(starts), "eval", enabled=progress) as bar:
         for batch, start in enumerate(starts):
             chunk = rows[start : start + batch_size]
-            batch_seed = None if seed is None else seed + batch
+            batch_params = dataclasses.replace(params, seed=None if seed is None else seed + batch)
             t0 = time.monotonic()
-            out = engine.generate(
-                [prompt_input(tokenizer, r["prompt"]) for r in chunk],
-                dataclasses.replace(params, seed=batch_seed),
-            )
+            out, env_rewards, episode_metrics = _sample(engine, tokenizer, chunk, batch_params, environment, limits)
+            if episode_metrics is not None:
+                episode_parts.append((len(out), episode_metrics))
             t1 = time.monotonic()
-            result = _score(reward_runner, chunk, out, n)
+            result = _score(reward_runner, chunk, out, n, env_rewards)
             timing["gen"] += t1 - t0
             timing["reward"] += time.monotonic() - t1
             for name in errors:
@@ -182,6 +198,8 @@ def evaluate(
             samples += _records(chunk, out, result, n, start, correct_threshold)
             bar.update(1, accuracy=sum(s["correct"] for s in samples) / len(samples))
     metrics = summarize(samples, n, reward_runner.names, errors)
+    if episode_parts:
+        metrics.update(merge_episode_metrics(episode_parts))
     tokens = sum(s["length"] for s in samples)
     metrics.update({
         "timing/gen": timing["gen"],
@@ -194,25 +212,44 @@ def evaluate(
         "rewards": reward_runner.names, "reward_weights": reward_runner.weights,
         "correct_threshold": correct_threshold, "num_prompts": len(rows),
     }
+    if environment is not None:
+        limits = limits or MultiTurnLimits()
+        settings.update({"environment": getattr(environment, "__name__", repr(environment)),
+                         "max_turns": limits.max_turns, "max_total_tokens": limits.max_total_tokens})
     return EvalReport(metrics, samples, settings)
 
 
-def _score(runner: RewardRunner, chunk: Sequence[Mapping[str, Any]], out: Completions, n: int) -> RewardResult:
-    """Score B·n completions; every non-prompt column is repeated n times, aligned with them."""
+def _sample(engine: RolloutEngine, tokenizer: Any, chunk: Sequence[Mapping[str, Any]], params: SamplingParams,
+            environment: Any, limits: MultiTurnLimits | None):
+    """(completions, None, None), or with an environment (episodes, environment rewards (B·n,),
+    episode metrics)."""
+    if environment is None:
+        return engine.generate([prompt_input(tokenizer, r["prompt"]) for r in chunk], params), None, None
+    return play_episodes(engine, [dict(r) for r in chunk], environment, params, limits or MultiTurnLimits())
+
+
+def _score(runner: RewardRunner, chunk: Sequence[Mapping[str, Any]], out: Completions | Episodes, n: int,
+           env_rewards: torch.Tensor | None = None) -> RewardResult:
+    """Score B·n completions; every non-prompt column is repeated n times, aligned with them.
+    Episodes: their environment rewards are the column `env_reward`, their ids the whole
+    trajectory's."""
     keys = list(dict.fromkeys(k for row in chunk for k in row if k != "prompt"))
     columns = {k: [row.get(k) for row in chunk for _ in range(n)] for k in keys}
+    if env_rewards is not None:
+        columns["env_reward"] = [None if math.isnan(r) else r for r in env_rewards.tolist()]
     prompts = [row["prompt"] for row in chunk for _ in range(n)]
     completions: list[Any] = [
         text if isinstance(prompt, str) else [{"role": "assistant", "content": text}]
         for prompt, text in zip(prompts, out.texts)
     ]
-    ids = [out.response_ids[i, :length].tolist() for i, length in enumerate(out.lengths.tolist())]
+    lengths = out.total_lengths if isinstance(out, Episodes) else out.lengths
+    ids = [out.response_ids[i, :length].tolist() for i, length in enumerate(lengths.tolist())]
     return runner.score(prompts, completions, ids, columns)
 
 
 def _records(
     chunk: Sequence[Mapping[str, Any]],
-    out: Completions,
+    out: Completions | Episodes,
     result: RewardResult,
     n: int,
     offset: int,
@@ -235,6 +272,9 @@ def _records(
             "finish_reason": reason,
             "length": length,
         }
+        if isinstance(out, Episodes):
+            record["turns"] = int(out.turns[i])
+            record["tool_calls"] = sum(int(info.get("tool_calls", 0)) for info in out.infos[i])
         records.append(record)
     return records
 
@@ -286,19 +326,24 @@ def evaluate_task(
     max_new_tokens: int = 64,
     batch_size: int = 64,
     temperature: float = 0.0,
+    environment: Any = None,
+    limits: MultiTurnLimits | None = None,
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Greedy (by default) completions of `rows[i]["prompt"]`, scored by the task's scorer
-    (a bundled task or `rg:<name>`, through `task_reward`): the SFT trainer's eval.
+    (a bundled task or `rg:<name>`, through `task_reward`): the SFT trainer's eval. With
+    `environment`, episodes (as `evaluate`), scored on the whole trajectory.
 
-    Returns metrics `accuracy`, `response_length/mean`, `truncation_rate`, and one sample
-    dict per row (prompt, completion, answer, score).
+    Returns metrics `accuracy`, `response_length/mean`, `truncation_rate` (and the episode
+    metrics with an environment), and one sample dict per row (prompt, completion, answer, score).
     """
     runner = RewardRunner([("task_reward", task_reward(task=task))], timeout_s=60.0)
     report = evaluate(
         model, tokenizer, rows, runner, n=1, temperature=temperature,
-        max_new_tokens=max_new_tokens, batch_size=batch_size, seed=None,
+        max_new_tokens=max_new_tokens, batch_size=batch_size, seed=None, environment=environment, limits=limits,
     )
-    metrics = {k: report.metrics[k] for k in ("accuracy", "response_length/mean", "truncation_rate")}
+    keys = ["accuracy", "response_length/mean", "truncation_rate"]
+    keys += [k for k in ("turns/mean", "tool_calls/mean", "tool/errors", "episode/truncated") if k in report.metrics]
+    metrics = {k: report.metrics[k] for k in keys}
     samples = [
         {"prompt": s["prompt"], "completion": s["completion"], "answer": s.get("answer"), "score": s["rewards"]["task_reward"]}
         for s in report.samples

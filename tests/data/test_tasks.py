@@ -292,7 +292,7 @@ def test_unknown_task_names_the_nearest():
         ValueError, match=r"unknown task 'arithmetc' \(did you mean 'arithmetic'\?\)"
     ):
         get_task("arithmetc")
-    with pytest.raises(ValueError, match="arithmetic, countdown"):
+    with pytest.raises(ValueError, match="arithmetic, arithmetic_tools, countdown"):
         get_task("zzz")
 
 

@@ -139,3 +139,16 @@ def test_observation_tokens_condition_later_model_tokens(taught, tok):
     second_turn = right.response_mask[0].bool() & (torch.arange(right.response_ids.shape[1]) > first_turn)
     assert torch.equal(right.response_ids[0, second_turn], off.response_ids[0, second_turn])
     assert (right.logprobs[0, second_turn] - off.logprobs[0, second_turn]).abs().max() > 1e-4
+
+
+def test_episode_metrics_of_several_batches_merge_by_rows_counts_summed():
+    from posttrain.envs import merge_episode_metrics
+
+    a = {"turns/mean": 2.0, "turns/max": 3.0, "tool_calls/mean": 1.0, "tool/errors": 1.0, "tool/timeouts": 0.0,
+         "env/errors": 0.0, "env/reward/mean": 0.5, "episode/truncated": 0.0}
+    b = {**a, "turns/mean": 4.0, "turns/max": 4.0, "tool/errors": 2.0, "env/reward/mean": math.nan,
+         "episode/truncated": 1.0}
+    m = merge_episode_metrics([(1, a), (3, b)])
+    assert m["turns/mean"] == (2 + 3 * 4) / 4 and m["turns/max"] == 4.0 and m["episode/truncated"] == 0.75
+    assert m["tool/errors"] == 3.0 and m["env/reward/mean"] == 0.5  # the batch without rewards is left out
+    assert math.isnan(merge_episode_metrics([(3, b)])["env/reward/mean"])

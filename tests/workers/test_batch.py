@@ -118,6 +118,18 @@ def test_input_views_follow_lengths_not_the_loss_mask():
     assert b.num_tokens() == 1 + 2 + 2 + 1
 
 
+def test_an_episode_row_attends_to_its_environment_tokens_and_counts_model_tokens():
+    """Row 0: model, model, env, env, model (5 trajectory tokens, 3 model tokens)."""
+    b = make_batch([1, 1], [5, 2])
+    mask = torch.tensor([[1, 1, 0, 0, 1], [1, 1, 0, 0, 0]])
+    ep = b.replace(response_mask=mask, lengths=mask.sum(-1), total_lengths=torch.tensor([5, 2]))
+    assert ep.generated_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    assert ep.attention_mask.tolist() == [[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]]
+    assert ep.token_counts().tolist() == [6, 3] and ep.trimmed().response_ids.shape == (2, 5)
+    assert b.trajectory_lengths is b.lengths and ep.trajectory_lengths is ep.total_lengths
+    assert len(RLBatch.concat([ep, ep.select([1])])) == 3
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 4), st.integers(1, 4)), min_size=1, max_size=7), st.integers(1, 4))
 def test_split_then_concat_is_identity(lens, size):

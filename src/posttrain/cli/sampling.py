@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import textwrap
 import unicodedata
 from pathlib import Path
@@ -24,6 +25,15 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     p.add_argument("--device", default="auto", metavar="DEV", help="auto (CUDA when available), cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weight dtype (default auto: bfloat16 on CUDA when supported, else float32)")
+    p.add_argument("--env", default=None, metavar="SPEC",
+                   help="play multi-turn episodes with this environment: a built-in name (arithmetic_tools, "
+                   "guess_number), 'module:Class' or 'file.py:Class'; --max-new-tokens is then per model turn")
+    p.add_argument("--tool", action="append", default=[], metavar="SPEC", dest="tools",
+                   help="a tool of the episodes (repeatable): calculator, python, 'module:function' or "
+                   "'file.py:function'; alone, the tools make a ToolEnvironment")
+    p.add_argument("--max-turns", type=int, default=4, metavar="N", help="episodes: most model turns (default 4)")
+    p.add_argument("--max-total-tokens", type=int, default=512, metavar="N",
+                   help="episodes: most trajectory tokens after the prompt (default 512)")
 
 
 def _add_eval_commands(sub: Any) -> None:
@@ -42,12 +52,16 @@ def _add_eval_commands(sub: Any) -> None:
             --reward adds a function: a built-in name (math_accuracy, exact_match, task_reward, ...),
             'module:function', 'file.py:function', or a JSON dict with options, e.g.
             --reward '{"name": "format_reward", "pattern": "^<answer>.*</answer>$"}'.
-            Default: task_reward when the rows have a `task` column, else math_accuracy (needs `answer`).
+            Default: task_reward when the rows have a `task` column, else env_reward with --env/--tool
+            (the environment's reward), else math_accuracy (needs `answer`).
             A sample is correct when its total (weighted) reward >= --correct-threshold.
+            episodes: with --env SPEC and/or --tool SPEC every sample is a multi-turn episode; the report
+            adds turns/mean, turns/max, tool_calls/mean, tool/errors, tool/timeouts, env/reward/mean.
 
             examples:
               posttrain eval runs/grpo/final --data data/arith/test.jsonl --task arithmetic --n 8 --out runs/eval
-              posttrain eval MODEL --data gsm8k_test.jsonl --reward math_accuracy --n 4 --temperature 0.6"""),
+              posttrain eval MODEL --data gsm8k_test.jsonl --reward math_accuracy --n 4 --temperature 0.6
+              posttrain eval runs/grpo_tools/final --data data/tools/test.jsonl --env arithmetic_tools --n 4"""),
     )
     _add_sampling_args(ev, max_new_tokens=256)
     ev.add_argument("--data", required=True, metavar="FILE",
@@ -72,17 +86,20 @@ def _add_eval_commands(sub: Any) -> None:
         "generate",
         help="sample completions of one prompt",
         description="Sample --n completions of PROMPT and print them. With --chat the prompt is sent as a "
-        "user message through the tokenizer's chat template (with the generation prompt).",
+        "user message through the tokenizer's chat template (with the generation prompt). With --env / --tool "
+        "each sample is a multi-turn episode, printed turn by turn ([model] and [env] blocks).",
     )
     _add_sampling_args(gen, max_new_tokens=128)
     gen.add_argument("prompt", help="the prompt text")
     gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    gen.add_argument("--row", default=None, metavar="JSON",
+                     help="episodes: more columns of the row the environment is reset on, e.g. '{\"answer\": \"6359\"}'")
     gen.set_defaults(handler=_handle_generate)
 
 
 def _sampling_checks(args: argparse.Namespace) -> float:
     """Validate the shared sampling flags before any model is loaded; the temperature to use."""
-    for flag in ("n", "max_new_tokens", "batch_size", "num_examples"):
+    for flag in ("n", "max_new_tokens", "batch_size", "num_examples", "max_turns", "max_total_tokens"):
         value = getattr(args, flag, None)
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
@@ -105,6 +122,19 @@ def _load_model(args: argparse.Namespace) -> tuple[Any, Any]:
     return build_model_and_tokenizer(ModelConfig(path=args.model, device=args.device, dtype=args.dtype))
 
 
+def _episodes(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(environment factory, limits) of --env / --tool, or (None, None) without them;
+    checked before any model is loaded."""
+    if args.env is None and not args.tools:
+        return None, None
+    from posttrain.envs import episode_factory
+    from posttrain.rollout import MultiTurnLimits
+
+    if args.engine == "vllm":
+        raise ValueError("--env / --tool: episodes run on the native and hf engines, not vllm")
+    return episode_factory(args.env, args.tools), MultiTurnLimits(args.max_turns, args.max_total_tokens)
+
+
 def _make_engine(args: argparse.Namespace, model: Any, tokenizer: Any) -> tuple[str, Any]:
     """--engine, else native for the built-in model and hf otherwise; vLLM reads MODEL itself."""
     from posttrain.rollout import engine_kind_for, make_engine
@@ -115,14 +145,15 @@ def _make_engine(args: argparse.Namespace, model: Any, tokenizer: Any) -> tuple[
 
 
 def _reward_specs(args: argparse.Namespace, rows: Any) -> list[Any]:
-    """--task and --reward specs, else the default: task_reward with a `task` column, else math_accuracy."""
-    import json
-
+    """--task and --reward specs, else the default: task_reward with a `task` column, else the
+    environment's reward with --env / --tool (env_reward), else math_accuracy."""
     specs: list[Any] = [{"name": "task_reward", "task": args.task}] if args.task else []
     for spec in args.reward:
         specs.append(json.loads(spec) if spec.lstrip().startswith("{") else spec)
+    if not specs and any(r.get("task") for r in rows):
+        specs = ["task_reward"]
     if not specs:
-        specs = ["task_reward"] if any(r.get("task") for r in rows) else ["math_accuracy"]
+        specs = ["env_reward"] if args.env is not None or args.tools else ["math_accuracy"]
     needs_answer = {"task_reward", "math_accuracy"} & {s if isinstance(s, str) else s.get("name") for s in specs}
     if needs_answer:
         missing = next((i for i, r in enumerate(rows) if "answer" not in r), None)
@@ -170,15 +201,18 @@ def _handle_eval(args: argparse.Namespace) -> int:
         raise ValueError(f"{rows.locate(missing)}: no `prompt` column (eval needs prompt rows, as TRL's GRPO)")
     specs = _reward_specs(args, rows)
     runner = RewardRunner.from_specs(specs, weights=args.reward_weights, timeout_s=args.reward_timeout)
+    environment, limits = _episodes(args)
     rows = rows[: args.num_examples] if args.num_examples else rows
     model, tokenizer = _load_model(args)
     kind, engine = _make_engine(args, model, tokenizer)
     report = evaluate(
         model, tokenizer, rows, runner, n=args.n, temperature=temperature, max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size, engine=engine, seed=args.seed, top_p=args.top_p,
-        correct_threshold=args.correct_threshold, progress=True,
+        correct_threshold=args.correct_threshold, progress=True, environment=environment, limits=limits,
     )
     report.settings.update({"engine": kind, "model": args.model, "data": args.data, "reward_specs": specs})
+    if environment is not None:
+        report.settings.update({"env": args.env, "tools": args.tools})
     replaced = (out / "eval.json").exists() or (out / "samples.jsonl").exists()
     paths = report.write(out)
     print(report.table())
@@ -191,16 +225,44 @@ def _handle_generate(args: argparse.Namespace) -> int:
     from posttrain.rollout import SamplingParams
 
     temperature = _sampling_checks(args)
+    environment, limits = _episodes(args)
+    row = json.loads(args.row) if args.row else {}
+    if not isinstance(row, dict):
+        raise ValueError(f"--row must be a JSON object, got {args.row}")
     model, tokenizer = _load_model(args)
     _, engine = _make_engine(args, model, tokenizer)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     params = SamplingParams(n=args.n, temperature=temperature, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, seed=args.seed)
+    if environment is not None:
+        from posttrain.envs import play_episodes
+
+        episodes, rewards, _ = play_episodes(engine, [{**row, "prompt": prompt}], environment, params, limits)
+        for i in range(len(episodes)):
+            print(episode_text(episodes, i, tokenizer, float(rewards[i]), args.n))
+        return 0
     out = engine.generate([prompt_input(tokenizer, prompt)], params)
     for i, (text, length, reason) in enumerate(zip(out.texts, out.lengths.tolist(), out.finish_reason)):
         print(f"--- sample {i + 1}/{args.n} ({length} tokens, finish: {reason}) ---")
         print(printable(text))
     return 0
+
+
+def episode_text(episodes: Any, i: int, tokenizer: Any, reward: float, n: int) -> str:
+    """Episode i turn by turn: a header, then one `[model]` or `[env]` block per stretch of
+    the trajectory's tokens (response_mask 1 or 0)."""
+    length, mask = int(episodes.total_lengths[i]), episodes.response_mask[i].tolist()
+    ids = episodes.response_ids[i, :length].tolist()
+    head = (f"--- episode {i + 1}/{n} ({int(episodes.turns[i])} model turns, {int(episodes.lengths[i])} model + "
+            f"{length - int(episodes.lengths[i])} environment tokens, finish: {episodes.finish_reason[i]}, "
+            f"environment reward: {'none' if reward != reward else f'{reward:g}'}) ---")
+    lines, start = [head], 0
+    for t in range(1, length + 1):
+        if t == length or mask[t] != mask[start]:
+            who = "[model]" if mask[start] else "[env]  "
+            lines.append(f"{who} {printable(tokenizer.decode(ids[start:t], skip_special_tokens=True))}")
+            start = t
+    return "\n".join(lines)
 
 
 def printable(text: str) -> str:

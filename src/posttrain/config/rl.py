@@ -72,8 +72,10 @@ class RLDataConfig:
         check(self.train_batch_size > 0, "data.train_batch_size", f"must be > 0, got {self.train_batch_size}")
 
 
-ROLLOUT_ENGINE_OPTIONS = ("engine", "max_batch_size", "gpu_memory_utilization", "use_rollout_logprobs", "multi_turn")
-"""The RolloutConfig fields that choose or tune the engine (and the episode limits); every
+ROLLOUT_ENGINE_OPTIONS = (
+    "engine", "max_batch_size", "gpu_memory_utilization", "use_rollout_logprobs", "multi_turn", "env", "tools",
+)
+"""The RolloutConfig fields that choose or tune the engine (and the episodes); every
 other one is a SamplingParams field of the same name (`SamplingParams.from_config`)."""
 
 
@@ -126,9 +128,34 @@ class RolloutConfig:
     1e-3 the run warns and recomputes for the rest of the run (veRL recomputes always)."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Episode limits of multi-turn rollouts."""
+    env: str | None = None
+    """Multi-turn episodes: the environment that answers the model's turns, a built-in name
+    (guess_number, arithmetic_tools), `module:Class` or `file.py:Class` (called with no
+    arguments once per episode; `posttrain.envs`). null = single-turn responses, unless
+    rollout.tools is set. Its rewards reach the reward functions as the `env_reward` column
+    (the built-in reward `env_reward`, the default when reward.functions is empty)."""
+    tools: list[str] = field(default_factory=list)
+    """Tools of multi-turn episodes: built-in names (calculator, python), `module:function`
+    or `file.py:function`. Without rollout.env they make a `ToolEnvironment` (the plain-text
+    `<call>` protocol); with it, they are its `tools=` argument."""
+
+    @property
+    def episodes(self) -> bool:
+        """The rollout plays multi-turn episodes (rollout.env or rollout.tools is set)."""
+        return self.env is not None or bool(self.tools)
+
+    def max_response_tokens(self, episodes: bool = False) -> int:
+        """Most model tokens of one response (Dr.GRPO's constant): max_new_tokens, or for
+        episodes (`episodes`, or rollout.env / rollout.tools set) min(max_turns ·
+        max_new_tokens, multi_turn.max_total_tokens)."""
+        if not (episodes or self.episodes):
+            return self.max_new_tokens
+        return min(self.multi_turn.max_turns * self.max_new_tokens, self.multi_turn.max_total_tokens)
 
     def validate(self) -> None:
         check(self.n >= 1, "rollout.n", f"must be >= 1, got {self.n}")
+        check(not (self.episodes and self.engine == "vllm"), "rollout.engine",
+              "multi-turn episodes (rollout.env / rollout.tools) run on the native and hf engines, not vllm")
         check(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
         check(self.temperature > 0, "rollout.temperature",
               f"must be > 0 for RL (greedy samples carry no exploration), got {self.temperature}")
@@ -154,7 +181,8 @@ class PolicyLossConfig:
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
     """How per-token losses become one number (`posttrain.algos.aggregate_loss`): token-mean
     (DAPO, TRL `loss_type="dapo"`, veRL default), seq-mean-token-mean (GRPO paper, GSPO),
-    seq-mean-token-sum, seq-mean-token-sum-norm (Dr.GRPO: ÷ rows · rollout.max_new_tokens)."""
+    seq-mean-token-sum, seq-mean-token-sum-norm (Dr.GRPO: ÷ rows · rollout.max_new_tokens; for episodes
+    min(max_turns · max_new_tokens, max_total_tokens))."""
 
     def validate(self) -> None:
         check(0 <= self.clip_low < 1, "actor.policy_loss.clip_low", f"must be in [0, 1), got {self.clip_low}")

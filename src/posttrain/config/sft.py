@@ -19,6 +19,15 @@ class SFTDataConfig(DataConfig):
     """Train only on assistant turns of conversational data (needs `{% generation %}` marks in the chat template)."""
     packing: bool = False
     """Pack several examples into each row of `max_length` tokens (best-fit decreasing); no attention crosses examples."""
+    environment_markers: list[str] = field(default_factory=lambda: ["<result>", "</result>"])
+    """[start, end]: in string prompt/completion data, each start…end span of a completion is
+    an environment's answer (the text tool protocol's results, `posttrain.envs`): tokenized on
+    its own, as an episode appends it, and never trained on. [] = train on all of the completion."""
+
+    def validate(self) -> None:
+        super().validate()
+        check(len(self.environment_markers) in (0, 2) and all(self.environment_markers), "data.environment_markers",
+              f"must be [] or [start, end], got {self.environment_markers}")
 
 
 @dataclass

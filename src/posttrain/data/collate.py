@@ -15,7 +15,10 @@ Conventions (every trainer relies on these):
     prompt/completion boundary is a token boundary and the prompt ids are exactly what
     generation would see; the completion's first token is the one the model would
     generate after the prompt. With `completion_only_loss` (default True) only the
-    completion and EOS are trained.
+    completion and EOS are trained. With `environment_markers=(start, end)` every
+    `start…end` span of the completion (markers included; the text tool protocol's
+    `<result>…</result>`) is environment text: tokenized on its own, as a multi-turn
+    episode appends it, and never trained on (`posttrain.envs`).
   - `prompt_completion` (messages): the chat template of the prompt with
     `add_generation_prompt=True`, then the rest of the template of prompt + completion;
     the completion tokens (content and the template's end-of-turn) are trained. The
@@ -104,6 +107,7 @@ class _Options:
     completion_only_loss: bool
     assistant_only_loss: bool
     add_eos: bool
+    environment_markers: tuple[str, ...] = ()
 
 
 def _check_options(
@@ -114,8 +118,11 @@ def _check_options(
     assistant_only_loss: bool,
     truncation: str,
     add_eos: bool,
+    environment_markers: Sequence[str] = (),
 ) -> _Options:
     """Validate the settings against the data and tokenizer once, before any row is encoded."""
+    if len(environment_markers) not in (0, 2) or not all(environment_markers):
+        raise ValueError(f"environment_markers must be () or (start, end), got {list(environment_markers)!r}")
     if fmt not in _ENCODERS:
         raise DataFormatError(
             f"SFT tokenisation takes formats {', '.join(_ENCODERS)}; got {fmt!r} "
@@ -158,6 +165,7 @@ def _check_options(
         completion_only_loss=fmt == "prompt_completion" and completion_only_loss is not False,
         assistant_only_loss=assistant_only_loss,
         add_eos=add_eos and not conversational,
+        environment_markers=tuple(environment_markers),
     )
 
 
@@ -188,16 +196,41 @@ def _encode_prompt_completion(
                 "so the prompt/completion boundary is unknown; use the messages format instead"
             )
         completion_ids = ids[len(prompt_ids) :]
+        completion_mask = [1] * len(completion_ids)
     else:
         prompt_ids = list(tokenizer(row["prompt"])["input_ids"])
-        completion_ids = list(tokenizer(row["completion"], add_special_tokens=False)["input_ids"])
-        completion_ids += _eos(tokenizer, completion_ids, opts)
+        completion_ids, completion_mask = [], []
+        for piece, trained in split_environment_text(row["completion"], opts.environment_markers):
+            piece_ids = list(tokenizer(piece, add_special_tokens=False)["input_ids"])
+            completion_ids += piece_ids
+            completion_mask += [int(trained)] * len(piece_ids)
+        eos = _eos(tokenizer, completion_ids, opts)
+        completion_ids, completion_mask = completion_ids + eos, completion_mask + [1] * len(eos)
         full = None
     ids = prompt_ids + completion_ids
-    mask = [0 if opts.completion_only_loss else 1] * len(prompt_ids) + [1] * len(completion_ids)
+    mask = [0 if opts.completion_only_loss else 1] * len(prompt_ids) + completion_mask
     if opts.assistant_only_loss:
         mask = [m & a for m, a in zip(mask, full["assistant_masks"])]
     return ids, mask
+
+
+def split_environment_text(text: str, markers: Sequence[str]) -> list[tuple[str, bool]]:
+    """`text` as (piece, trained) pieces: each `start…end` span (markers included) is
+    environment text (trained False), the rest model text. An unclosed `start` is model text.
+
+        split_environment_text("a<result>4</result>b", ("<result>", "</result>"))
+        # [("a", True), ("<result>4</result>", False), ("b", True)]
+    """
+    if not markers:
+        return [(text, True)]
+    start, end = markers
+    pieces, pos = [], 0
+    while (i := text.find(start, pos)) >= 0 and (j := text.find(end, i + len(start))) >= 0:
+        j += len(end)
+        pieces += [(text[pos:i], True)] if i > pos else []
+        pieces.append((text[i:j], False))
+        pos = j
+    return pieces + ([(text[pos:], True)] if pos < len(text) else [])
 
 
 def _encode_messages(row: Mapping, tokenizer: Any, opts: _Options) -> tuple[list[int], list[int]]:
@@ -259,6 +292,7 @@ def tokenize_example(
     truncation: str = "truncate",
     add_eos: bool = True,
     stats: TokenizeStats | None = None,
+    environment_markers: Sequence[str] = (),
 ) -> dict[str, list[int]] | None:
     """Tokenize one SFT row (`text`, `prompt_completion` or `messages`) into
     `{"input_ids", "labels"}` (see the module doc), or None when the length policy drops it.
@@ -275,6 +309,7 @@ def tokenize_example(
         assistant_only_loss,
         truncation,
         add_eos,
+        environment_markers,
     )
     ids, labels, outcome = _encode(row, tokenizer, opts, max_length, truncation)
     if stats is not None:
@@ -296,6 +331,7 @@ def tokenize_dataset(
     truncation: str = "truncate",
     add_eos: bool = True,
     source_name: str | None = None,
+    environment_markers: Sequence[str] = (),
 ) -> tuple[list[dict[str, list[int]]], TokenizeStats]:
     """Validate and tokenize every row (see `tokenize_example`); returns the kept examples
     in order and the counts. Truncations and drops are logged as one warning.
@@ -317,6 +353,7 @@ def tokenize_dataset(
         assistant_only_loss,
         truncation,
         add_eos,
+        environment_markers,
     )
     stats, examples = TokenizeStats(), []
     for i, row in enumerate(rows):

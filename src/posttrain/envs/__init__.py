@@ -14,7 +14,8 @@
   built-in byte tokenizer.
 - chat.py: the chat-template path for HF chat models (`apply_chat_template(tools=...)`,
   `tokenizer.parse_response`).
-- tool_env.py: `ToolEnvironment`; games.py: `GuessNumber` (higher / lower feedback).
+- tool_env.py: `ToolEnvironment`; games.py: `GuessNumber` (higher / lower feedback);
+  task_envs.py: `ArithmeticTools` (the `arithmetic_tools` task's calculator and scorer).
 - driver.py: one environment per episode in the rollout's episode loop
   (`rollout.episodes`), environment rewards and the episode metrics.
 - registry.py: environments and tools from built-in names, `module:attr` or `file.py:attr`.
@@ -26,14 +27,26 @@ thread and sandbox machinery), below `workers`.
 from posttrain.envs.base import Environment, StepResult
 from posttrain.envs.builtin_tools import BUILTIN_TOOLS, calculator, python
 from posttrain.envs.chat import ChatProtocol, render_prompt
-from posttrain.envs.driver import EnvironmentTurns, episode_metrics, play_episodes
+from posttrain.envs.driver import (
+    EnvironmentTurns,
+    episode_metrics,
+    merge_episode_metrics,
+    play_episodes,
+)
 from posttrain.envs.games import GuessNumber
-from posttrain.envs.registry import BUILTIN_ENVIRONMENTS, resolve_environment, resolve_tools
+from posttrain.envs.registry import (
+    BUILTIN_ENVIRONMENTS,
+    episode_factory,
+    resolve_environment,
+    resolve_tools,
+)
+from posttrain.envs.task_envs import ArithmeticTools
 from posttrain.envs.text_protocol import TextProtocol, format_call, format_results, parse_calls
 from posttrain.envs.tool_env import ToolEnvironment
 from posttrain.envs.tools import Tool, ToolCall, ToolOutcome, as_tool, run_calls
 
 __all__ = [
+    "ArithmeticTools",
     "BUILTIN_ENVIRONMENTS",
     "BUILTIN_TOOLS",
     "ChatProtocol",
@@ -48,9 +61,11 @@ __all__ = [
     "ToolOutcome",
     "as_tool",
     "calculator",
+    "episode_factory",
     "episode_metrics",
     "format_call",
     "format_results",
+    "merge_episode_metrics",
     "parse_calls",
     "play_episodes",
     "python",

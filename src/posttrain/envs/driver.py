@@ -31,6 +31,7 @@ import torch
 from posttrain.envs.base import Environment, StepResult
 from posttrain.rewards.runner import map_in_daemon_threads
 from posttrain.rollout import Episodes, MultiTurnLimits, Reply, SamplingParams
+from posttrain.training.core import merge_metrics
 
 
 class EnvironmentTurns:
@@ -99,6 +100,22 @@ def episode_metrics(episodes: Episodes, rewards: torch.Tensor) -> dict[str, floa
         "env/reward/mean": float(given.mean()) if len(given) else math.nan,
         "episode/truncated": float(episodes.truncated.float().mean()),
     }
+
+
+EPISODE_COUNTS = ("tool/errors", "tool/timeouts", "env/errors")
+"""Episode metrics that count events over a batch (summed when batches are merged)."""
+
+
+def merge_episode_metrics(parts: Sequence[tuple[int, dict[str, float]]]) -> dict[str, float]:
+    """The `episode_metrics` of several batches, (rows, metrics) each, as one: means weighted
+    by rows (env/reward/mean over the batches that had one, NaN if none did), turns/max the
+    max, EPISODE_COUNTS summed."""
+    given = [(n, m) for n, m in parts if not math.isnan(m["env/reward/mean"])]
+    out = merge_metrics([(n, {k: v for k, v in m.items() if k != "env/reward/mean"}) for n, m in parts])
+    for key in EPISODE_COUNTS:
+        out[key] = float(sum(m.get(key, 0.0) for _, m in parts))
+    out["env/reward/mean"] = merge_metrics(given)["env/reward/mean"] if given else math.nan
+    return out
 
 
 def _prompt(tokenizer, env: Environment, row: dict[str, Any]) -> str | list[int]:

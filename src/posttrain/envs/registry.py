@@ -5,6 +5,7 @@
     resolve_environment("mypkg.envs:Shop")               # an importable module
     resolve_environment(Shop)                            # a class or factory as it is
     resolve_tools(["calculator", "my_tools.py:lookup"])  # built-in tools and functions
+    episode_factory("guess_number", [])                  # what `rollout.env` / `rollout.tools` make
 
 An environment spec resolves to a factory: a callable with no arguments that returns a
 fresh `Environment` (a class, as TRL's `environment_factory`). Import paths are read by
@@ -14,14 +15,20 @@ fresh `Environment` (a class, as TRL's `environment_factory`). Import paths are 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from posttrain.envs.base import Environment
 from posttrain.envs.builtin_tools import BUILTIN_TOOLS
 from posttrain.envs.games import GuessNumber
+from posttrain.envs.task_envs import ArithmeticTools
+from posttrain.envs.tool_env import ToolEnvironment
 from posttrain.rewards import load_object
 
-BUILTIN_ENVIRONMENTS: dict[str, Callable[[], Environment]] = {"guess_number": GuessNumber}
+BUILTIN_ENVIRONMENTS: dict[str, Callable[[], Environment]] = {
+    "arithmetic_tools": ArithmeticTools,
+    "guess_number": GuessNumber,
+}
 """The built-in environments by name."""
 
 
@@ -57,6 +64,21 @@ def resolve_tools(specs: Sequence[str | Callable[..., Any]]) -> list[Callable[..
         else:
             raise ValueError(f"unknown tool {spec!r}: use {', '.join(sorted(BUILTIN_TOOLS))} or 'module:function'")
     return out
+
+
+def episode_factory(
+    env: str | Callable[[], Environment] | None, tools: Sequence[str | Callable[..., Any]] = ()
+) -> Callable[[], Environment]:
+    """The per-episode factory of an environment spec and tool specs (config keys
+    `rollout.env`, `rollout.tools`): tools alone make a `ToolEnvironment(tools=...)`; with an
+    environment, they are passed as its `tools=` keyword."""
+    fns = resolve_tools(tools)
+    if env is None:
+        if not fns:
+            raise ValueError("episodes need an environment or tools (rollout.env / rollout.tools)")
+        return partial(ToolEnvironment, tools=fns)
+    factory = resolve_environment(env)
+    return partial(factory, tools=fns) if fns else factory
 
 
 def _load(spec: str, what: str) -> Any:

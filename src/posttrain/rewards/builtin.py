@@ -10,6 +10,7 @@ applicable to this sample" (see `posttrain.rewards.runner` for how it is combine
     name              kind      checks                                            column(s)
     math_accuracy     function  math-verify equivalence of the final answer       answer
     exact_match       function  normalised string equality of the final answer    answer
+    env_reward        function  a multi-turn episode's environment reward         env_reward (the rollout's)
     format_reward     factory   the completion matches a regex (think/answer)     -
     overlong_penalty  factory   DAPO's soft length punishment (eq. 13)            (completion_ids)
     task_reward       factory   the scorer of a bundled task or `rg:<name>`       answer, task
@@ -42,6 +43,7 @@ __all__ = [
     "REWARD_FACTORIES",
     "code_tests",
     "completion_text",
+    "env_reward",
     "exact_match",
     "extract_code",
     "extract_final_answer",
@@ -131,6 +133,16 @@ def exact_match(completions: Sequence[Any], answer: Sequence[Any], **kwargs: Any
         pred = text if pred is None else pred
         out.append(float(normalize_answer(pred) == normalize_answer(str(gold))))
     return out
+
+
+def env_reward(completions: Sequence[Any], env_reward: Sequence[float | None], **kwargs: Any) -> Rewards:
+    """The episode's environment reward (the sum of its steps' rewards, `posttrain.envs`), as
+    the rollout puts it in the `env_reward` column; None where the environment gave none.
+    With it in `reward.functions`, `reward.weights` weighs it against the other functions."""
+    return [None if r is None or r != r else float(r) for r in env_reward]
+
+
+env_reward.required_columns = {"env_reward": "the rollout fills it in episodes: set rollout.env or rollout.tools"}
 
 
 class _DropTimeoutNotice(logging.Filter):
@@ -364,6 +376,7 @@ def _cpu_count() -> int:
 BUILTIN_REWARDS: dict[str, Callable[..., Any]] = {
     "math_accuracy": math_accuracy,
     "exact_match": exact_match,
+    "env_reward": env_reward,
     "format_reward": format_reward,
     "overlong_penalty": overlong_penalty,
     "task_reward": task_reward,

@@ -61,6 +61,14 @@ Departures from the papers, TRL and veRL, and why:
   steps in a row, stops the run with its first traceback (TRL and veRL train on, learning
   nothing); its signature and the columns it needs are checked before the run
   (`rewards/checks.py`), and the end of the run logs each function's error and NaN counts.
+- Multi-turn episodes (rollout.env / rollout.tools, `environment_factory=` as TRL): the
+  trajectory is one response whose environment tokens have response_mask 0 (no loss, KL,
+  entropy, nor token counts; GAE skips them), old/reference/current log-probs are over the
+  whole sequence (`RLBatch.attention_mask` covers `total_lengths`), and the score sits on
+  the trajectory's last token (a model token). Environment rewards are the reward function
+  `env_reward` (the default when there is none), so `reward.weights` combines them with
+  the others. Dr.GRPO's constant is then min(max_turns · max_new_tokens, max_total_tokens).
+  TRL needs vLLM for this; here the native and hf engines run it (`posttrain.envs`).
 - Every RL metric is written every step: stages that did not run log their neutral
   value (`rl_steps.NOT_RUN`, timing 0), never NaN. `accuracy` is the fraction of
   samples whose first reward function gives ≥ 1 (`workers/reward_worker.py`).
@@ -87,7 +95,12 @@ from posttrain.logging.timing import StageTimer
 from posttrain.models.lora import is_peft, merged_for_export
 from posttrain.trainers.batches import EpochBatches
 from posttrain.trainers.loop import SAMPLES_PER_EVAL, FitResult, RefSync, StepOutput, run
-from posttrain.trainers.rl_build import build_roles, check_reward_source, evaluate_policy
+from posttrain.trainers.rl_build import (
+    build_roles,
+    check_reward_source,
+    episode_source,
+    evaluate_policy,
+)
 from posttrain.trainers.rl_steps import (
     NOT_RUN,
     ROLLOUT_LOGPROB_TOL,
@@ -116,6 +129,15 @@ class RLTrainer:
     to build). `reward_funcs`: callables with TRL's signature or spec strings (built-in
     names, `module:function`); they replace `args.reward.functions`. Datasets are
     anything `posttrain.data.sources.load_rows` reads; when omitted, `args.data.*_files`.
+
+    Multi-turn episodes (TRL's shape): `environment_factory` (a class or callable giving a
+    fresh `posttrain.envs.Environment` per episode, or a spec string) and/or `tools`
+    (functions or spec strings) replace `args.rollout.env` / `args.rollout.tools`:
+
+        GRPOTrainer(model, reward_funcs=[task_reward()], args=cfg, train_dataset=rows,
+                    environment_factory=MyEnv)              # or tools=[calculator]
+
+    Without reward functions the environment's rewards are the reward (`env_reward`).
     """
 
     config_class: type[RLConfig] = RLConfig
@@ -129,13 +151,16 @@ class RLTrainer:
         eval_dataset: Any = None,
         processing_class: Any = None,
         value_model: torch.nn.Module | None = None,
+        environment_factory: Any = None,
+        tools: Any = None,
     ):
         self.args = args = args if args is not None else self.config_class()
         if reward_funcs is not None and not isinstance(reward_funcs, (list, tuple)):
             reward_funcs = [reward_funcs]
+        env_factory = episode_source(args, environment_factory, tools)
         train_source, eval_source, self.tokenizer = prepare_run(
             args, model, train_dataset, eval_dataset, processing_class,
-            checks=lambda: check_reward_source(args, reward_funcs),
+            checks=lambda: check_reward_source(args, reward_funcs, episodes=env_factory is not None),
         )
         self.examples, self.data_stats = load_prompts(train_source, self.tokenizer, args.data)
         self.eval_examples = None
@@ -143,7 +168,7 @@ class RLTrainer:
             self.eval_examples = load_prompts(eval_source, self.tokenizer, args.data)[0][: args.eval.num_examples]
         data = "train_dataset" if train_dataset is not None else f"data.train_files {list(args.data.train_files)}"
         self.roles = build_roles(args, self.tokenizer, model, reward_funcs, value_model,
-                                 columns=list(self.examples[0]["columns"]), data=data)
+                                 columns=list(self.examples[0]["columns"]), data=data, env_factory=env_factory)
         self.stream = EpochBatches(self.examples, args.data.train_batch_size, args.data.train_batch_size,
                                    partial(RLBatch.from_prompts, pad_id=pad_id_of(self.tokenizer)), seed=args.trainer.seed, shuffle=args.data.shuffle)
         kl = args.algorithm.kl

@@ -48,9 +48,11 @@ class Roles:
             self.group.close()
 
 
-def check_reward_source(cfg: RLConfig, reward_funcs: Any) -> None:
-    """A run needs reward functions (config or Python API) or a reward model."""
-    check(bool(cfg.reward.functions or reward_funcs or cfg.reward.model_path), "reward.functions",
+def check_reward_source(cfg: RLConfig, reward_funcs: Any, episodes: bool = False) -> None:
+    """A run needs reward functions (config or Python API), a reward model, or episodes
+    (whose environment rewards are then the reward: `env_reward`)."""
+    episodes = episodes or cfg.rollout.episodes
+    check(bool(cfg.reward.functions or reward_funcs or cfg.reward.model_path or episodes), "reward.functions",
           "no reward: set reward.functions=[...] (e.g. [task_reward]) or reward.model_path")
     if reward_funcs:
         check(cfg.reward.weights is None or len(cfg.reward.weights) == len(reward_funcs), "reward.weights",
@@ -58,11 +60,15 @@ def check_reward_source(cfg: RLConfig, reward_funcs: Any) -> None:
 
 
 def build_reward(cfg: RLConfig, reward_funcs: Any, columns: Sequence[str] | None = None,
-                 data: str = "the data") -> Reward:
+                 data: str = "the data", episodes: bool = False) -> Reward:
     """The reward role; with `columns` (the training data's, besides the prompt), each function
-    is first checked to take them and to find the columns it needs (`check_reward_signature`)."""
+    is first checked to take them and to find the columns it needs (`check_reward_signature`).
+    Episodes without reward functions or model score with `env_reward`; DAPO's overlong
+    shaping counts their model tokens against `rollout.max_response_tokens(episodes)`."""
     rc = cfg.reward
     specs = list(reward_funcs) if reward_funcs else list(rc.functions)
+    if episodes and not specs and rc.model_path is None:  # the environment's rewards are the reward
+        specs = ["env_reward"]
     functions = [resolve_reward(s) for s in specs]
     for name, fn in functions if columns is not None else ():
         try:
@@ -77,7 +83,7 @@ def build_reward(cfg: RLConfig, reward_funcs: Any, columns: Sequence[str] | None
         weights.append(rc.model_weight)
     runner = RewardRunner(functions, weights=weights, timeout_s=rc.timeout_s, failure_reward=rc.failure_reward)
     ov = cfg.algorithm.overlong
-    return Reward(runner, cfg.rollout.max_new_tokens, ov.buffer, ov.penalty, rc.missing_eos_penalty,
+    return Reward(runner, cfg.rollout.max_response_tokens(episodes), ov.buffer, ov.penalty, rc.missing_eos_penalty,
                   cfg.trainer.max_bad_steps)
 
 
@@ -97,15 +103,33 @@ def engine_options(cfg: RLConfig, kind: str, peft: bool) -> dict[str, Any]:
     return opts
 
 
-def build_rollout(cfg: RLConfig, model: torch.nn.Module, tokenizer: Any) -> Rollout:
+def episode_source(cfg: RLConfig, environment_factory: Any = None, tools: Any = None) -> Any:
+    """The per-episode environment factory of the Python API's `environment_factory` / `tools`
+    (they win) or of rollout.env / rollout.tools; None for single-turn rollouts."""
+    from posttrain.envs import episode_factory
+
+    env = environment_factory if environment_factory is not None else cfg.rollout.env
+    tools = list(tools) if tools is not None else list(cfg.rollout.tools)
+    if env is None and not tools:
+        return None
+    try:
+        return episode_factory(env, tools)
+    except ValueError as e:
+        raise ConfigError(f"rollout.env: {e}") from None
+
+
+def build_rollout(cfg: RLConfig, model: torch.nn.Module, tokenizer: Any, env_factory: Any = None) -> Rollout:
     """Built last (`build_roles`): a colocated vllm engine takes its share of what the policy,
-    reference and critic leave free on the GPU."""
-    from posttrain.rollout import engine_kind_for
+    reference and critic leave free on the GPU. With `env_factory` it plays episodes."""
+    from posttrain.rollout import MultiTurnLimits, engine_kind_for
 
     rc = cfg.rollout
     kind = engine_kind_for(model) if rc.engine == "auto" else rc.engine
+    check(env_factory is None or kind != "vllm", "rollout.engine",
+          "multi-turn episodes run on the native and hf engines, not vllm")
     opts = engine_options(cfg, kind, is_peft(model))
-    return Rollout(make_engine(kind, model, tokenizer, **opts), SamplingParams.from_config(rc))
+    return Rollout(make_engine(kind, model, tokenizer, **opts), SamplingParams.from_config(rc),
+                   env_factory, MultiTurnLimits.from_config(rc.multi_turn))
 
 
 def check_critic_source(cfg: RLConfig) -> None:
@@ -156,21 +180,26 @@ def build_reference(cfg: RLConfig, policy: torch.nn.Module) -> Reference | None:
 
 
 def build_roles(cfg: RLConfig, tokenizer: Any, model: Any, reward_funcs: Any, value_model: Any,
-                columns: Sequence[str] | None = None, data: str = "the data") -> Roles:
+                columns: Sequence[str] | None = None, data: str = "the data", env_factory: Any = None) -> Roles:
     """Reward and critic checks first (cheap, fail early: `build_reward` checks the reward
-    against the data's `columns`), then the policy, reference, critic, actor, rollout.
-    Dropout is off in every model: see `disable_dropout`. trainer.backend=ray: the policy
-    goes to the workers, which build actor, reference and rollout each (`rl_ray`); the
-    reward stays here."""
+    against the data's `columns`, plus `env_reward` for episodes), then the policy,
+    reference, critic, actor, rollout. Dropout is off in every model: see `disable_dropout`.
+    trainer.backend=ray: the policy goes to the workers, which build actor, reference and
+    rollout each (`rl_ray`); the reward stays here."""
     from posttrain.models.factory import build_model
     from posttrain.models.loading import disable_dropout
 
-    reward = build_reward(cfg, reward_funcs, columns, data)
+    if env_factory is not None and columns is not None:
+        columns = [*columns, "env_reward"]
+    reward = build_reward(cfg, reward_funcs, columns, data, episodes=env_factory is not None)
     check_critic_source(cfg)
     if not isinstance(model, torch.nn.Module):
         model = build_model(cfg.model, tokenizer, train=True)
     disable_dropout(model, "policy")  # before the reference and a critic are copied from it
     if cfg.trainer.backend == "ray":
+        check(env_factory is None and not cfg.rollout.episodes, "trainer.backend",
+              "multi-turn episodes (rollout.env / rollout.tools / environment_factory) run on the local backend "
+              "only for now; set trainer.backend=local")
         from posttrain.trainers.rl_ray import build_ray_roles
 
         actor, rollout, ref, group = build_ray_roles(cfg, tokenizer, model)
@@ -179,18 +208,18 @@ def build_roles(cfg: RLConfig, tokenizer: Any, model: Any, reward_funcs: Any, va
     critic = build_critic(cfg, model, value_model) if cfg.use_critic else None
     shared = critic is not None and critic.shared
     actor = Actor(model, cfg, cfg.trainer.max_steps - cfg.critic.warmup_steps,
-                  extra_params=critic.model.score if shared else None)
+                  extra_params=critic.model.score if shared else None, episodes=env_factory is not None)
     if shared:
         actor.joint = critic.joint_forward
     if is_peft(model):
         log.info("LoRA policy: the reference is the base model with adapters disabled (no copy)")
-    return Roles(actor, build_rollout(cfg, model, tokenizer), reward, ref, critic)  # the engine last
+    return Roles(actor, build_rollout(cfg, model, tokenizer, env_factory), reward, ref, critic)  # the engine last
 
 
 def evaluate_policy(trainer: Any, step: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """eval/* metrics and samples: the task's scorer on greedy completions when eval.task
     is set (as `posttrain sft` reports it), else the reward functions on eval.temperature
-    samples."""
+    samples; both play episodes when the rollout does (rollout.env / rollout.tools)."""
     e, cfg = trainer.args.eval, trainer.args
     examples = trainer.eval_examples
     max_new = e.max_new_tokens or cfg.rollout.max_new_tokens
@@ -203,7 +232,9 @@ def evaluate_policy(trainer: Any, step: int) -> tuple[dict[str, float], list[dic
 
             rows = [{"prompt": x["prompt"], **x["columns"]} for x in examples]
             check("answer" in rows[0], "eval.task", "the eval rows need an `answer` column")
-            metrics, samples = evaluate_task(model, trainer.tokenizer, rows, e.task, max_new, e.batch_size, e.temperature)
+            rollout = trainer.roles.rollout  # episodes when the run plays them
+            metrics, samples = evaluate_task(model, trainer.tokenizer, rows, e.task, max_new, e.batch_size,
+                                             e.temperature, rollout.env_factory, rollout.limits)
         else:
             metrics, samples = _evaluate_with_rewards(trainer, examples, max_new, step)
     finally:

@@ -7,12 +7,14 @@ Notation: B rows, n responses per prompt, Tr response tokens.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 
 from posttrain.algos import filter_groups, masked_mean, masked_sum, masked_whiten
 from posttrain.config.rl import AlgorithmConfig
+from posttrain.envs import merge_episode_metrics
 from posttrain.logging import get_logger
 from posttrain.logging.timing import StageTimer
 from posttrain.training.core import merge_metrics
@@ -106,6 +108,10 @@ def generation_metrics(batches: list[RLBatch], reward_metrics: list[dict[str, fl
         if name not in ("total", "correct"):
             valid = values[~values.isnan()]
             merged[f"reward/{name}/mean"] = float(valid.mean()) if len(valid) else 0.0
+    episodes = [(len(x), x.meta["episode_metrics"]) for x in batches if "episode_metrics" in x.meta]
+    if episodes:  # multi-turn: over every round (`envs.merge_episode_metrics`); never NaN in metrics.jsonl
+        merged.update(merge_episode_metrics(episodes))
+        merged["env/reward/mean"] = 0.0 if math.isnan(merged["env/reward/mean"]) else merged["env/reward/mean"]
     return merged
 
 

@@ -96,7 +96,8 @@ class SFTTrainer:
         """Tokenize (with loss masks) and optionally pack; returns examples and counts."""
         d = self.args.data
         examples, stats = tokenize_dataset(
-            rows, self.tokenizer, fmt, d.max_length, d.completion_only_loss, d.assistant_only_loss, d.truncation
+            rows, self.tokenizer, fmt, d.max_length, d.completion_only_loss, d.assistant_only_loss, d.truncation,
+            environment_markers=d.environment_markers,
         )
         counts = {f"data/{k}": float(v) for k, v in stats.as_dict().items()}
         if d.packing:

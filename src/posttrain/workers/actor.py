@@ -93,23 +93,25 @@ class Actor:
     Args:
         model: the policy (BuiltinLM, transformers causal LM, or peft-wrapped).
         cfg: the run's config, read where it is: `actor.*` (loss, micro-batches, entropy),
-            `rollout.temperature` and `rollout.max_new_tokens` (the L of
-            seq-mean-token-sum-norm), `algorithm.kl` (a KL term in the loss), `trainer.*`
+            `rollout.temperature` and `rollout.max_response_tokens()` (the L of
+            seq-mean-token-sum-norm: max_new_tokens, or an episode's most model tokens),
+            `algorithm.kl` (a KL term in the loss), `trainer.*`
             (optimizer, schedule, clipping, precision; trainer.learning_rate is the actor's).
         total_steps: RL steps the schedule spans.
         extra_params: more parameters for the actor's optimizer (a shared value head).
         collective: the data-parallel group of a Ray worker (None: one process).
+        episodes: the responses are multi-turn episodes (an environment given in Python).
     """
 
     def __init__(self, model: nn.Module, cfg: RLConfig, total_steps: int, extra_params: nn.Module | None = None,
-                 collective: StepCollective | None = None):
+                 collective: StepCollective | None = None, episodes: bool = False):
         self.model, self.cfg = model, cfg
         self.collective = collective
         """Set on a data-parallel worker (the Ray backend): each optimizer step all-reduces
         its normalisation, gradients and metrics (`train_step`), so a worker's share of a
         mini-batch gives the whole mini-batch's update."""
         self.a, self.loss_cfg, self.kl = cfg.actor, cfg.actor.policy_loss, cfg.algorithm.kl
-        self.temperature, self.max_len = cfg.rollout.temperature, cfg.rollout.max_new_tokens
+        self.temperature, self.max_len = cfg.rollout.temperature, cfg.rollout.max_response_tokens(episodes)
         self.joint: JointForward | None = None
         owner = model if extra_params is None else nn.ModuleList([model, extra_params])
         self.optimizer = build_optimizer(owner, cfg.trainer)

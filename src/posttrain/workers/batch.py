@@ -68,7 +68,10 @@ class RLBatch(BatchOps):
     truncated: torch.Tensor | None = field(default=None, metadata={"kind": "row"})
     """(B,) bool: generation hit max_new_tokens without a stop token."""
     lengths: torch.Tensor | None = field(default=None, metadata={"kind": "row"})
-    """(B,) long: generated tokens per row (before any loss masking)."""
+    """(B,) long: generated (model) tokens per row (before any loss masking)."""
+    total_lengths: torch.Tensor | None = field(default=None, metadata={"kind": "row"})
+    """(B,) long: trajectory tokens per row of a multi-turn episode, model and environment
+    tokens (`rollout.episodes`); None for single-turn responses, where it equals `lengths`."""
     prompts: list[Any] | None = field(default=None, metadata={"kind": "list"})
     """B prompts as the dataset gave them (a string or a list of chat messages)."""
     completions: list[Any] | None = field(default=None, metadata={"kind": "list"})
@@ -94,24 +97,31 @@ class RLBatch(BatchOps):
         return torch.cat([self.prompt_ids, self.response_ids], dim=1)
 
     @property
+    def trajectory_lengths(self) -> torch.Tensor:
+        """(B,) long: response tokens the model conditions on, `total_lengths` for episodes
+        (model + environment tokens), else `lengths`. The last of them is a model token."""
+        return self.total_lengths if self.total_lengths is not None else self.lengths
+
+    @property
     def generated_mask(self) -> torch.Tensor:
-        """(B, Tr) long: 1 on every generated token, from `lengths` (unlike `response_mask`,
-        not cleared for rows taken out of the loss)."""
+        """(B, Tr) long: 1 on every response token, the environment's included (episodes),
+        from `trajectory_lengths` (unlike `response_mask`, not cleared for environment tokens
+        nor for rows taken out of the loss)."""
         width = self.response_ids.shape[1]
-        lengths = self.lengths.to(self.response_ids.device)
+        lengths = self.trajectory_lengths.to(self.response_ids.device)
         return (torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]).long()
 
     @property
     def attention_mask(self) -> torch.Tensor:
-        """(B, Tp + Tr) long: 1 on prompt and generated tokens (what the model sees does not
-        depend on which rows the loss uses)."""
+        """(B, Tp + Tr) long: 1 on prompt and response tokens, environment tokens included
+        (what the model sees does not depend on which tokens or rows the loss uses)."""
         return torch.cat([self.prompt_mask, self.generated_mask.to(self.prompt_mask.dtype)], dim=1)
 
     def trimmed(self) -> RLBatch:
         """The same rows without all-padding columns (left of the prompts, right of the
         responses), so a forward pass does no work for padding the whole batch shares."""
         prompt_start = int((self.prompt_mask.sum(0) > 0).nonzero()[0, 0]) if len(self) else 0
-        width = int(self.lengths.max()) if len(self) else 0
+        width = int(self.trajectory_lengths.max()) if len(self) else 0
         out = {}
         for name, kind, value in self._fields():
             if value is not None and kind == "left":
@@ -122,5 +132,6 @@ class RLBatch(BatchOps):
         return RLBatch(**out)
 
     def token_counts(self) -> torch.Tensor:
-        """(B,) prompt plus generated tokens of each row."""
-        return self.prompt_mask.sum(1).cpu() + self.lengths.cpu()
+        """(B,) prompt plus response tokens of each row (what a forward pass costs; an
+        episode's environment tokens included)."""
+        return self.prompt_mask.sum(1).cpu() + self.trajectory_lengths.cpu()

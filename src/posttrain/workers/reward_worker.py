@@ -9,6 +9,10 @@ Notation: B rows, Tr response tokens. For each row:
             − missing_eos_penalty · [truncated]        (TRL, when reward.missing_eos_penalty is set)
     token_rewards[t] = score if t is the last generated token else 0   (veRL, TRL PPO)
 
+For a multi-turn episode the last token of the trajectory (`trajectory_lengths` − 1, always
+a model token) takes the score, `completion_ids` are the whole trajectory's tokens (as
+`completions` are its text), and overlong shaping counts model tokens (`lengths`).
+
 and, later in the step once old and reference log-probs exist (`apply_kl`), the KL
 penalty of the reward: token_rewards[t] −= β · KL_t (k1 by default). That second half is
 a separate call because in the driver's order (veRL's) the reward is computed before the
@@ -85,13 +89,13 @@ class Reward:
         width = batch.response_ids.shape[1]
         return batch.replace(
             scores=total,
-            token_rewards=place_on_last_token(total, batch.lengths, width),
+            token_rewards=place_on_last_token(total, batch.trajectory_lengths, width),
             rewards=terms,
         ), metrics
 
     def _reward_terms(self, batch: RLBatch) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """Each function's values (NaN for None), their weighted `total`, `correct` (0/1)."""
-        ids = [row[: int(n)].tolist() for row, n in zip(batch.response_ids, batch.lengths)]
+        ids = [row[: int(n)].tolist() for row, n in zip(batch.response_ids, batch.trajectory_lengths)]
         result = self.runner.score(batch.prompts, batch.completions, ids, batch.columns or {})
         terms = {
             name: torch.tensor([math.nan if v is None else float(v) for v in values])

@@ -3,17 +3,35 @@
 It wraps a `posttrain.rollout` engine (native, hf or vllm). Prompts arrive tokenized
 (left-padded ids) and leave repeated n times, rows of a group contiguous, with the
 responses, their lengths, whether they were truncated, and the engine's log-probs.
+
+With an environment (`rollout.env` / `rollout.tools`) every response is a multi-turn
+episode (`posttrain.envs.play_episodes`), one trajectory per row:
+
+    prompt_ids      the prompt the model saw: the row's prompt plus what `env.reset` added
+    response_ids    model turns and environment answers, (B, Tr)
+    response_mask   1 on model tokens, 0 on environment tokens and padding
+    lengths         model tokens;  total_lengths: model + environment tokens
+    completions     the trajectory's text; columns["env_reward"]: the episode's
+                    environment reward (None where it gave none)
+    meta["episode_metrics"]  turns/mean, turns/max, tool_calls/mean, tool/errors, …
+
+so log-probs (old, reference, current) are computed over the whole sequence and every
+loss and estimator sees model tokens only through the mask.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from posttrain.rollout import RolloutEngine, SamplingParams
+from posttrain.data.collate import left_pad
+from posttrain.envs import Environment, play_episodes
+from posttrain.rollout import Episodes, MultiTurnLimits, RolloutEngine, SamplingParams
 from posttrain.workers.batch import RLBatch
 
 
@@ -31,10 +49,14 @@ class Rollout:
     Args:
         engine: a rollout engine over the policy.
         params: sampling settings; `n` is the group size. `seed` is set per call.
+        env_factory: a fresh environment per episode (module docstring); None = single-turn.
+        limits: the episodes' turn and token limits (with `env_factory`).
     """
 
-    def __init__(self, engine: RolloutEngine, params: SamplingParams):
+    def __init__(self, engine: RolloutEngine, params: SamplingParams,
+                 env_factory: Callable[[], Environment] | None = None, limits: MultiTurnLimits | None = None):
         self.engine, self.params = engine, params
+        self.env_factory, self.limits = env_factory, limits or MultiTurnLimits()
         self._next_uid = 0
 
     def generate(self, prompts: RLBatch, seed: int, params: SamplingParams | None = None) -> RLBatch:
@@ -46,10 +68,12 @@ class Rollout:
         prompts.require("prompt_ids", "prompt_mask", "prompts", role="rollout.generate")
         params = dataclasses.replace(params or self.params, seed=seed)
         n = params.n
-        ids = [row[mask.bool()].tolist() for row, mask in zip(prompts.prompt_ids, prompts.prompt_mask)]
-        out = self.engine.generate(ids, params)
         uid = torch.arange(self._next_uid, self._next_uid + len(prompts))
         self._next_uid += len(prompts)
+        if self.env_factory is not None:
+            return self._play(prompts.replace(uid=uid), params)
+        ids = [row[mask.bool()].tolist() for row, mask in zip(prompts.prompt_ids, prompts.prompt_mask)]
+        out = self.engine.generate(ids, params)
         batch = prompts.replace(uid=uid).repeat(n)
         truncated = torch.tensor([r == "length" for r in out.finish_reason])
         return batch.replace(
@@ -62,6 +86,13 @@ class Rollout:
             meta={**batch.meta, "n": n},
         )
 
+    def _play(self, prompts: RLBatch, params: SamplingParams) -> RLBatch:
+        """`params.n` episodes of every prompt (module docstring)."""
+        columns = prompts.columns or {}
+        rows = [{"prompt": p, **{k: v[i] for k, v in columns.items()}} for i, p in enumerate(prompts.prompts)]
+        out, env_rewards, metrics = play_episodes(self.engine, rows, self.env_factory, params, self.limits)
+        return episode_batch(prompts.repeat(params.n), params.n, out, env_rewards, metrics)
+
     def offload(self) -> None:
         """Before the update: the engine gives back the GPU memory it holds (vllm sleeps)."""
         self.engine.offload()
@@ -71,3 +102,24 @@ class Rollout:
         first: vllm wakes up, then loads the weights and drops its prefix cache)."""
         self.engine.resume()
         self.engine.sync_weights(model)
+
+
+def episode_batch(batch: RLBatch, n: int, out: Episodes, env_rewards: torch.Tensor,
+                  metrics: dict[str, float]) -> RLBatch:
+    """`batch` (the prompts, already repeated `n` times) with the episodes `out` as its
+    responses (module docstring)."""
+    prompt_ids, prompt_mask = left_pad(out.prompt_ids, out.pad_token_id)
+    rewards = [None if math.isnan(r) else r for r in env_rewards.tolist()]
+    return batch.replace(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        response_ids=out.response_ids,
+        response_mask=out.response_mask.long(),
+        rollout_logp=out.logprobs,
+        lengths=out.lengths,
+        total_lengths=out.total_lengths,
+        truncated=out.truncated.clone(),
+        completions=[as_completion(p, t) for p, t in zip(batch.prompts, out.texts)],
+        columns={**(batch.columns or {}), "env_reward": rewards},
+        meta={**batch.meta, "n": n, "episode_metrics": metrics},
+    )

@@ -20,14 +20,16 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.data.tasks.arithmetic import ArithmeticTask
+from posttrain.data.tasks.arithmetic_tools import ArithmeticToolsTask
 from posttrain.data.tasks.base import Task, extract_answer, write_splits
 from posttrain.data.tasks.countdown import CountdownTask
 
-TASKS: dict[str, type[Task]] = {cls.name: cls for cls in (ArithmeticTask, CountdownTask)}
+TASKS: dict[str, type[Task]] = {cls.name: cls for cls in (ArithmeticTask, ArithmeticToolsTask, CountdownTask)}
 
 __all__ = [
     "TASKS",
     "ArithmeticTask",
+    "ArithmeticToolsTask",
     "CountdownTask",
     "Task",
     "extract_answer",

@@ -1,0 +1,79 @@
+"""The tool-use task: demonstrations that call the calculator, the no-tool variant, the
+scorer, and SFT masking of the environment's results in those demonstrations."""
+
+import random
+
+import pytest
+
+from posttrain.cli import main
+from posttrain.data.collate import (
+    IGNORE_INDEX,
+    split_environment_text,
+    tokenize_dataset,
+    tokenize_example,
+)
+from posttrain.data.sources import load_rows
+from posttrain.data.tasks import ArithmeticToolsTask, get_task
+from posttrain.data.tokenizer import build_tokenizer
+
+MARKERS = ("<result>", "</result>")
+
+
+def test_a_demonstration_calls_the_calculator_on_each_product_then_on_their_sum():
+    task = ArithmeticToolsTask()
+    assert task.demonstration([(23, 47), (58, 91)]) == (
+        "<call>calculator(23*47)</call><result>1081</result>"
+        "<call>calculator(58*91)</call><result>5278</result>"
+        "<call>calculator(1081+5278)</call><result>6359</result>\nAnswer: 6359"
+    )
+    assert ArithmeticToolsTask(use_tools=False).demonstration([(23, 47), (58, 91)]) == "Answer: 6359"
+
+
+def test_rows_follow_the_options_and_score_one():
+    rows = get_task("arithmetic_tools", difficulty="hard").generate(50, random.Random(0))
+    task = ArithmeticToolsTask(difficulty="hard")
+    for r in rows:
+        terms = r["prompt"][:-1].split("+")
+        assert len(terms) == 3 and all(len(x) == 3 for t in terms for x in t.split("*"))
+        assert r["completion"].count("<call>") == 4 and task.score(r["completion"], r["answer"]) == 1.0
+    assert task.score("<result>6359</result>\nAnswer: 6358", "6359") == 0.0
+    assert task.score("Answer: 6359\n<call>calculator(1)</call>", "6359") == 0.0  # not the last line
+
+
+@pytest.mark.parametrize("options", [{"terms": 1}, {"digits": 0}, {"digits": (3, 2)}, {"use_tools": "yes"}])
+def test_invalid_options_are_rejected(options):
+    with pytest.raises(ValueError):
+        ArithmeticToolsTask(**options)
+
+
+def test_split_environment_text():
+    assert split_environment_text("a<result>4</result>b<result>5</result>", MARKERS) == [
+        ("a", True), ("<result>4</result>", False), ("b", True), ("<result>5</result>", False)]
+    assert split_environment_text("a<result>4", MARKERS) == [("a<result>4", True)]
+    assert split_environment_text("a<result>4</result>", ()) == [("a<result>4</result>", True)]
+
+
+def test_sft_trains_on_the_calls_and_the_answer_never_on_the_results():
+    tok = build_tokenizer()
+    row = {"prompt": "23*47+58*91=", "completion": ArithmeticToolsTask().demonstration([(23, 47), (58, 91)])}
+    ex = tokenize_example(row, tok, "prompt_completion", environment_markers=MARKERS)
+    ids, labels = ex["input_ids"], ex["labels"]
+    assert ids == tokenize_example(row, tok, "prompt_completion")["input_ids"]  # bytes: the same tokens
+    text = "".join(tok.decode([i]) for i, lab in zip(ids, labels) if lab != IGNORE_INDEX)
+    assert text == ("<call>calculator(23*47)</call><call>calculator(58*91)</call>"
+                    "<call>calculator(1081+5278)</call>\nAnswer: 6359" + tok.eos_token)
+    with pytest.raises(ValueError, match="environment_markers"):
+        tokenize_example(row, tok, "prompt_completion", environment_markers=("<result>",))
+
+
+def test_data_make_writes_tool_demonstrations_that_sft_masks(tmp_path):
+    assert main(["data", "make", "arithmetic_tools", "--out", str(tmp_path), "--n-train", "20",
+                 "--n-test", "5", "difficulty=easy"]) == 0
+    rows = load_rows(str(tmp_path / "train.jsonl"))
+    assert len(rows) == 20 and all(r["task"] == "arithmetic_tools" and "<call>calculator(" in r["completion"]
+                                   for r in rows)
+    examples, _ = tokenize_dataset(rows, build_tokenizer(), environment_markers=MARKERS)
+    tok = build_tokenizer()
+    for ex in examples:
+        trained = tok.decode([i for i, lab in zip(ex["input_ids"], ex["labels"]) if lab != IGNORE_INDEX])
+        assert "<result>" not in trained and "</call>" in trained
