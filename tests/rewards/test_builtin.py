@@ -265,4 +265,5 @@ def test_every_builtin_is_registered():
         "code_tests",
         "llm_judge",
         "reward_model",
+        "env_reward",
     }

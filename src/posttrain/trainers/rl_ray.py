@@ -42,7 +42,7 @@ from posttrain.config.rl import RLConfig
 from posttrain.distributed.dispatch import shard_rows
 from posttrain.distributed.groups import GroupSpec, RayWorkerGroup
 from posttrain.models.lora import is_peft
-from posttrain.rollout import SamplingParams
+from posttrain.rollout import MultiTurnLimits, SamplingParams
 from posttrain.trainers.rl_build import build_reference, build_rollout
 from posttrain.workers import Actor, RLBatch
 from posttrain.workers.actor import shuffled_mini_batches
@@ -176,10 +176,12 @@ class EngineInfo:
 
 
 class RayRollout:
-    """The rollout role over the group: generation on worker 0, sync on every worker."""
+    """The rollout role over the group: generation on worker 0, sync on every worker.
+    Single-turn only (`env_factory` None: build_roles refuses episodes on Ray)."""
 
     def __init__(self, group: Any, params: SamplingParams, kind: str):
         self.group, self.params, self.engine = group, params, EngineInfo(kind)
+        self.env_factory, self.limits = None, MultiTurnLimits()
 
     def generate(self, prompts: RLBatch, seed: int, params: SamplingParams | None = None) -> RLBatch:
         prompts.require("prompt_ids", "prompt_mask", "prompts", role="rollout.generate")
