@@ -20,8 +20,9 @@ equals it only while no filter is active (see `vllm.py`).
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -444,3 +445,16 @@ def build_completions(
         pad_token_id=pad_id,
         meta=dict(meta or {}),
     )
+
+
+@contextlib.contextmanager
+def eval_inference(model: torch.nn.Module) -> Iterator[None]:
+    """`with eval_inference(model):` eval mode and torch.inference_mode for the block; the
+    model's train/eval mode is restored after it, also when it raises."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            yield
+    finally:
+        model.train(was_training)

@@ -44,6 +44,7 @@ from posttrain.rollout.base import (
     TokenCallback,
     build_completions,
     encode_prompts,
+    eval_inference,
     resolve_seed,
 )
 from posttrain.rollout.episodes import Episodes, MultiTurnLimits, TurnHandler, run_episodes
@@ -131,14 +132,9 @@ class HFEngine:
 
         prompt_ids = encode_prompts(self.tokenizer, prompts)
         pad_id = pad_id_of(self.tokenizer)
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with torch.inference_mode():
-                backend = HFEpisodeModel(self.model, pad_id)
-                out = run_episodes(backend, prompt_ids, params, limits, handler, self.tokenizer, pad_id)
-        finally:
-            self.model.train(was_training)
+        with eval_inference(self.model):
+            backend = HFEpisodeModel(self.model, pad_id)
+            out = run_episodes(backend, prompt_ids, params, limits, handler, self.tokenizer, pad_id)
         out.meta["engine"] = "hf"
         return out
 

@@ -62,6 +62,7 @@ from posttrain.rollout.base import (
     TokenCallback,
     build_completions,
     encode_prompts,
+    eval_inference,
     resolve_seed,
     sample_next,
 )
@@ -189,14 +190,9 @@ class NativeEngine:
 
         prompt_ids = encode_prompts(self.tokenizer, prompts)
         pad_id = pad_id_of(self.tokenizer)
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with torch.inference_mode():
-                backend = NativeEpisodeModel(self, pad_id, limits.max_total_tokens, DecodeWeights.of(self.model))
-                out = run_episodes(backend, prompt_ids, params, limits, handler, self.tokenizer, pad_id)
-        finally:
-            self.model.train(was_training)
+        with eval_inference(self.model):
+            backend = NativeEpisodeModel(self, pad_id, limits.max_total_tokens, DecodeWeights.of(self.model))
+            out = run_episodes(backend, prompt_ids, params, limits, handler, self.tokenizer, pad_id)
         out.meta["engine"] = "native"
         return out
 
