@@ -89,7 +89,7 @@ def make_task(
     splits = {"test": _draw_unique(task, n_test, rng, seen, requested)}
     if n_rl:
         splits["rl"] = _draw_unique(task, n_rl, rng, seen, requested)
-    splits["train"] = _draw_unique(task, n_train, rng, seen, requested)
+    splits["train"] = task.prepare_train(_draw_unique(task, n_train, rng, seen, requested), rng)
     for rows in splits.values():
         for row in rows:  # lets `task_reward` and `posttrain eval` find the scorer
             row["task"] = name

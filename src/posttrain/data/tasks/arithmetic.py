@@ -11,6 +11,13 @@ single line would only repeat the prompt, so the completion is just the answer l
 steps, the others only the answer line (a demonstrator that sometimes skips its work).
 Operands are non-negative; answers can be negative.
 
+`hinted` > 0 adds a way to ask for the steps: that fraction of the *training* rows open with
+`HINT` ("Show work: 37+85*2=") and always show the steps, while held-out and RL prompts never
+carry it (`make_task` passes only the train split through `Task.prepare_train`). A model
+fine-tuned this way can work step by step when asked, but mostly answers an unhinted
+prompt from its head (as often as `worked` says); RL on unhinted prompts then has a skill
+to draw out, the way RL on an instruction-tuned model draws out reasoning it seldom uses.
+
 The scorer accepts any integer-valued spelling of the answer (`207`, `+207`, `207.0`) and
 nothing else (`207a`, `207 or 208`, `2.07e2`).
 """
@@ -30,6 +37,8 @@ from posttrain.data.tasks.base import (
 )
 
 _INTEGER = re.compile(r"[+-]?[0-9]+(?:\.0*)?")
+_TERM = re.compile(r"([+*-]?)([0-9]+)")
+HINT = "Show work: "
 
 
 class ArithmeticTask(Task):
@@ -46,6 +55,9 @@ class ArithmeticTask(Task):
         worked: the fraction of completions (of 3+ operands) that show the worked steps;
             the rest are the answer line alone. Scoring reads only the answer, so a model
             may answer either way: RL can learn which way pays.
+        hinted: the fraction of training rows (3+ operands) whose prompt opens with `HINT`
+            and whose completion shows the steps; `worked` applies to the other rows.
+            Held-out and RL prompts are never hinted. Not part of the presets (default 0).
     """
 
     name = "arithmetic"
@@ -75,6 +87,7 @@ class ArithmeticTask(Task):
         operators: str | None = None,
         num_operands: int | tuple[int, int] | None = None,
         worked: float | None = None,
+        hinted: float = 0.0,
     ) -> None:
         options = resolve_options(
             self.presets,
@@ -96,9 +109,10 @@ class ArithmeticTask(Task):
             raise ValueError(f"operators must be a non-empty subset of '+-*', got {ops!r}")
         self.operators = self.options["operators"] = "".join(sorted(set(ops), key="+-*".index))
         self.num_operands = int_range(options["num_operands"], "num_operands", 2, 4)
-        self.worked = options["worked"]
-        if isinstance(self.worked, bool) or not (isinstance(self.worked, (int, float)) and 0 <= self.worked <= 1):
-            raise ValueError(f"worked must be a number in [0, 1], got {self.worked!r}")
+        self.worked = _fraction(options["worked"], "worked")
+        self.hinted = _fraction(hinted, "hinted")
+        if self.hinted:  # recorded only when used, so task.json of unhinted data keeps its bytes
+            self.options["hinted"] = self.hinted
 
     def generate(self, n: int, rng: random.Random) -> list[dict[str, Any]]:
         return [self._row(*self._sample(rng), rng) for _ in range(n)]
@@ -124,6 +138,18 @@ class ArithmeticTask(Task):
             "completion": format_completion(shown, value),
         }
 
+    def prepare_train(self, rows: list[dict[str, Any]], rng: random.Random) -> list[dict[str, Any]]:
+        """Hint a `hinted` fraction of the training rows of 3+ operands: `HINT` + prompt,
+        completion with the steps. No draws when `hinted` is 0 (the same rows as before)."""
+        if not self.hinted:
+            return rows
+        for row in rows:
+            nums, ops = parse_prompt(row["prompt"])
+            if len(nums) >= 3 and rng.random() < self.hinted:
+                value, steps = solve(nums, ops)
+                row["prompt"], row["completion"] = HINT + row["prompt"], format_completion(steps, value)
+        return rows
+
     def score(self, completion: str, answer: str, /, **row: Any) -> float:
         value = parse_integer(extract_answer(completion))
         return float(value is not None and value == int(answer))
@@ -145,6 +171,18 @@ def solve(nums: list[int], ops: list[str]) -> tuple[int, list[str]]:
         steps.append(f"{acc}{op}{x}={new}")
         acc = new
     return acc, steps
+
+
+def parse_prompt(prompt: str) -> tuple[list[int], list[str]]:
+    """`"37+85*2="` -> ([37, 85, 2], ["+", "*"]): the inverse of the prompt `_row` writes."""
+    terms = _TERM.findall(prompt.removeprefix(HINT).removesuffix("="))
+    return [int(x) for _, x in terms], [op for op, _ in terms[1:]]
+
+
+def _fraction(value: Any, key: str) -> float:
+    if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0 <= value <= 1):
+        raise ValueError(f"{key} must be a number in [0, 1], got {value!r}")
+    return value
 
 
 def parse_integer(value: str | None) -> int | None:

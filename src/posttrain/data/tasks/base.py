@@ -99,6 +99,11 @@ class Task(ABC):
         `completion` and `answer` columns of its own, can be passed as `**row`.
         """
 
+    def prepare_train(self, rows: list[dict[str, Any]], rng: random.Random) -> list[dict[str, Any]]:
+        """The training split's final form (`make_task` calls it on train only, after every
+        split is drawn, so held-out and RL rows never change); the rows as they are by default."""
+        return rows
+
     def extract_answer(self, completion: str) -> str | None:
         return extract_answer(completion)
 
