@@ -14,6 +14,14 @@ Target (issue 16): the minimum gain over the runs is >= +10 points and the slowe
 
     python benchmarks/demo_robustness.py                         # 3 seeds x {1, 2} threads
     python benchmarks/demo_robustness.py --quick --seeds 0 --threads 1   # smoke test only
+    python benchmarks/demo_robustness.py --isa native avx2       # and again on AVX2 kernels
+
+`--isa avx2` runs the demo on the kernels a CPU without AVX-512 (an AMD EPYC before Zen 4)
+takes: the child gets ATEN_CPU_CAPABILITY=avx2 (torch's own vectorised kernels),
+MKL_ENABLE_INSTRUCTIONS=AVX2 (MKL's GEMMs) and ONEDNN_MAX_CPU_ISA=AVX2 (oneDNN). On an
+AVX-512 machine this is an emulation of the float paths, not of the speed: the same core
+runs AVX2 code at its own clock and cache sizes, so its wall times say what AVX2 costs on
+this CPU, not what an AMD machine takes. Runs are named seed{S}-threads{T}-avx2.
 
 Runs go one at a time by default: runs sharing the cores slow each other down, so their wall
 times no longer say what one run on the machine takes. `--parallel K` runs K at once anyway.
@@ -38,6 +46,9 @@ from typing import Any
 
 MIN_GAIN_POINTS = 10.0
 MAX_WALL_SECONDS = 600.0
+# The kernels of a CPU without AVX-512, forced on this one (see the module docstring).
+ISA_ENV = {"native": {},
+           "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}}
 STAGES = ("data", "sft", "eval_sft", "rl", "eval_rl", "report")
 ERROR_TAIL_LINES = 20
 
@@ -53,6 +64,8 @@ def main() -> int:
     p.add_argument("--out", default="runs/demo_robustness", help="one directory per run, and the results")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch thread counts")
+    p.add_argument("--isa", nargs="+", default=["native"], choices=sorted(ISA_ENV),
+                   help="kernels: native (this CPU's best) and/or avx2 (as without AVX-512)")
     p.add_argument("--quick", action="store_true", help="the demo's --quick size: proves the script runs, no more")
     p.add_argument("--parallel", type=int, default=1, metavar="K", help="run K demos at once (default 1)")
     p.add_argument("--device", default="cpu", help="the demo's --device (default cpu: the target is a CPU's)")
@@ -62,11 +75,12 @@ def main() -> int:
               "about one run on this machine", file=sys.stderr)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    jobs = [(s, t) for t in args.threads for s in args.seeds]  # one thread count after the other
+    # One kernel set and thread count after the other.
+    jobs = [(s, t, isa) for isa in args.isa for t in args.threads for s in args.seeds]
 
     done: list[dict[str, Any]] = []
 
-    def one(job: tuple[int, int]) -> dict[str, Any]:
+    def one(job: tuple[int, int, str]) -> dict[str, Any]:
         row = run_one(out, *job, quick=args.quick, device=args.device)
         done.append(row)
         print(f"{len(done)}/{len(jobs)} " + progress_line(row), flush=True)
@@ -90,39 +104,44 @@ def main() -> int:
 # ---------------------------------------------------------------------------- one run
 
 
-def run_name(seed: int, threads: int) -> str:
-    return f"seed{seed}-threads{threads}"
+def run_name(seed: int, threads: int, isa: str = "native") -> str:
+    return f"seed{seed}-threads{threads}" + ("" if isa == "native" else f"-{isa}")
 
 
-def child_env(threads: int, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The parent's environment with the thread count pinned, and this checkout's posttrain
-    first on the path, so that the child runs the same code as the parent."""
+def child_env(threads: int, base: dict[str, str] | None = None, isa: str = "native") -> dict[str, str]:
+    """The parent's environment with the thread count and kernels (`ISA_ENV`) pinned, and
+    this checkout's posttrain first on the path, so that the child runs the same code as the
+    parent."""
     import posttrain
 
     env = dict(os.environ if base is None else base)
+    for key in {k for kernels in ISA_ENV.values() for k in kernels}:
+        env.pop(key, None)  # native means native, whatever the parent's shell set
+    env.update(ISA_ENV[isa])
     env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
     src = str(Path(posttrain.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
     return env
 
 
-def run_one(out: Path, seed: int, threads: int, quick: bool, device: str) -> dict[str, Any]:
-    """Run the demo in a fresh process into OUT/seed{S}-threads{T}; returns its table row."""
-    name = run_name(seed, threads)
+def run_one(out: Path, seed: int, threads: int, isa: str, quick: bool, device: str) -> dict[str, Any]:
+    """Run the demo in a fresh process into OUT/<run_name>; returns its table row."""
+    name = run_name(seed, threads, isa)
     run_dir, log = out / name, out / f"{name}.log"
     cmd = [sys.executable, "-c", CHILD, str(threads), "demo", "--out", str(run_dir),
            "--seed", str(seed), "--device", device, *(["--quick"] if quick else [])]
     t0 = time.perf_counter()
     with log.open("w", encoding="utf-8") as f:
-        rc = subprocess.run(cmd, env=child_env(threads), stdout=f, stderr=subprocess.STDOUT).returncode
+        rc = subprocess.run(cmd, env=child_env(threads, isa=isa), stdout=f, stderr=subprocess.STDOUT).returncode
     wall = time.perf_counter() - t0
-    return make_row(seed, threads, rc, wall, run_dir / "summary.json", log)
+    return make_row(seed, threads, rc, wall, run_dir / "summary.json", log, isa)
 
 
-def make_row(seed: int, threads: int, rc: int, wall: float, summary_file: Path, log: Path) -> dict[str, Any]:
+def make_row(seed: int, threads: int, rc: int, wall: float, summary_file: Path, log: Path,
+             isa: str = "native") -> dict[str, Any]:
     """A run's row: its accuracies, gain (points) and seconds from summary.json, or, when the
     process failed or wrote no summary, `failed` with the tail of its log."""
-    row: dict[str, Any] = {"seed": seed, "threads": threads, "returncode": rc,
+    row: dict[str, Any] = {"seed": seed, "threads": threads, "isa": isa, "returncode": rc,
                            "process_seconds": round(wall, 1), "log": str(log)}
     if rc != 0 or not summary_file.is_file():
         tail = log.read_text(encoding="utf-8", errors="replace").splitlines()[-ERROR_TAIL_LINES:] \
@@ -136,7 +155,7 @@ def make_row(seed: int, threads: int, rc: int, wall: float, summary_file: Path, 
 
 
 def progress_line(row: dict[str, Any]) -> str:
-    head = f"[{run_name(row['seed'], row['threads'])}] "
+    head = f"[{run_name(row['seed'], row['threads'], row['isa'])}] "
     if row["failed"]:
         last = row["error_tail"].splitlines()[-1] if row["error_tail"] else ""
         return head + f"FAILED (exit {row['returncode']}) after {row['process_seconds']:.0f} s: {last}"
@@ -152,7 +171,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     and the verdict: PASS when every run finished, min gain >= MIN_GAIN_POINTS and the
     slowest run <= MAX_WALL_SECONDS."""
     ok = [r for r in rows if not r["failed"]]
-    failed = [run_name(r["seed"], r["threads"]) for r in rows if r["failed"]]
+    failed = [run_name(r["seed"], r["threads"], r["isa"]) for r in rows if r["failed"]]
     if not ok:
         return {"runs": len(rows), "failed": failed, "mean_gain_points": None, "min_gain_points": None,
                 "slowest_seconds": None, "slowest_run": None, "verdict": "FAIL"}
@@ -162,7 +181,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {"runs": len(rows), "failed": failed,
             "mean_gain_points": round(sum(gains) / len(gains), 2), "min_gain_points": min(gains),
             "slowest_seconds": slowest["process_seconds"],
-            "slowest_run": run_name(slowest["seed"], slowest["threads"]),
+            "slowest_run": run_name(slowest["seed"], slowest["threads"], slowest["isa"]),
             "verdict": "PASS" if passed else "FAIL"}
 
 
@@ -173,8 +192,8 @@ def format_results(results: dict[str, Any]) -> str:
              f"{m['cores']} cores, torch {m['torch']}, {m['date']}"
              + ("  \n**--quick: a smoke test, its numbers mean nothing**" if results["quick"] else ""),
              "",
-             "| seed | threads | SFT | RL | gain (pts) | " + " | ".join(STAGES) + " | demo s | process s |",
-             "|" + "---|" * (len(STAGES) + 7)]
+             "| seed | threads | kernels | SFT | RL | gain (pts) | " + " | ".join(STAGES) + " | demo s | process s |",
+             "|" + "---|" * (len(STAGES) + 8)]
     for r in results["runs"]:
         if r["failed"]:
             cells = [f"FAILED (exit {r['returncode']})", "", ""] + [""] * len(STAGES) + ["", f"{r['process_seconds']:.1f}"]
@@ -182,7 +201,7 @@ def format_results(results: dict[str, Any]) -> str:
             cells = [f"{100 * r['sft_accuracy']:.1f}%", f"{100 * r['rl_accuracy']:.1f}%", f"{r['gain_points']:+.1f}",
                      *(f"{r['stage_seconds'].get(k, 0.0):.1f}" for k in STAGES),
                      f"{r['demo_seconds']:.1f}", f"{r['process_seconds']:.1f}"]
-        lines.append(f"| {r['seed']} | {r['threads']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {r['seed']} | {r['threads']} | {r['isa']} | " + " | ".join(cells) + " |")
     lines.append("")
     if s["min_gain_points"] is not None:
         lines.append(f"Gain: mean {s['mean_gain_points']:+.1f}, min {s['min_gain_points']:+.1f} points "
@@ -193,7 +212,7 @@ def format_results(results: dict[str, Any]) -> str:
     lines.append(f"**{s['verdict']}**" + (" (--quick: not the target's size)" if results["quick"] else ""))
     for r in results["runs"]:
         if r["failed"]:
-            lines += ["", f"{run_name(r['seed'], r['threads'])}, last lines of {r['log']}:", "```",
+            lines += ["", f"{run_name(r['seed'], r['threads'], r['isa'])}, last lines of {r['log']}:", "```",
                       r["error_tail"], "```"]
     return "\n".join(lines)
 

@@ -88,8 +88,8 @@ def test_the_table_has_every_run_the_summary_and_the_machine(tmp_path, bench):
     machine = {"cpu_model": "AMD EPYC", "avx512f": False, "cores": 2, "torch": "2.13.0+cpu", "date": "d"}
     text = bench.format_results({"machine": machine, "quick": False, "runs": rows, "summary": bench.summarize(rows)})
     assert "AMD EPYC (no AVX-512), 2 cores, torch 2.13.0+cpu" in text
-    assert "| 0 | 1 | 60.0% | 71.2% | +11.2 | 0.2 | 160.0 | 1.2 | 300.0 | 0.8 | 2.8 | 465.0 | 470.0 |" in text
-    assert "| 1 | 2 | FAILED (exit 1) |" in text
+    assert "| 0 | 1 | native | 60.0% | 71.2% | +11.2 | 0.2 | 160.0 | 1.2 | 300.0 | 0.8 | 2.8 | 465.0 | 470.0 |" in text
+    assert "| 1 | 2 | native | FAILED (exit 1) |" in text
     assert "mean +11.2, min +11.2 points" in text and "Failed: seed1-threads2" in text
     assert "**FAIL**" in text and "RuntimeError: boom" in text
     header = next(line for line in text.splitlines() if line.startswith("| seed"))
@@ -127,3 +127,27 @@ def test_a_real_quick_run(tmp_path, bench, monkeypatch, capsys):
     assert json.loads((run / "data" / "task.json").read_text())["seed"] == 1
     for stage in ("sft", "rl"):
         assert "  seed: 1\n" in (run / stage / "config.yaml").read_text(), stage
+
+
+def test_avx2_runs_are_named_and_tabled_apart(tmp_path, bench):
+    assert bench.run_name(0, 2) == "seed0-threads2" and bench.run_name(0, 2, "avx2") == "seed0-threads2-avx2"
+    log = tmp_path / "x.log"
+    log.write_text("boom\n")
+    row = bench.make_row(3, 1, 1, 2.0, tmp_path / "none.json", log, "avx2")
+    assert row["isa"] == "avx2" and bench.summarize([row])["failed"] == ["seed3-threads1-avx2"]
+    text = bench.format_results({"machine": bench.machine_info(""), "quick": False, "runs": [row],
+                                 "summary": bench.summarize([row])})
+    assert "| kernels |" in text and "| 3 | 1 | avx2 | FAILED" in text
+
+
+def test_the_avx2_child_really_runs_avx2_kernels(bench):
+    """The variables reach torch: its dispatch reports AVX2 (on an AVX-512 CPU too), and a
+    native child is not left with a parent's setting."""
+    import subprocess
+
+    probe = ["-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"]
+    avx2 = subprocess.run([sys.executable, *probe], env=bench.child_env(1, isa="avx2"),
+                          capture_output=True, text=True, check=True).stdout.strip()
+    assert avx2 == "AVX2"
+    env = bench.child_env(1, {**os.environ, "ATEN_CPU_CAPABILITY": "default"}, isa="native")
+    assert "ATEN_CPU_CAPABILITY" not in env and "MKL_ENABLE_INSTRUCTIONS" not in env
