@@ -60,7 +60,7 @@ QUICK_SFT_STEPS = 40
 # also score both evaluations (a sample is correct when its total is >= 1). RL learns within
 # 25-50 steps that showing the steps pays, then holds (benchmarks/README.md, "Demo
 # robustness"). The stage runs 100 steps or 120 s, whichever ends first (one torch thread on
-# a 2-core Xeon makes ~70 steps in 120 s): the run stops at the first step past the budget,
+# a 2-core Xeon makes ~90 steps in 120 s): the run stops at the first step past the budget,
 # then evaluates. The budget keeps the demo within 10 minutes on slower CPUs.
 RL_RECIPE = "grpo"
 RL_STEPS = 100

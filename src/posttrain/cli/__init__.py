@@ -332,12 +332,12 @@ def _add_demo_command(sub: Any) -> None:
             "Make the arithmetic task's data, SFT the built-in tiny model from scratch (recipe sft_arithmetic), "
             "evaluate it on held-out problems, improve it with online RL (recipe grpo), evaluate "
             "again on the same problems, print a before/after table (accuracy, mean length, reward) and write "
-            "an HTML report. Nothing is downloaded. About 10 minutes on 2 CPU cores (a GPU is used when "
+            "an HTML report. Nothing is downloaded. 5-7 minutes on 2 CPU cores (a GPU is used when "
             "available); --quick runs every stage at a tiny size in under a minute (its numbers mean nothing).",
             width=88,
         ),
         epilog=textwrap.fill(
-            "outputs under --out: data/ (train/test JSONL), sft/ and rl/ (run directories; the final model is "
+            "outputs under --out: data/ (train/rl/test JSONL: SFT demonstrations, RL prompts, held-out problems), sft/ and rl/ (run directories; the final model is "
             "rl/final), eval_sft/ and eval_rl/ (eval.json + samples.jsonl), report.html, summary.json "
             "(sft_accuracy, rl_accuracy, gain, wall_seconds, ...). A rerun replaces a previous demo's outputs; "
             "a directory holding anything else is refused.",
