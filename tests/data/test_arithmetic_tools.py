@@ -77,3 +77,25 @@ def test_data_make_writes_tool_demonstrations_that_sft_masks(tmp_path):
     for ex in examples:
         trained = tok.decode([i for i, lab in zip(ex["input_ids"], ex["labels"]) if lab != IGNORE_INDEX])
         assert "<result>" not in trained and "</call>" in trained
+
+
+def test_tool_fraction_calls_the_calculator_in_that_share_of_the_same_problems(tmp_path):
+    import json
+
+    from posttrain.data.tasks import make_task
+
+    def rows(name, **options):
+        info = make_task("arithmetic_tools", tmp_path / name, n_train=2000, n_test=100, seed=3, **options)
+        return [json.loads(line) for line in info["train"].read_text().splitlines()]
+
+    full, part, none = rows("full"), rows("part", tool_fraction=0.3), rows("none", use_tools=False)
+    assert [r["prompt"] for r in full] == [r["prompt"] for r in part] == [r["prompt"] for r in none]
+    calls = [r["completion"].startswith("<call>") for r in part]
+    assert 0.25 < sum(calls) / len(calls) < 0.35
+    for r, f, b, c in zip(part, full, none, calls):
+        assert r["completion"] == (f["completion"] if c else b["completion"])
+    meta = json.loads((tmp_path / "part" / "task.json").read_text())
+    assert meta["options"]["tool_fraction"] == 0.3
+    assert "tool_fraction" not in json.loads((tmp_path / "full" / "task.json").read_text())["options"]
+    with pytest.raises(ValueError, match="tool_fraction"):
+        ArithmeticToolsTask(tool_fraction=1.5)

@@ -12,13 +12,17 @@ sum of their results, then the answer line. Each model turn ends on `</call>`; t
 `<result>…</result>` spans are what the environment (`posttrain.envs.ArithmeticTools`)
 answers, so SFT does not train on them (`data.environment_markers`) and an RL episode
 appends them itself. `use_tools=False` writes the same problems with the answer line
-alone (a no-tool baseline). The scorer is arithmetic's: the integer on the last
+alone (a no-tool baseline); `tool_fraction` < 1 calls the calculator in only that fraction
+of the demonstrations (the rest answer from the head), a model that knows its tool but
+seldom reaches for it, which RL can teach to use it. Which problems call it is a function
+of the prompt alone, so every `tool_fraction` writes the same problems. The scorer is arithmetic's: the integer on the last
 `Answer:` line (results above it are never read).
 """
 
 from __future__ import annotations
 
 import random
+import zlib
 from typing import Any
 
 from posttrain.data.tasks.arithmetic import parse_integer
@@ -43,6 +47,8 @@ class ArithmeticToolsTask(Task):
         digits: digits of each factor, an int or an inclusive range within 1..4 (drawn per
             factor; a k-digit factor is uniform in [10**(k-1), 10**k)).
         use_tools: completions call the calculator (True) or give the answer line only.
+        tool_fraction: with use_tools, the fraction of completions that call it (default
+            1); the others give the answer line only. Not part of the presets.
     """
 
     name = "arithmetic_tools"
@@ -60,6 +66,7 @@ class ArithmeticToolsTask(Task):
         terms: int | tuple[int, int] | None = None,
         digits: int | tuple[int, int] | None = None,
         use_tools: bool | None = None,
+        tool_fraction: float = 1.0,
     ) -> None:
         options = resolve_options(self.presets, difficulty, terms=terms, digits=digits, use_tools=use_tools)
         super().__init__(options)
@@ -68,6 +75,11 @@ class ArithmeticToolsTask(Task):
         if not isinstance(options["use_tools"], bool):
             raise ValueError(f"use_tools must be true or false, got {options['use_tools']!r}")
         self.use_tools = options["use_tools"]
+        if isinstance(tool_fraction, bool) or not (isinstance(tool_fraction, (int, float)) and 0 <= tool_fraction <= 1):
+            raise ValueError(f"tool_fraction must be a number in [0, 1], got {tool_fraction!r}")
+        self.tool_fraction = tool_fraction
+        if tool_fraction < 1:  # recorded only when used, so task.json of other data keeps its bytes
+            self.options["tool_fraction"] = tool_fraction
 
     def generate(self, n: int, rng: random.Random) -> list[dict[str, Any]]:
         return [self._row(rng) for _ in range(n)]
@@ -81,13 +93,14 @@ class ArithmeticToolsTask(Task):
         products = [a * b for a, b in pairs]
         value = sum(products)
         prompt = "+".join(f"{a}*{b}" for a, b in pairs) + "="
-        return {"prompt": prompt, "answer": str(value), "completion": self.demonstration(pairs)}
+        return {"prompt": prompt, "answer": str(value),
+                "completion": self.demonstration(pairs, self.use_tools and _calls(prompt, self.tool_fraction))}
 
-    def demonstration(self, pairs: list[tuple[int, int]]) -> str:
-        """The completion for the products `pairs` (module docstring)."""
+    def demonstration(self, pairs: list[tuple[int, int]], use_tools: bool | None = None) -> str:
+        """The completion for the products `pairs` (module docstring); `use_tools` None = the task's."""
         products = [a * b for a, b in pairs]
         answer = format_completion([], sum(products))
-        if not self.use_tools:
+        if not (self.use_tools if use_tools is None else use_tools):
             return answer
         calls = [CALL.format(f"{a}*{b}", a * b) for a, b in pairs]
         calls.append(CALL.format("+".join(map(str, products)), sum(products)))
@@ -96,3 +109,9 @@ class ArithmeticToolsTask(Task):
     def score(self, completion: str, answer: str, /, **row: Any) -> float:
         value = parse_integer(extract_answer(completion))
         return float(value is not None and value == int(answer))
+
+
+def _calls(prompt: str, fraction: float) -> bool:
+    """Whether the demonstration of `prompt` calls the calculator: a uniform draw from the
+    prompt's CRC-32, so that it does not move the task's random stream."""
+    return fraction >= 1 or zlib.crc32(prompt.encode()) / 2**32 < fraction

@@ -1,0 +1,229 @@
+"""Agent learning benchmark: SFT on the tool task, then GRPO over multi-turn episodes (issue 18).
+
+The built-in `tiny` model from scratch on the bundled `arithmetic_tools` task (sums of 2-3
+digit products, which it cannot multiply in its head; `posttrain.data.tasks.arithmetic_tools`):
+
+1. data: the same problems twice (same seed): the tool demonstrations, which call the
+   calculator in `--tool-fraction` of them and answer from the head in the rest, and a
+   no-tool baseline whose demonstrations all answer from the head (`use_tools=false`);
+   RL prompts (rl.jsonl) in neither train nor test.
+2. SFT of each (`recipes/sft_tools.yaml`, `--sft-steps` steps).
+3. eval of both SFT models: greedy episodes of the 500 held-out problems with the
+   calculator environment (`arithmetic_tools`) under the RL recipe's turn and token limits,
+   scored by the task (the last `Answer:` line).
+4. GRPO over episodes from the tool SFT model (`recipes/grpo_tools.yaml`) on the RL
+   prompts, for `--rl-minutes` (the run stops at the first step past the budget).
+5. eval of the RL model, as 3.
+6. rollout speed of the RL model: the same sampled episodes (`--speed-prompts` prompts x
+   the recipe's rollout.n, temperature 1, seeded) with the native engine, which extends
+   each row's KV cache by the appended tokens, and the hf engine, which re-encodes the
+   history after every environment answer; alternating, `--speed-reps` times each, in one
+   process. Reports episodes/s and model tokens/s.
+
+Targets (issue 18): RL gains >= +10 points in <= 10 minutes on 2 CPU cores, and the tool
+model beats the no-tool SFT baseline on the same held-out problems by >= +20 points.
+
+    python benchmarks/agent_learning.py --out runs/bench_agent
+
+Writes OUT/agent_learning.json (every figure, the machine) and prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.config import GRPOConfig, ModelConfig, SFTConfig, build_config
+from posttrain.data.sources import load_rows
+from posttrain.data.tasks import make_task
+from posttrain.envs import play_episodes, resolve_environment
+from posttrain.evaluation import evaluate_task
+from posttrain.models.factory import build_model_and_tokenizer
+from posttrain.rollout import MultiTurnLimits, SamplingParams, make_engine
+from posttrain.trainers.rl import GRPOTrainer
+from posttrain.trainers.sft import SFTTrainer
+
+TASK, ENV = "arithmetic_tools", "arithmetic_tools"
+SFT_RECIPE, RL_RECIPE = "recipes/sft_tools.yaml", "recipes/grpo_tools.yaml"
+MIN_GAIN, MIN_TOOL_ADVANTAGE, MAX_RL_SECONDS = 10.0, 20.0, 600.0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="runs/bench_agent")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tool-fraction", type=float, default=0.3, help="share of demonstrations that call the tool")
+    p.add_argument("--sft-steps", type=int, default=500)
+    p.add_argument("--rl-minutes", type=float, default=8.0, help="GRPO's wall-clock budget")
+    p.add_argument("--n-test", type=int, default=500)
+    p.add_argument("--speed-prompts", type=int, default=32)
+    p.add_argument("--speed-reps", type=int, default=2)
+    p.add_argument("--skip-baseline", action="store_true", help="no no-tool SFT (exploration only)")
+    p.add_argument("rl_overrides", nargs="*", help="extra key=value overrides of the GRPO recipe")
+    args = p.parse_args()
+    out = Path(args.out)
+    seconds: dict[str, float] = {}
+    results: dict[str, Any] = {"machine": machine_info(), "args": vars(args)}
+
+    t = time.perf_counter()
+    data = out / "data"
+    make_task(TASK, data, n_train=8000, n_test=args.n_test, n_rl=2000, seed=args.seed, tool_fraction=args.tool_fraction)
+    if not args.skip_baseline:
+        make_task(TASK, out / "data_notool", n_train=8000, n_test=args.n_test, n_rl=2000, seed=args.seed, use_tools=False)
+    seconds["data"] = time.perf_counter() - t
+
+    rl_cfg = rl_config(out, data, out / "sft" / "final", args)
+    limits = MultiTurnLimits.from_config(rl_cfg.rollout.multi_turn)
+    test_rows = load_rows(str(data / "test.jsonl"))
+
+    def eval_episodes(model_dir: Path, name: str) -> dict[str, float]:
+        t = time.perf_counter()
+        model, tokenizer = build_model_and_tokenizer(ModelConfig(path=str(model_dir), device="cpu", dtype="float32"))
+        metrics, samples = evaluate_task(model.eval(), tokenizer, test_rows, TASK, rl_cfg.rollout.max_new_tokens,
+                                         64, environment=resolve_environment(ENV), limits=limits)
+        (out / f"samples_{name}.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+        seconds[f"eval_{name}"] = time.perf_counter() - t
+        print(f"[{name}] held-out accuracy {100 * metrics['accuracy']:.1f}%, "
+              f"tool calls/episode {metrics.get('tool_calls/mean', 0):.2f}", flush=True)
+        return metrics
+
+    t = time.perf_counter()
+    sft_model = train_sft(out / "sft", data, args)
+    seconds["sft"] = time.perf_counter() - t
+    results["sft"] = eval_episodes(sft_model, "sft")
+    if not args.skip_baseline:
+        t = time.perf_counter()
+        base_model = train_sft(out / "sft_notool", out / "data_notool", args)
+        seconds["sft_notool"] = time.perf_counter() - t
+        results["sft_notool"] = eval_episodes(base_model, "sft_notool")
+
+    t = time.perf_counter()
+    rl_model = GRPOTrainer(args=rl_cfg).train().final_dir
+    seconds["rl"] = time.perf_counter() - t
+    results["rl"] = eval_episodes(rl_model, "rl")
+    results["rl_curve"] = rl_curve(out / "rl" / "metrics.jsonl")
+    results["speed"] = rollout_speed(rl_model, load_rows(str(data / "rl.jsonl"))[: args.speed_prompts],
+                                     rl_cfg, limits, args.speed_reps)
+    results["seconds"] = {k: round(v, 1) for k, v in seconds.items()}
+    results["verdict"] = verdict(results)
+    (out / "agent_learning.json").write_text(json.dumps(results, indent=2) + "\n")
+    print("\n" + format_results(results), flush=True)
+    return 0 if results["verdict"]["pass"] else 1
+
+
+def train_sft(run_dir: Path, data: Path, args: argparse.Namespace) -> Path:
+    cfg = build_config(SFTConfig, SFT_RECIPE, [
+        f"data.train_files=[{data / 'train.jsonl'}]", f"data.eval_files=[{data / 'test.jsonl'}]",
+        f"trainer.output_dir={run_dir}", f"trainer.max_steps={args.sft_steps}", f"trainer.seed={args.seed}",
+        "trainer.eval_steps=0", "trainer.save_steps=0", "trainer.resume=never", "trainer.overwrite=true",
+        "trainer.report_to=[]",
+    ])
+    return SFTTrainer(args=cfg).train().final_dir
+
+
+def rl_config(out: Path, data: Path, sft_model: Path, args: argparse.Namespace) -> GRPOConfig:
+    return build_config(GRPOConfig, RL_RECIPE, [
+        f"model.path={sft_model}", f"data.train_files=[{data / 'rl.jsonl'}]",
+        f"data.eval_files=[{data / 'test.jsonl'}]", f"trainer.output_dir={out / 'rl'}",
+        f"trainer.seed={args.seed}", f"trainer.max_time_s={args.rl_minutes * 60}", "trainer.max_steps=100000",
+        "trainer.save_steps=0", "trainer.eval_steps=50", "eval.num_examples=100",
+        "trainer.resume=never", "trainer.overwrite=true", "trainer.report_to=[]", *args.rl_overrides,
+    ])
+
+
+def rl_curve(metrics_file: Path) -> list[dict[str, float]]:
+    """(step, eval/accuracy) of the RL run's own evaluations (100 problems)."""
+    rows = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    return [{"step": r["step"], "accuracy": r["eval/accuracy"]} for r in rows if "eval/accuracy" in r]
+
+
+def rollout_speed(model_dir: Path, rows: list[dict], cfg: GRPOConfig, limits: MultiTurnLimits, reps: int) -> dict:
+    """Episodes/s and model tokens/s of the native (KV-cache extension) and hf (re-encoding)
+    engines on the same seeded episodes, alternating in one process."""
+    model, tokenizer = build_model_and_tokenizer(ModelConfig(path=str(model_dir), device="cpu", dtype="float32"))
+    model.eval()
+    engines = {"native": make_engine("native", model, tokenizer), "hf": make_engine("hf", model, tokenizer)}
+    params = SamplingParams(n=cfg.rollout.n, temperature=1.0, max_new_tokens=cfg.rollout.max_new_tokens, seed=0)
+    env = resolve_environment(ENV)
+    times: dict[str, list[float]] = {k: [] for k in engines}
+    tokens: dict[str, int] = {}
+    with torch.inference_mode():
+        for _ in range(reps):
+            for name, engine in engines.items():
+                t = time.perf_counter()
+                episodes, _, _ = play_episodes(engine, [dict(r) for r in rows], env, params, limits)
+                times[name].append(time.perf_counter() - t)
+                tokens[name] = int(episodes.response_mask.sum())
+    n_episodes = len(rows) * cfg.rollout.n
+    speed = {name: {"seconds": round(min(ts), 2), "episodes_per_s": round(n_episodes / min(ts), 1),
+                    "model_tokens_per_s": round(tokens[name] / min(ts), 0), "model_tokens": tokens[name]}
+             for name, ts in times.items()}
+    speed["episodes"] = n_episodes
+    speed["native_over_hf"] = round(times["hf"] and min(times["hf"]) / min(times["native"]), 2)
+    return speed
+
+
+def verdict(r: dict[str, Any]) -> dict[str, Any]:
+    gain = 100 * (r["rl"]["accuracy"] - r["sft"]["accuracy"])
+    v = {"gain_points": round(gain, 1), "rl_seconds": r["seconds"]["rl"]}
+    ok = gain >= MIN_GAIN and r["seconds"]["rl"] <= MAX_RL_SECONDS
+    if "sft_notool" in r:
+        best_tool = max(r["rl"]["accuracy"], r["sft"]["accuracy"])
+        v["tool_advantage_points"] = round(100 * (best_tool - r["sft_notool"]["accuracy"]), 1)
+        v["sft_tool_advantage_points"] = round(100 * (r["sft"]["accuracy"] - r["sft_notool"]["accuracy"]), 1)
+        ok = ok and v["tool_advantage_points"] >= MIN_TOOL_ADVANTAGE
+    v["pass"] = ok
+    return v
+
+
+def format_results(r: dict[str, Any]) -> str:
+    m, v, s = r["machine"], r["verdict"], r["seconds"]
+    lines = [f"Machine: {m['cpu_model']} ({'AVX-512' if m['avx512f'] else 'no AVX-512'}), {m['cores']} cores, "
+             f"torch {m['torch']}, {torch.get_num_threads()} threads, {m['date']}", "",
+             "| model | held-out accuracy | tool calls / episode | turns / episode | seconds to train |",
+             "|---|---|---|---|---|"]
+    for key, label, secs in (("sft_notool", "SFT, no-tool demonstrations", s.get("sft_notool")),
+                             ("sft", "SFT, tool demonstrations", s["sft"]), ("rl", "GRPO over episodes", s["rl"])):
+        if key in r:
+            e = r[key]
+            lines.append(f"| {label} | {100 * e['accuracy']:.1f}% | {e.get('tool_calls/mean', 0):.2f} | "
+                         f"{e.get('turns/mean', 0):.2f} | {secs:.0f} |")
+    lines += ["", f"RL gain: {v['gain_points']:+.1f} points in {v['rl_seconds']:.0f} s "
+                  f"(target >= +{MIN_GAIN:.0f} in <= {MAX_RL_SECONDS:.0f} s)."]
+    if "tool_advantage_points" in v:
+        lines.append(f"Tool model over the no-tool baseline: {v['tool_advantage_points']:+.1f} points "
+                     f"(SFT alone {v['sft_tool_advantage_points']:+.1f}; target >= +{MIN_TOOL_ADVANTAGE:.0f}).")
+    sp = r["speed"]
+    lines += ["", f"Rollout of {sp['episodes']} episodes (temperature 1):", "",
+              "| engine | history after an answer | seconds | episodes/s | model tokens/s |", "|---|---|---|---|---|"]
+    for name, how in (("native", "KV cache extended by the new tokens"), ("hf", "re-encoded")):
+        e = sp[name]
+        lines.append(f"| {name} | {how} | {e['seconds']} | {e['episodes_per_s']} | {e['model_tokens_per_s']:.0f} |")
+    lines += ["", f"native / hf speed: {sp['native_over_hf']}x", "",
+              "RL curve (100 problems): " + ", ".join(f"{c['step']}: {100 * c['accuracy']:.0f}%" for c in r["rl_curve"]),
+              "", f"**{'PASS' if v['pass'] else 'FAIL'}**"]
+    return "\n".join(lines)
+
+
+def machine_info() -> dict[str, Any]:
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+    except OSError:
+        lscpu = ""
+    fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in lscpu.splitlines() if ":" in line)}
+    return {"cpu_model": fields.get("Model name", "unknown"), "avx512f": "avx512f" in fields.get("Flags", "").split(),
+            "cores": len(__import__("os").sched_getaffinity(0)), "torch": version("torch"),
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
