@@ -3,10 +3,13 @@
 The built-in `tiny` model from scratch on the bundled `arithmetic_tools` task (sums of 2-3
 digit products, which it cannot multiply in its head; `posttrain.data.tasks.arithmetic_tools`):
 
-1. data: the same problems twice (same seed): the tool demonstrations, which call the
-   calculator in `--tool-fraction` of them and answer from the head in the rest, and a
-   no-tool baseline whose demonstrations all answer from the head (`use_tools=false`);
-   RL prompts (rl.jsonl) in neither train nor test.
+1. data: the same problems twice (same seed): the tool demonstrations and a no-tool
+   baseline whose demonstrations all answer from the head (`use_tools=false`). In the tool
+   demonstrations `--hinted` of the prompts ask for the calculator ("Use the calculator:
+   23*47+58*91=") and call it; the other, plain prompts call it in `--tool-fraction` of
+   them and answer from the head in the rest. The held-out problems and the RL prompts
+   (rl.jsonl, in neither train nor test) are plain: the SFT model knows the tool but
+   seldom reaches for it unasked, and RL teaches it to.
 2. SFT of each (`recipes/sft_tools.yaml`, `--sft-steps` steps).
 3. eval of both SFT models: greedy episodes of the 500 held-out problems with the
    calculator environment (`arithmetic_tools`) under the RL recipe's turn and token limits,
@@ -61,8 +64,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/bench_agent")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tool-fraction", type=float, default=0.3, help="share of demonstrations that call the tool")
-    p.add_argument("--sft-steps", type=int, default=500)
+    p.add_argument("--hinted", type=float, default=0.5, help="share of SFT prompts that ask for the tool")
+    p.add_argument("--tool-fraction", type=float, default=0.15,
+                   help="share of the plain SFT prompts whose demonstration calls the tool")
+    p.add_argument("--sft-steps", type=int, default=650)
     p.add_argument("--rl-minutes", type=float, default=8.0, help="GRPO's wall-clock budget")
     p.add_argument("--n-test", type=int, default=500)
     p.add_argument("--speed-prompts", type=int, default=32)
@@ -76,7 +81,8 @@ def main() -> int:
 
     t = time.perf_counter()
     data = out / "data"
-    make_task(TASK, data, n_train=8000, n_test=args.n_test, n_rl=2000, seed=args.seed, tool_fraction=args.tool_fraction)
+    make_task(TASK, data, n_train=8000, n_test=args.n_test, n_rl=2000, seed=args.seed,
+              tool_fraction=args.tool_fraction, hinted=args.hinted)
     if not args.skip_baseline:
         make_task(TASK, out / "data_notool", n_train=8000, n_test=args.n_test, n_rl=2000, seed=args.seed, use_tools=False)
     seconds["data"] = time.perf_counter() - t

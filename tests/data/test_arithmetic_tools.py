@@ -99,3 +99,27 @@ def test_tool_fraction_calls_the_calculator_in_that_share_of_the_same_problems(t
     assert "tool_fraction" not in json.loads((tmp_path / "full" / "task.json").read_text())["options"]
     with pytest.raises(ValueError, match="tool_fraction"):
         ArithmeticToolsTask(tool_fraction=1.5)
+
+
+def test_hinted_training_prompts_always_call_and_other_splits_are_never_hinted(tmp_path):
+    import json
+
+    from posttrain.data.tasks import make_task
+    from posttrain.data.tasks.arithmetic_tools import HINT
+
+    info = make_task("arithmetic_tools", tmp_path / "h", n_train=2000, n_test=100, n_rl=100, seed=1,
+                     tool_fraction=0.15, hinted=0.5)
+    split = {k: [json.loads(line) for line in info[k].read_text().splitlines()] for k in ("train", "test", "rl")}
+    hinted = [r for r in split["train"] if r["prompt"].startswith(HINT)]
+    assert 0.45 < len(hinted) / 2000 < 0.55
+    assert all(r["completion"].startswith("<call>calculator(") for r in hinted)
+    r = hinted[0]
+    pairs = [tuple(map(int, t.split("*"))) for t in r["prompt"].removeprefix(HINT).removesuffix("=").split("+")]
+    assert r["completion"].endswith(f"Answer: {sum(a * b for a, b in pairs)}") and r["answer"] == str(sum(a * b for a, b in pairs))
+    plain = [r for r in split["train"] if not r["prompt"].startswith(HINT)]
+    assert 0.08 < sum(r["completion"].startswith("<call>") for r in plain) / len(plain) < 0.22
+    assert not any(r["prompt"].startswith(HINT) for k in ("test", "rl") for r in split[k])
+    # The held-out problems are those of the unhinted task with the same seed.
+    same = make_task("arithmetic_tools", tmp_path / "u", n_train=2000, n_test=100, n_rl=100, seed=1)
+    assert same["test"].read_text().splitlines()[0].split('"completion"')[0] == \
+        info["test"].read_text().splitlines()[0].split('"completion"')[0]

@@ -15,7 +15,9 @@ appends them itself. `use_tools=False` writes the same problems with the answer 
 alone (a no-tool baseline); `tool_fraction` < 1 calls the calculator in only that fraction
 of the demonstrations (the rest answer from the head), a model that knows its tool but
 seldom reaches for it, which RL can teach to use it. Which problems call it is a function
-of the prompt alone, so every `tool_fraction` writes the same problems. The scorer is arithmetic's: the integer on the last
+of the prompt alone, so every `tool_fraction` writes the same problems. `hinted` > 0 opens
+that fraction of the *training* prompts with `HINT` ("Use the calculator: 23*47+58*91=")
+and makes them call it; held-out and RL prompts are never hinted (`Task.prepare_train`). The scorer is arithmetic's: the integer on the last
 `Answer:` line (results above it are never read).
 """
 
@@ -25,7 +27,7 @@ import random
 import zlib
 from typing import Any
 
-from posttrain.data.tasks.arithmetic import parse_integer
+from posttrain.data.tasks.arithmetic import _fraction, parse_integer
 from posttrain.data.tasks.base import (
     Task,
     extract_answer,
@@ -34,6 +36,7 @@ from posttrain.data.tasks.base import (
     resolve_options,
 )
 
+HINT = "Use the calculator: "
 CALL = "<call>calculator({})</call><result>{}</result>"
 """One calculator call and its result, as the text protocol writes them."""
 
@@ -49,6 +52,9 @@ class ArithmeticToolsTask(Task):
         use_tools: completions call the calculator (True) or give the answer line only.
         tool_fraction: with use_tools, the fraction of completions that call it (default
             1); the others give the answer line only. Not part of the presets.
+        hinted: with use_tools, the fraction of training rows whose prompt opens with `HINT`
+            and whose completion calls the calculator; `tool_fraction` applies to the
+            others. Held-out and RL prompts are never hinted. Not part of the presets.
     """
 
     name = "arithmetic_tools"
@@ -67,6 +73,7 @@ class ArithmeticToolsTask(Task):
         digits: int | tuple[int, int] | None = None,
         use_tools: bool | None = None,
         tool_fraction: float = 1.0,
+        hinted: float = 0.0,
     ) -> None:
         options = resolve_options(self.presets, difficulty, terms=terms, digits=digits, use_tools=use_tools)
         super().__init__(options)
@@ -75,11 +82,12 @@ class ArithmeticToolsTask(Task):
         if not isinstance(options["use_tools"], bool):
             raise ValueError(f"use_tools must be true or false, got {options['use_tools']!r}")
         self.use_tools = options["use_tools"]
-        if isinstance(tool_fraction, bool) or not (isinstance(tool_fraction, (int, float)) and 0 <= tool_fraction <= 1):
-            raise ValueError(f"tool_fraction must be a number in [0, 1], got {tool_fraction!r}")
-        self.tool_fraction = tool_fraction
-        if tool_fraction < 1:  # recorded only when used, so task.json of other data keeps its bytes
+        self.tool_fraction, self.hinted = _fraction(tool_fraction, "tool_fraction"), _fraction(hinted, "hinted")
+        # Recorded only when used, so that task.json of other data keeps its bytes.
+        if tool_fraction < 1:
             self.options["tool_fraction"] = tool_fraction
+        if hinted:
+            self.options["hinted"] = hinted
 
     def generate(self, n: int, rng: random.Random) -> list[dict[str, Any]]:
         return [self._row(rng) for _ in range(n)]
@@ -105,6 +113,17 @@ class ArithmeticToolsTask(Task):
         calls = [CALL.format(f"{a}*{b}", a * b) for a, b in pairs]
         calls.append(CALL.format("+".join(map(str, products)), sum(products)))
         return "".join(calls) + "\n" + answer
+
+    def prepare_train(self, rows: list[dict[str, Any]], rng: random.Random) -> list[dict[str, Any]]:
+        """Hint a `hinted` fraction of the training rows: `HINT` + prompt, a completion that
+        calls the calculator. No draws when `hinted` is 0 (the same rows as before)."""
+        if not (self.hinted and self.use_tools):
+            return rows
+        for row in rows:
+            if rng.random() < self.hinted:
+                pairs = [tuple(int(x) for x in term.split("*")) for term in row["prompt"].removesuffix("=").split("+")]
+                row["prompt"], row["completion"] = HINT + row["prompt"], self.demonstration(pairs, use_tools=True)
+        return rows
 
     def score(self, completion: str, answer: str, /, **row: Any) -> float:
         value = parse_integer(extract_answer(completion))
