@@ -153,11 +153,14 @@ def rl_curve(metrics_file: Path) -> list[dict[str, float]]:
 
 
 def rollout_speed(model_dir: Path, rows: list[dict], cfg: GRPOConfig, limits: MultiTurnLimits, reps: int) -> dict:
-    """Episodes/s and model tokens/s of the native (KV-cache extension) and hf (re-encoding)
-    engines on the same seeded episodes, alternating in one process."""
-    model, tokenizer = build_model_and_tokenizer(ModelConfig(path=str(model_dir), device="cpu", dtype="float32"))
-    model.eval()
-    engines = {"native": make_engine("native", model, tokenizer), "hf": make_engine("hf", model, tokenizer)}
+    """Episodes/s and model tokens/s of the native (KV-cache extension, over the built-in
+    model) and hf (re-encoding, over the same weights loaded by transformers) engines on the
+    same seeded episodes, alternating in one process."""
+    engines = {}
+    for kind, impl in (("native", "builtin"), ("hf", "hf")):
+        model, tokenizer = build_model_and_tokenizer(
+            ModelConfig(path=str(model_dir), device="cpu", dtype="float32", impl=impl))
+        engines[kind] = make_engine(kind, model.eval(), tokenizer)
     params = SamplingParams(n=cfg.rollout.n, temperature=1.0, max_new_tokens=cfg.rollout.max_new_tokens, seed=0)
     env = resolve_environment(ENV)
     times: dict[str, list[float]] = {k: [] for k in engines}
