@@ -45,7 +45,10 @@ def compute_gae(
     where t' is the next valid token after t. After the last valid token
     V_{t'} = A_{t'} = 0: the episode ends there and never bootstraps from
     padding. Interior zeros in `mask` (e.g. tool output in a multi-turn
-    response) are skipped, as veRL does. No whitening here: PPO callers apply
+    response) are skipped, as veRL does: the last model token before an
+    observation span bootstraps from the value of the first model token after
+    it, discounted once (observation tokens are not time steps), and values and
+    rewards at masked positions never enter. No whitening here: PPO callers apply
     `masked_whiten` to the advantages (TRL and veRL defaults do).
     """
     valid = torch.broadcast_to(mask.bool(), rewards.shape)
