@@ -155,3 +155,29 @@ def test_generate_output_ends_each_sample_on_its_own_line(model_dir, capsys):
     headers = [i for i, line in enumerate(lines) if line.startswith("--- sample")]
     assert len(headers) == 4 and all(b - a >= 2 for a, b in zip(headers, headers[1:]))
     assert repr(sorted(controls)[0])[1:-1] in out  # shown as an escape, not sent to the terminal
+
+
+def test_eval_and_generate_take_a_run_directory_and_use_its_final_model(model_dir, test_file, tmp_path,
+                                                                        monkeypatch, capsys):
+    import shutil
+
+    run = tmp_path / "runs" / "x" / "rl"
+    shutil.copytree(model_dir, run / "final")
+    (run / "config.yaml").write_text("{}\n")
+    monkeypatch.chdir(tmp_path)
+    base = ["--data", str(test_file), "--task", "arithmetic", "--max-new-tokens", "2", "--num-examples", "1"]
+    assert main(["eval", "runs/x/rl", *base]) == 0
+    settings = json.loads((tmp_path / "runs/eval/rl/eval.json").read_text())["settings"]
+    assert settings["model"] == "runs/x/rl/final"  # what was evaluated, and the default OUT is the run's
+    assert main(["generate", "runs/x/rl", "1+2=", "--max-new-tokens", "3"]) == 0
+    assert capsys.readouterr().out.count("--- sample 1/1") == 1
+    # A run that has not finished: the error names the missing final/ and a checkpoint to use.
+    shutil.rmtree(run / "final")
+    for step in (9, 10):
+        (run / "checkpoints" / f"step-{step}").mkdir(parents=True)
+    assert main(["generate", "runs/x/rl", "1+2="]) == 1
+    err = capsys.readouterr().err
+    assert "runs/x/rl is a run directory without a final model: runs/x/rl/final does not exist" in err
+    assert "runs/x/rl/checkpoints/step-10" in err
+    assert main(["eval", "runs/x/rl", *base]) == 1
+    assert "runs/x/rl/final does not exist" in capsys.readouterr().err

@@ -143,13 +143,14 @@ def test_rloo_by_hand():
 
 
 def reinforce_pp_reference(rewards, mask, gamma):
-    """Python loop: returns-to-go restarted at every masked position, then whitening."""
+    """Python loop: returns-to-go over the valid positions (masked ones skipped), then whitening."""
     returns = [[0.0] * len(row) for row in rewards]
     for b, (r, m) in enumerate(zip(rewards, mask)):
         running = 0.0
         for t in reversed(range(len(r))):
-            running = r[t] + gamma * running if m[t] else 0.0
-            returns[b][t] = running
+            if m[t]:
+                running = r[t] + gamma * running
+                returns[b][t] = running
     valid = [x for row, m in zip(returns, mask) for x, keep in zip(row, m) if keep]
     mean = sum(valid) / len(valid)
     var = sum((x - mean) ** 2 for x in valid) / (len(valid) - 1)

@@ -42,6 +42,24 @@ def test_impossible_settings_name_the_field(overrides, field):
         build(*overrides)
 
 
+def test_overlong_buffer_of_episodes_is_checked_against_their_model_token_limit(tmp_path):
+    """With rollout.env the penalty counts an episode's model tokens against
+    min(max_turns · max_new_tokens, max_total_tokens), not one turn's max_new_tokens."""
+    episodes = ["rollout.env=arithmetic_tools", "rollout.max_new_tokens=32", "rollout.multi_turn.max_turns=4"]
+    cfg = build(*episodes, "rollout.multi_turn.max_total_tokens=512", "algorithm.overlong.buffer=100")
+    assert cfg.rollout.max_response_tokens() == 128  # a buffer past one turn's 32 tokens is fine
+    with pytest.raises(ConfigError, match=r"algorithm\.overlong\.buffer: must be <= the episode's model-token "
+                       r"limit 96 = min\(rollout\.multi_turn\.max_turns 4 × rollout\.max_new_tokens 32, "
+                       r"rollout\.multi_turn\.max_total_tokens 96\), got 100"):
+        build(*episodes, "rollout.multi_turn.max_total_tokens=96", "algorithm.overlong.buffer=100")
+    # The Python API's environment_factory makes a run of episodes that the config alone does not show.
+    single = build("rollout.max_new_tokens=256", "rollout.multi_turn.max_total_tokens=96",
+                   "algorithm.overlong.buffer=100", f"trainer.output_dir={tmp_path}")
+    with pytest.raises(ConfigError, match=r"algorithm\.overlong\.buffer: must be <= the episode's model-token limit 96"):
+        GRPOTrainer(None, args=single, train_dataset=[{"prompt": "1+1=", "answer": "2"}],
+                    environment_factory="arithmetic_tools")
+
+
 def test_one_response_per_prompt_is_reported_before_the_batch_arithmetic():
     # n=1 makes the mini-batch 16 rows, which micro_batch_size=32 does not divide either.
     with pytest.raises(ConfigError, match=r"rollout\.n: grpo compares the responses of a prompt: needs rollout\.n >= 2"):

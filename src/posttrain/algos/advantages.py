@@ -45,7 +45,10 @@ def compute_gae(
     where t' is the next valid token after t. After the last valid token
     V_{t'} = A_{t'} = 0: the episode ends there and never bootstraps from
     padding. Interior zeros in `mask` (e.g. tool output in a multi-turn
-    response) are skipped, as veRL does. No whitening here: PPO callers apply
+    response) are skipped, as veRL does: the last model token before an
+    observation span bootstraps from the value of the first model token after
+    it, discounted once (observation tokens are not time steps), and values and
+    rewards at masked positions never enter. No whitening here: PPO callers apply
     `masked_whiten` to the advantages (TRL and veRL defaults do).
     """
     valid = torch.broadcast_to(mask.bool(), rewards.shape)
@@ -122,19 +125,28 @@ def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
 def reinforce_pp_advantages(
     token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0
 ) -> torch.Tensor:
-    """REINFORCE++ advantages (Hu 2025, arXiv 2501.03262), as veRL computes them.
+    """REINFORCE++ advantages (Hu 2025, arXiv 2501.03262).
 
-    Shapes: token_rewards, mask (B, T) → adv (B, T), 0 on padding.
-    Formula: G_t = r_t + γ G_{t+1}, with the running return reset to 0 at every
-    masked position (so padding and anything after the end of a response never
-    leak into it); A = masked_whiten(G, mask) over all valid tokens of the
-    batch (global baseline and scale instead of a critic).
+    Shapes: token_rewards, mask (B, T) → adv (B, T), 0 on masked positions.
+    Formula (backward over t, visiting valid tokens only, as `compute_gae` does):
+        G_t = r_t + γ G_{t'}
+    where t' is the next valid token after t (G_{t'} = 0 after the last one); then
+    A = masked_whiten(G, mask) over all valid tokens of the batch (global baseline and
+    scale instead of a critic). Masked positions are skipped: the running return flows
+    through them unchanged, their rewards are not added and they do not discount.
+    Departure from veRL: its `compute_reinforce_plus_plus_outcome_advantage` multiplies
+    the running return by the mask after each position (`running_return *
+    response_mask[:, t]`, `eos_mask` in older versions), so the return of every token
+    before a masked position starts again from 0. For a single-turn response the two
+    agree (its masked positions are the padding after the end). In a multi-turn episode
+    the environment's tokens are masked in the middle of the response, and the reset
+    would cut every model turn but the last off the episode's final score.
     """
     valid = torch.broadcast_to(mask.bool(), token_rewards.shape)
     returns = torch.zeros_like(token_rewards)
     running = torch.zeros_like(token_rewards[..., 0])
     for t in reversed(range(token_rewards.shape[-1])):
-        running = torch.where(valid[..., t], token_rewards[..., t] + gamma * running, 0.0)
+        running = torch.where(valid[..., t], token_rewards[..., t] + gamma * running, running)
         returns[..., t] = running
     return masked_whiten(returns, valid)
 

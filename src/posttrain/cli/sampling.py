@@ -12,7 +12,8 @@ from typing import Any
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     """Model loading and sampling flags shared by `eval` and `generate`."""
-    p.add_argument("model", help="local Hugging Face model directory (config.json, weights, tokenizer)")
+    p.add_argument("model", help="local Hugging Face model directory (config.json, weights, tokenizer), or a "
+                   "run directory (e.g. runs/demo/rl), whose final/ model is used")
     p.add_argument("--n", type=int, default=1, metavar="K", help="samples per prompt (default 1)")
     p.add_argument("--temperature", type=float, default=None, metavar="T",
                    help="sampling temperature; 0 = greedy (default: 0 with --n 1, else 1.0)")
@@ -43,6 +44,7 @@ def _add_eval_commands(sub: Any) -> None:
         description="Sample --n completions of every prompt in --data, score them with reward functions "
         "and report accuracy, pass@k (unbiased estimator), response length, truncation rate and reward "
         "statistics. Writes OUT/eval.json (metrics + settings) and OUT/samples.jsonl (one line per sample). "
+        "MODEL may be a run directory RUN: its RUN/final model is evaluated. "
         "OUT defaults to runs/eval/NAME, NAME from the model folder: the run's name for RUN/final "
         "(runs/sft/final -> runs/eval/sft), RUN-step-N for RUN/checkpoints/step-N, else the folder's name. "
         "An OUT that already holds an eval is refused unless --overwrite.",
@@ -109,6 +111,28 @@ def _sampling_checks(args: argparse.Namespace) -> float:
     if temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {temperature}")
     return temperature
+
+
+RUN_DIR_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints", "final")
+"""What a training command writes to its run directory (besides final/, which may be missing)."""
+
+
+def resolve_model_dir(model: str) -> str:
+    """MODEL as given when it is a model directory (or not a directory: `read_config_json`
+    reports that); a run directory's `final/` model; an error naming the path when the run
+    directory has no final/ (the run has not finished), listing its checkpoints if any."""
+    path = Path(model)
+    if not path.is_dir() or (path / "config.json").is_file() or (path / "adapter_config.json").is_file():
+        return model
+    final = path / "final"
+    if final.is_dir():
+        return str(final)
+    if not any((path / name).exists() for name in RUN_DIR_MARKERS):
+        return model
+    steps = sorted((path / "checkpoints").glob("step-*"), key=lambda p: (len(p.name), p.name))  # step-9 < step-10
+    hint = f"; pass a checkpoint instead, e.g. {steps[-1]}" if steps else ""
+    raise FileNotFoundError(f"{model} is a run directory without a final model: {final} does not exist "
+                            f"(the run has not finished){hint}")
 
 
 def _load_model(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -194,6 +218,7 @@ def _handle_eval(args: argparse.Namespace) -> int:
     from posttrain.rewards import RewardRunner
 
     temperature = _sampling_checks(args)
+    args.model = resolve_model_dir(args.model)
     out = _eval_out(args)
     rows = load_rows(args.data)
     missing = next((i for i, r in enumerate(rows) if "prompt" not in r), None)
@@ -225,6 +250,7 @@ def _handle_generate(args: argparse.Namespace) -> int:
     from posttrain.rollout import SamplingParams
 
     temperature = _sampling_checks(args)
+    args.model = resolve_model_dir(args.model)
     environment, limits = _episodes(args)
     row = json.loads(args.row) if args.row else {}
     if not isinstance(row, dict):

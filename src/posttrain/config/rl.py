@@ -319,7 +319,8 @@ class OverlongConfig:
 
     buffer: int = 0
     """L_cache: the penalty ramps from 0 to −penalty over the last `buffer` tokens before
-    rollout.max_new_tokens (0 = off)."""
+    rollout.max_new_tokens (0 = off). For episodes the length is the episode's model tokens
+    and the limit min(multi_turn.max_turns · max_new_tokens, multi_turn.max_total_tokens)."""
     penalty: float = 1.0
     """α: the penalty at the length limit."""
 
@@ -528,11 +529,23 @@ class RLConfig:
         self._validate_critic(est)
         if self.trainer.backend == "ray":
             self._validate_ray(mini * n)
-        check(self.algorithm.overlong.buffer <= self.rollout.max_new_tokens, "algorithm.overlong.buffer",
-              f"must be <= rollout.max_new_tokens={self.rollout.max_new_tokens}")
+        self.check_overlong()
         if self.rollout.engine == "vllm" and self.eval.task is None:  # eval samples through the engine
             problem = check_vllm_temperature(self.eval.temperature)
             check(problem is None, "eval.temperature", problem or "")
+
+    def check_overlong(self, episodes: bool = False) -> None:
+        """DAPO's overlong buffer fits in the response limit its penalty counts model tokens
+        against: rollout.max_new_tokens, or for episodes (`episodes`: the Python API's
+        environment_factory / tools, or rollout.env / rollout.tools set) the episode's model-token
+        limit `rollout.max_response_tokens`."""
+        buffer, r = self.algorithm.overlong.buffer, self.rollout
+        limit = r.max_response_tokens(episodes)
+        where = (f"rollout.max_new_tokens={r.max_new_tokens}" if not (episodes or r.episodes) else
+                 f"the episode's model-token limit {limit} = min(rollout.multi_turn.max_turns "
+                 f"{r.multi_turn.max_turns} × rollout.max_new_tokens {r.max_new_tokens}, "
+                 f"rollout.multi_turn.max_total_tokens {r.multi_turn.max_total_tokens})")
+        check(buffer <= limit, "algorithm.overlong.buffer", f"must be <= {where}, got {buffer}")
 
     def _validate_critic(self, est: str) -> None:
         c = self.critic
