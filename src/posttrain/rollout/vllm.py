@@ -40,8 +40,9 @@ Notation: B prompts, n samples per prompt, N = B·n rows. Written against vLLM 0
   with stop = the tool-call end (kept in the output), max_tokens = the row's `turn_budget`
   and the seed `request_seed(seed, row, turn)`. The history is not re-encoded each turn:
   vLLM's prefix cache (`enable_prefix_caching`, set in `engine_kwargs`) finds the KV of its
-  blocks computed by the previous turn, vLLM's counterpart of the native engine's KV
-  extension; only the new turn's answer and the partial last block are prefilled. A
+  full blocks computed by the previous turn (prompt and sampled tokens alike), vLLM's
+  counterpart of the native engine's KV extension; what follows the last cached block
+  (mostly the environment's answer) is prefilled, and evicted blocks are recomputed. A
   history longer than the engine's `max_model_len` is vLLM's error; a turn that vLLM cuts
   at max_model_len ends the episode (truncated).
 - Logprobs: the engine is built with `logprobs_mode="processed_logprobs"`: the
