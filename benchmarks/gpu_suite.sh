@@ -7,7 +7,8 @@
 # Checks: CUDA is visible; NCCL initialises (one process, world size 1); a few SFT steps of the
 # built-in tiny model on CUDA under bf16 autocast keep fp32 master weights and a finite loss; the
 # native engine generates on CUDA as it does on the CPU; the vllm engine's GPU tests
-# (tests/rollout/test_rollout_vllm.py) when vLLM is importable. A missing vLLM is a SKIP, not a
+# (tests/rollout/test_rollout_vllm.py: single-turn sampling, weight sync, sleep, and multi-turn
+# episodes over the calculator environment) when vLLM is importable. A missing vLLM is a SKIP, not a
 # failure; POSTTRAIN_INSTALL_VLLM=1 first tries `pip install 'posttrain[vllm]'` (needs a registry).
 set -u
 cd "$(dirname "$0")/.."
@@ -95,7 +96,7 @@ if ! "$PY" -c 'import vllm' >/dev/null 2>&1 && [ "${POSTTRAIN_INSTALL_VLLM:-0}" 
         echo "note: pip install '.[vllm]' failed: $(tail -n 1 "$WORK/pip.log")"
 fi
 if "$PY" -c 'import vllm' >/dev/null 2>&1; then
-    check vllm_engine 360 "$PY" -m pytest -q -p no:cacheprovider -rs tests/rollout/test_rollout_vllm.py
+    check vllm_engine 420 "$PY" -m pytest -q -p no:cacheprovider -rs tests/rollout/test_rollout_vllm.py
 else
     echo "SKIP vllm_engine: vLLM is not importable (pip install 'posttrain[vllm]', or POSTTRAIN_INSTALL_VLLM=1)"
 fi

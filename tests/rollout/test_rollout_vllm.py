@@ -2,13 +2,18 @@
 with `posttrain[vllm]` the engine is checked against the model it serves."""
 
 import importlib.util
+import itertools
+import re
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from posttrain.algos import token_logprobs
-from posttrain.models import forward_logits
-from posttrain.rollout import SamplingParams, make_engine
+from posttrain.envs import ArithmeticTools, play_episodes
+from posttrain.models import BuiltinConfig, BuiltinLM, forward_logits
+from posttrain.models.builtin import next_token_loss
+from posttrain.rollout import MultiTurnLimits, SamplingParams, make_engine
 
 from .conftest import PROMPTS, randomized
 
@@ -64,7 +69,7 @@ def test_the_engine_is_built_to_sleep_between_rollouts():
     kw = engine_kwargs("/ckpt", "bfloat16", 0.3, 5, tensor_parallel_size=2, enforce_eager=True)
     assert kw == {"model": "/ckpt", "tokenizer": "/ckpt", "dtype": "bfloat16", "gpu_memory_utilization": 0.3,
                   "seed": 5, "enable_sleep_mode": True, "logprobs_mode": "processed_logprobs",
-                  "tensor_parallel_size": 2, "enforce_eager": True}
+                  "enable_prefix_caching": True, "tensor_parallel_size": 2, "enforce_eager": True}
 
 
 def test_auto_dtype_serves_a_float32_policy_in_16_bits():
@@ -74,6 +79,54 @@ def test_auto_dtype_serves_a_float32_policy_in_16_bits():
     assert serving_dtype(torch.float32, bf16_supported=False) == "float16"
     assert serving_dtype(torch.bfloat16, bf16_supported=True) == "bfloat16"
     assert serving_dtype(torch.float16, bf16_supported=True) == "float16"
+
+
+@dataclass
+class Logprob:  # the shape of vllm.logprobs.Logprob
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:  # the fields of vllm.outputs.CompletionOutput a model turn reads
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    text: str = ""
+
+
+def test_a_vllm_completion_becomes_a_model_turn_with_the_sampled_tokens_logprobs():
+    from posttrain.rollout.vllm import model_turn
+
+    # with logprobs=1 (or a sampled token that is not the top one) a step holds more entries
+    steps = [{7: Logprob(-0.5, 1)}, {9: Logprob(-2.25, 3), 4: Logprob(-0.1, 1)}, {60: Logprob(-1.0, 1)}]
+    called = model_turn(CompletionOutput([7, 9, 60], steps, "stop", stop_reason="</call>"))
+    assert called.token_ids == [7, 9, 60] and called.logprobs == [-0.5, -2.25, -1.0]
+    assert called.called and not called.cut_short
+    eos = model_turn(CompletionOutput([7, 2], steps[:1] + [{2: Logprob(-3.0)}], "stop", stop_reason=2))
+    assert not eos.called and not eos.cut_short and eos.logprobs == [-0.5, -3.0]
+    long = model_turn(CompletionOutput([7], steps[:1], "length"))
+    assert long.cut_short and not long.called  # the turn loop tells budget from max_model_len
+
+
+def test_a_vllm_completion_without_a_logprob_per_token_is_refused():
+    from posttrain.rollout.vllm import model_turn, sampled_logprobs
+
+    with pytest.raises(ValueError, match="no log-probs"):
+        model_turn(CompletionOutput([7], None, "length"))
+    with pytest.raises(ValueError, match="1 log-prob steps for 2 tokens"):
+        sampled_logprobs([7, 8], [{7: Logprob(-0.5)}])
+
+
+def test_request_seeds_are_distinct_over_an_episodes_rows_and_turns():
+    from posttrain.rollout.vllm import request_seed
+
+    assert request_seed(None, 3, turn=2, rows=8) is None  # vLLM's own RNG
+    assert [request_seed(10, r) for r in range(3)] == [10, 11, 12]  # single-turn: seed + row
+    seeds = [request_seed(10, r, t, rows=8) for r in range(8) for t in range(5)]
+    assert len(set(seeds)) == len(seeds) and request_seed(10, 5, 0, rows=8) == request_seed(10, 5)
 
 
 # vLLM's attention backends: FlashAttention and FlashInfer refuse float32, Triton attention needs
@@ -189,3 +242,106 @@ def test_vllm_serves_an_fp32_policy_in_bf16_and_sleeps_and_wakes(gpu_policy, tok
     engine.sync_weights(gpu_policy)  # wakes up, loads, resets the prefix cache
     assert not engine.asleep
     assert torch.equal(engine.generate(PROMPTS, params).response_ids, out.response_ids)
+
+
+# ---------------------------------------------------------------- episodes on the vllm engine
+
+TOOL_PROMPT = "23*47+58*91="
+TOOL_DEMO = ("<call>calculator(23*47)</call><result>1081</result><call>calculator(58*91)</call>"
+             "<result>5278</result><call>calculator(1081+5278)</call><result>6359</result>\nAnswer: 6359")
+TOOL_ROWS = [{"prompt": TOOL_PROMPT, "answer": "6359"}]
+TOOL_LIMITS = MultiTurnLimits(max_turns=4, max_total_tokens=200)
+
+
+def teach_tool_episode(tok, device: str) -> BuiltinLM:
+    """A model of the GPU policy's shape taught one `arithmetic_tools` episode: greedy decoding
+    of TOOL_PROMPT gives TOOL_DEMO (three calculator calls, their results, the answer), then EOS."""
+    torch.manual_seed(0)
+    config = BuiltinConfig(vocab_size=len(tok), num_hidden_layers=2, bos_token_id=1, eos_token_id=2,
+                           pad_token_id=0, **WIDE_HEADS)
+    model = BuiltinLM(config).to(device)
+    ids = torch.tensor([tok(TOOL_PROMPT + TOOL_DEMO)["input_ids"] + [tok.eos_token_id]], device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(600):
+        loss = next_token_loss(model(ids), ids)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if loss.item() < 0.01:
+            break
+    return model.eval()
+
+
+def check_tool_episodes(out, tok, params: SamplingParams, limits: MultiTurnLimits) -> None:
+    """The mask is 0 exactly on the environment's answers: the trajectory alternates model
+    turns (runs of 1, each at most max_new_tokens) and `<result>…</result>` answers (runs of
+    0), one answer after every turn but the last; log-probs are 0 off model tokens; limits hold."""
+    assert (out.turns <= limits.max_turns).all() and (out.total_lengths <= limits.max_total_tokens).all()
+    for row in range(len(out)):
+        ids = out.response_ids[row, : int(out.total_lengths[row])].tolist()
+        mask = out.response_mask[row, : len(ids)].tolist()
+        runs = [(m, [t for t, _ in grp]) for m, grp in itertools.groupby(zip(ids, mask), key=lambda p: p[1])]
+        assert [m for m, _ in runs] == [1, 0] * (int(out.turns[row]) - 1) + [1]
+        for m, toks in runs:
+            text = tok.decode(toks, skip_special_tokens=True)
+            if m == 0:
+                assert re.fullmatch(r"(<result>[^<]*</result>)+", text), text
+            else:
+                assert len(toks) <= params.max_new_tokens
+        assert int(out.lengths[row]) == sum(mask)
+        assert out.logprobs[row, : len(ids)][out.response_mask[row, : len(ids)] == 0].abs().sum() == 0
+
+
+@pytest.fixture(scope="module")
+def tool_policy(tok):
+    return teach_tool_episode(tok, "cuda")
+
+
+@pytest.fixture(scope="module")
+def tool_engine(tool_policy, tok):
+    return make_engine("vllm", tool_policy, tok, dtype="float32", gpu_memory_utilization=0.15,
+                       enforce_eager=True, max_model_len=256)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_vllm_plays_the_calculator_episode_as_the_native_engine(tool_engine, tool_policy, tok):
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=48)
+    out, rewards, metrics = play_episodes(tool_engine, TOOL_ROWS, ArithmeticTools, params, TOOL_LIMITS)
+    assert out.meta["engine"] == "vllm" and out.texts == [TOOL_DEMO] * 2
+    assert out.turn_texts[0] == ["<call>calculator(23*47)</call>", "<call>calculator(58*91)</call>",
+                                 "<call>calculator(1081+5278)</call>", "\nAnswer: 6359"]
+    assert rewards.tolist() == [1.0, 1.0] and metrics["tool_calls/mean"] == 3.0
+    check_tool_episodes(out, tok, params, TOOL_LIMITS)
+    native, _, _ = play_episodes(make_engine("native", tool_policy, tok), TOOL_ROWS, ArithmeticTools, params,
+                                 TOOL_LIMITS)
+    assert torch.equal(out.response_ids, native.response_ids)
+    assert torch.equal(out.response_mask, native.response_mask)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("limits", [TOOL_LIMITS, MultiTurnLimits(max_turns=2, max_total_tokens=60)])
+def test_vllm_sampled_episodes_mask_answers_keep_limits_repeat_and_match_teacher_forcing(
+    tool_engine, tool_policy, tok, limits
+):
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=40, seed=7)
+
+    def play():
+        tool_engine.llm.reset_prefix_cache()  # both runs find the same cache: identical kernels
+        return play_episodes(tool_engine, TOOL_ROWS, ArithmeticTools, params, limits)[0]
+
+    out = play()
+    check_tool_episodes(out, tok, params, limits)
+    if limits is not TOOL_LIMITS:  # 60 tokens cannot hold the demo: the last turn's budget cut it
+        assert (out.total_lengths == limits.max_total_tokens).any()
+    again = play()
+    assert torch.equal(out.response_ids, again.response_ids) and torch.equal(out.response_mask, again.response_mask)
+    for row in range(len(out)):  # the actor's teacher-forced forward over prompt + trajectory
+        n, prompt = int(out.total_lengths[row]), out.prompt_ids[row]
+        seq = torch.tensor(prompt + out.response_ids[row, :n].tolist(), device=tool_policy.device)[None]
+        with torch.no_grad():
+            ref = token_logprobs(forward_logits(tool_policy, seq)[:, :-1], seq[:, 1:], 1.0)[0, len(prompt) - 1 :]
+        model_tokens = out.response_mask[row, :n].bool()
+        diff = (out.logprobs[row, :n][model_tokens] - ref.cpu()[model_tokens]).abs().max().item()
+        assert diff < 1e-3  # different kernels, fp32 (as the single-turn test)

@@ -145,6 +145,14 @@ def test_vllm_serves_temperatures_0_01_to_2_and_greedy_eval_and_other_engines_an
     build("rollout.engine=native", "rollout.temperature=2.5")
 
 
+def test_episodes_on_the_vllm_engine_build_their_config():
+    cfg = build("rollout.engine=vllm", "rollout.env=arithmetic_tools", "rollout.multi_turn.max_turns=3")
+    assert cfg.rollout.engine == "vllm" and cfg.rollout.episodes and cfg.rollout.multi_turn.max_turns == 3
+    assert build("rollout.engine=vllm", "rollout.tools=[calculator]").rollout.episodes
+    with pytest.raises(ConfigError, match="rollout.temperature"):  # what vLLM serves still applies
+        build("rollout.engine=vllm", "rollout.env=arithmetic_tools", "rollout.temperature=2.5")
+
+
 def test_vllm_options_carry_the_base_model_path_for_a_lora_policy():
     from posttrain.trainers.rl_build import engine_options
 

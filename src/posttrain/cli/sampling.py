@@ -154,8 +154,6 @@ def _episodes(args: argparse.Namespace) -> tuple[Any, Any]:
     from posttrain.envs import episode_factory
     from posttrain.rollout import MultiTurnLimits
 
-    if args.engine == "vllm":
-        raise ValueError("--env / --tool: episodes run on the native and hf engines, not vllm")
     return episode_factory(args.env, args.tools), MultiTurnLimits(args.max_turns, args.max_total_tokens)
 
 

@@ -154,8 +154,6 @@ class RolloutConfig:
 
     def validate(self) -> None:
         check(self.n >= 1, "rollout.n", f"must be >= 1, got {self.n}")
-        check(not (self.episodes and self.engine == "vllm"), "rollout.engine",
-              "multi-turn episodes (rollout.env / rollout.tools) run on the native and hf engines, not vllm")
         check(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
         check(self.temperature > 0, "rollout.temperature",
               f"must be > 0 for RL (greedy samples carry no exploration), got {self.temperature}")

@@ -16,9 +16,9 @@ step's new tokens as they are decoded (vllm: replayed after the call); `TextStre
 turns them into text (`posttrain serve` streams it).
 
 Multi-turn episodes (episodes.py): `engine.generate_episodes(prompts, params, limits,
-handler)` (native and hf) lets a `TurnHandler` (an environment, `posttrain.envs`) answer
-each model turn; the trajectory comes back as one response whose `response_mask` is 0 on
-the environment's tokens.
+handler)` (every engine: native and hf token by token, vllm turn by turn) lets a
+`TurnHandler` (an environment, `posttrain.envs`) answer each model turn; the trajectory
+comes back as one response whose `response_mask` is 0 on the environment's tokens.
 """
 
 from __future__ import annotations

@@ -31,6 +31,13 @@ the history again); the hf engine re-encodes the rows' whole histories after an
 environment answer and decodes single tokens with transformers' cache in between. With
 the same seed both give the same episodes (tests/rollout/test_episodes.py).
 
+An engine that cannot hand out logits token by token (vLLM samples whole responses) runs
+`run_turn_episodes` instead, one round per model turn: every running row is sent as one
+request (prompt + trajectory, at most `turn_budget` new tokens), the engine stops each on a
+stop token, a stop string or that budget, and steps 3-4 above follow for all rows at once.
+The end of a turn (`turn_end`), the environment's answer and the limits (`_after_turn`) are
+the same functions in both loops, so the two give the same episodes from the same samples.
+
 Masks: `response_mask` is 1 on model tokens only (environment tokens are context, never
 trained on), `sequence_mask` 1 on every real token of the trajectory (what the model
 attends to). `lengths` and `num_tokens` count model tokens only.
@@ -198,14 +205,10 @@ def run_episodes(
             row.model.append(1)
             row.logp.append(lp)
             row.turn.append(t)
-            if t in stop_ids:
-                ended[r] = "eos"
-            elif stops.completes(row.turn):
-                ended[r] = "call"
-            elif len(row.ids) >= limits.max_total_tokens:
-                ended[r] = "total"
-            elif len(row.turn) >= params.max_new_tokens:
-                ended[r] = "turn"
+            why = turn_end(row.turn, len(row.ids), stop_ids, stops.completes(row.turn),
+                           params.max_new_tokens, limits.max_total_tokens)
+            if why is not None:
+                ended[r] = why
         answers = _answer(rows, ended, handler, tokenizer, stop_ids)
         chunks, keep = [], []
         for i, (r, t) in enumerate(zip(held, tok.tolist())):
@@ -223,6 +226,148 @@ def run_episodes(
     return _assemble(prompt_ids, rows, n, tokenizer, pad_id, {
         "decode_steps": steps, "forwards": forwards, "seconds": time.perf_counter() - start,
     })
+
+
+def turn_end(
+    turn: Sequence[int], trajectory_len: int, stop_ids, called: bool, max_new_tokens: int, max_total_tokens: int
+) -> str | None:
+    """Why a model turn ends with its newest token, or None if it goes on; first that applies:
+    "eos" (the token is a stop token), "call" (`called`: it completed a stop string, the
+    tool-call end), "total" (the trajectory, `trajectory_len` tokens after the prompt, reached
+    `max_total_tokens`), "turn" (the turn has `max_new_tokens` tokens). `turn` is the turn's
+    tokens so far, the newest last. The same rule for every engine: the token loop applies it
+    per token, the turn loop to the last token of each turn an engine returns."""
+    if turn[-1] in stop_ids:
+        return "eos"
+    if called:
+        return "call"
+    if trajectory_len >= max_total_tokens:
+        return "total"
+    if len(turn) >= max_new_tokens:
+        return "turn"
+    return None
+
+
+def turn_budget(trajectory_len: int, max_new_tokens: int, max_total_tokens: int) -> int:
+    """Most tokens the next model turn of a row may sample: the per-turn limit, or what is left
+    of `max_total_tokens` after the `trajectory_len` tokens so far if that is less. A running
+    row always has room for one (`_after_turn` ends a row whose answer would fill it)."""
+    budget = min(max_new_tokens, max_total_tokens - trajectory_len)
+    if budget < 1:
+        raise ValueError(f"no room for a model turn: {trajectory_len} of {max_total_tokens} tokens used")
+    return budget
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    """One row's next model turn, as the turn loop asks an engine for it."""
+
+    row: int
+    """The output row (0 .. N-1, grouped by prompt)."""
+    turn: int
+    """Model turns the row has had (0 for its first)."""
+    ids: list[int]
+    """The whole context: prompt, then the trajectory so far (model and environment tokens)."""
+    max_tokens: int
+    """Most tokens to sample (`turn_budget`)."""
+
+
+@dataclass(frozen=True)
+class ModelTurn:
+    """One model turn as an engine sampled it (vLLM: `vllm.model_turn`)."""
+
+    token_ids: list[int]
+    """The turn's tokens, the one that ended it (stop token, stop string's end) included."""
+    logprobs: list[float]
+    """log softmax(logits / T)[token] of each of them (base.py's definition)."""
+    called: bool = False
+    """The engine ended the turn on a stop string (the tool-call end)."""
+    cut_short: bool = False
+    """The engine ended it for want of room (vLLM: its max_model_len) before any rule of
+    `turn_end` applied; the episode is then truncated."""
+
+
+class TurnSampler(Protocol):
+    """An engine that samples whole model turns (vLLM): the turn loop's counterpart of
+    `EpisodeModel`."""
+
+    def __call__(self, requests: list[TurnRequest]) -> list[ModelTurn]:
+        """One ModelTurn per request, same order; each ends on a stop token, a stop string
+        or after `max_tokens` tokens, whichever comes first."""
+        ...
+
+
+def sampled_turn_end(turn: ModelTurn, trajectory_len: int, stop_ids, max_new_tokens: int, max_total_tokens: int) -> str:
+    """Why an engine's sampled turn ended (`turn_end` of its last token; "total" when the engine
+    cut it short), the trajectory holding `trajectory_len` tokens with the turn. An engine that
+    stopped where no rule applies broke the TurnSampler contract: ValueError."""
+    why = turn_end(turn.token_ids, trajectory_len, stop_ids, turn.called, max_new_tokens, max_total_tokens)
+    if why is None and turn.cut_short:
+        why = "total"  # the engine has no room for more: nor would the next turn
+    if why is None:
+        raise ValueError(
+            f"the engine ended a model turn after {len(turn.token_ids)} tokens with no stop token, "
+            f"stop string or limit (max_new_tokens={max_new_tokens}, trajectory {trajectory_len} of "
+            f"{max_total_tokens} tokens)"
+        )
+    return why
+
+
+def run_turn_episodes(
+    sample_turns: TurnSampler,
+    prompt_ids: list[list[int]],
+    params: SamplingParams,
+    limits: MultiTurnLimits,
+    handler: TurnHandler,
+    tokenizer,
+    pad_id: int,
+) -> Episodes:
+    """`run_episodes` for an engine that samples whole turns (vLLM): one round per model turn.
+
+    Each round every running row is one `TurnRequest` (its prompt + trajectory, at most
+    `turn_budget` new tokens); the turns that come back all ended (`sampled_turn_end`), so
+    the handler answers all of them at once and rows finish by the rules of `_after_turn`.
+    Same episodes, masks and log-probs as the token loop for the same samples; the samples
+    themselves come from the engine's RNG (its seeds, not `run_episodes`'s noise)."""
+    start = time.perf_counter()
+    n, rows = params.n, [_Row() for _ in range(len(prompt_ids) * params.n)]
+    stop_ids = set(params.resolved_stop_token_ids(tokenizer))
+    live, rounds = list(range(len(rows))), 0
+    while live:
+        requests = [
+            TurnRequest(r, rows[r].turns, [*prompt_ids[r // n], *rows[r].ids],
+                        turn_budget(len(rows[r].ids), params.max_new_tokens, limits.max_total_tokens))
+            for r in live
+        ]
+        turns = sample_turns(requests)
+        if len(turns) != len(requests):
+            raise ValueError(f"the engine sampled {len(turns)} turns, expected {len(requests)}")
+        ended = {}
+        for q, turn in zip(requests, turns):
+            _check_turn(turn, q.max_tokens)
+            row = rows[q.row]
+            row.ids += turn.token_ids
+            row.model += [1] * len(turn.token_ids)
+            row.logp += turn.logprobs
+            row.turn = list(turn.token_ids)
+            ended[q.row] = sampled_turn_end(turn, len(row.ids), stop_ids, params.max_new_tokens,
+                                            limits.max_total_tokens)
+        answers = _answer(rows, ended, handler, tokenizer, stop_ids)
+        for r in live:
+            _after_turn(rows[r], ended[r], answers[r], limits)
+        live = [r for r in live if rows[r].reason is None]
+        rounds += 1
+    return _assemble(prompt_ids, rows, n, tokenizer, pad_id, {
+        "rounds": rounds, "seconds": time.perf_counter() - start,
+    })
+
+
+def _check_turn(turn: ModelTurn, max_tokens: int) -> None:
+    if not 1 <= len(turn.token_ids) <= max_tokens or len(turn.logprobs) != len(turn.token_ids):
+        raise ValueError(
+            f"the engine returned a turn of {len(turn.token_ids)} tokens and {len(turn.logprobs)} "
+            f"log-probs; expected 1 to {max_tokens} tokens, one log-prob each"
+        )
 
 
 def _answer(rows, ended: dict[int, str], handler: TurnHandler, tokenizer, stop_ids) -> dict[int, Reply]:

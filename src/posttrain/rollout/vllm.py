@@ -35,6 +35,16 @@ Notation: B prompts, n samples per prompt, N = B·n rows. Written against vLLM 0
 - Temperature: vLLM rejects T > 2 and raises 0 < T < 0.01 to 0.01 (T < 1e-5 is greedy,
   whose logprobs are at T = 1, as ours), so the logprobs would not be those of
   softmax(logits / T): `check_temperature` refuses such T (`rollout.temperature` too).
+- Episodes (`generate_episodes`): `episodes.run_turn_episodes`, one `LLM.generate` per
+  model turn over every running row, each a token-id prompt (prompt + trajectory so far)
+  with stop = the tool-call end (kept in the output), max_tokens = the row's `turn_budget`
+  and the seed `request_seed(seed, row, turn)`. The history is not re-encoded each turn:
+  vLLM's prefix cache (`enable_prefix_caching`, set in `engine_kwargs`) finds the KV of its
+  full blocks computed by the previous turn (prompt and sampled tokens alike), vLLM's
+  counterpart of the native engine's KV extension; what follows the last cached block
+  (mostly the environment's answer) is prefilled, and evicted blocks are recomputed. A
+  history longer than the engine's `max_model_len` is vLLM's error; a turn that vLLM cuts
+  at max_model_len ends the episode (truncated).
 - Logprobs: the engine is built with `logprobs_mode="processed_logprobs"`: the
   log-softmax of the logits vLLM samples from, after temperature. That is our
   definition (base.py) exactly when top_k, top_p and min_p are off; with a filter
@@ -44,11 +54,12 @@ Notation: B prompts, n samples per prompt, N = B·n rows. Written against vLLM 0
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -64,6 +75,14 @@ from posttrain.rollout.base import (
     build_completions,
     encode_prompts,
     replay_tokens,
+)
+from posttrain.rollout.episodes import (
+    Episodes,
+    ModelTurn,
+    MultiTurnLimits,
+    TurnHandler,
+    TurnRequest,
+    run_turn_episodes,
 )
 
 INSTALL_HINT = "pip install 'posttrain[vllm]' on a CUDA machine"
@@ -100,11 +119,45 @@ def check_gpu_memory(free_bytes: int, total_bytes: int, utilization: float) -> N
 
 def engine_kwargs(model_path: str, dtype: str, gpu_memory_utilization: float, seed: int,
                **extra: Any) -> dict[str, Any]:
-    """The arguments of `vllm.LLM`: sleep mode for colocation, processed logprobs (module
-    docstring); `extra` (tensor_parallel_size, max_model_len, enforce_eager, ...) on top."""
+    """The arguments of `vllm.LLM`: sleep mode for colocation, processed logprobs, the prefix
+    cache that episodes' turns re-use (module docstring; vLLM's default, set so that it stays
+    on); `extra` (tensor_parallel_size, max_model_len, enforce_eager, ...) on top."""
     return {"model": model_path, "tokenizer": model_path, "dtype": dtype,
             "gpu_memory_utilization": gpu_memory_utilization, "seed": seed,
-            "enable_sleep_mode": True, "logprobs_mode": "processed_logprobs", **extra}
+            "enable_sleep_mode": True, "logprobs_mode": "processed_logprobs",
+            "enable_prefix_caching": True, **extra}
+
+
+def request_seed(seed: int | None, row: int, turn: int = 0, rows: int = 0) -> int | None:
+    """The seed of one vLLM request: seed + row for a single-turn call; for turn k of an
+    episode over `rows` rows, seed + row + k·rows, so that no two requests of a call share a
+    random stream (a row's turns reusing one would draw the same noise). None = vLLM's RNG."""
+    return None if seed is None else seed + row + turn * rows
+
+
+def sampled_logprobs(token_ids: Sequence[int], step_logprobs) -> list[float]:
+    """The sampled tokens' log-probs out of a vLLM CompletionOutput's `logprobs`: one
+    {token id: Logprob} per step (the sampled token is always in it, whatever the number of
+    top log-probs asked for), in `token_ids` order."""
+    if len(step_logprobs) != len(token_ids):
+        raise ValueError(f"vLLM returned {len(step_logprobs)} log-prob steps for {len(token_ids)} tokens")
+    return [float(step[tok].logprob) for tok, step in zip(token_ids, step_logprobs)]
+
+
+def model_turn(completion) -> ModelTurn:
+    """An episode's model turn out of a vLLM CompletionOutput (token_ids, logprobs asked for,
+    finish_reason "stop" | "length", stop_reason: the stop string or token that ended it).
+    A "length" finish is vLLM's max_tokens, which is the turn's budget, or its max_model_len:
+    `cut_short` lets the turn loop treat the second as a truncation."""
+    ids = [int(t) for t in completion.token_ids]
+    if completion.logprobs is None:
+        raise ValueError("vLLM returned no log-probs: episodes ask for them (SamplingParams.logprobs=0)")
+    return ModelTurn(
+        token_ids=ids,
+        logprobs=sampled_logprobs(ids, completion.logprobs),
+        called=isinstance(completion.stop_reason, str),
+        cut_short=completion.finish_reason == "length",
+    )
 
 
 def require_vllm():
@@ -236,24 +289,13 @@ class VLLMEngine:
     def generate(
         self, prompts: Prompts, params: SamplingParams, on_tokens: TokenCallback | None = None
     ) -> Completions:
-        problem = check_temperature(params.temperature)
-        if problem:
-            raise ValueError(problem)
-        self.resume()
+        self._check(params)
         prompt_ids = encode_prompts(self.tokenizer, prompts)
         pad_id = pad_id_of(self.tokenizer)
-        filtered = params.top_k > 0 or params.top_p < 1 or params.min_p > 0
-        if params.logprobs and filtered and not params.greedy:
-            warnings.warn(
-                "vllm engine: with top_k/top_p/min_p on, vLLM's logprobs are renormalised over "
-                "the kept tokens and differ from log softmax(logits / T); recompute old_logp "
-                "with the actor's forward.",
-                stacklevel=2,
-            )
         stop_ids = list(params.resolved_stop_token_ids(self.tokenizer))
         rows = [p for p in prompt_ids for _ in range(params.n)]
         requests = [{"prompt_token_ids": p} for p in rows]
-        sampling = [self._sampling_params(params, stop_ids, row) for row in range(len(rows))]
+        sampling = [self._sampling_params(params, stop_ids, request_seed(params.seed, row)) for row in range(len(rows))]
         start = time.perf_counter()
         outputs = self.llm.generate(requests, sampling, use_tqdm=False)
         seconds = time.perf_counter() - start
@@ -268,9 +310,7 @@ class VLLMEngine:
             response_ids[r, : len(ids)] = torch.tensor(ids, dtype=torch.long)
             lengths[r], stopped[r] = len(ids), sample.finish_reason == "stop"
             if params.logprobs and sample.logprobs is not None:
-                logprobs[r, : len(ids)] = torch.tensor(
-                    [step[tok].logprob for tok, step in zip(ids, sample.logprobs)]
-                )
+                logprobs[r, : len(ids)] = torch.tensor(sampled_logprobs(ids, sample.logprobs))
         if on_tokens is not None:
             replay_tokens(on_tokens, response_ids, lengths)
         return build_completions(
@@ -285,18 +325,61 @@ class VLLMEngine:
             meta={"engine": "vllm", "seconds": seconds},
         )
 
-    def _sampling_params(self, params: SamplingParams, stop_ids: list[int], row: int):
+    def generate_episodes(
+        self, prompts: Prompts, params: SamplingParams, limits: MultiTurnLimits, handler: TurnHandler
+    ) -> Episodes:
+        """`params.n` multi-turn episodes of every prompt with `handler` answering each model
+        turn: one `LLM.generate` per turn over the running rows (module docstring)."""
+        # Episodes always carry log-probs; the stop string stays in vLLM's text (its tokens
+        # are kept either way, and the loop decodes the turn's text from them).
+        turn_params = dataclasses.replace(params, logprobs=True, include_stop_str_in_output=True)
+        self._check(turn_params)
+        prompt_ids = encode_prompts(self.tokenizer, prompts)
+        pad_id = pad_id_of(self.tokenizer)
+        stop_ids = list(params.resolved_stop_token_ids(self.tokenizer))
+        rows = len(prompt_ids) * params.n
+
+        def sample(requests: list[TurnRequest]) -> list[ModelTurn]:
+            sampling = [
+                self._sampling_params(turn_params, stop_ids, request_seed(params.seed, q.row, q.turn, rows), q.max_tokens)
+                for q in requests
+            ]
+            outputs = self.llm.generate([{"prompt_token_ids": q.ids} for q in requests], sampling, use_tqdm=False)
+            return [model_turn(o.outputs[0]) for o in outputs]
+
+        out = run_turn_episodes(sample, prompt_ids, params, limits, handler, self.tokenizer, pad_id)
+        out.meta["engine"] = "vllm"
+        return out
+
+    def _check(self, params: SamplingParams) -> None:
+        """Refuse temperatures vLLM would change, warn about filtered log-probs, wake up."""
+        problem = check_temperature(params.temperature)
+        if problem:
+            raise ValueError(problem)
+        filtered = params.top_k > 0 or params.top_p < 1 or params.min_p > 0
+        if params.logprobs and filtered and not params.greedy:
+            warnings.warn(
+                "vllm engine: with top_k/top_p/min_p on, vLLM's logprobs are renormalised over "
+                "the kept tokens and differ from log softmax(logits / T); recompute old_logp "
+                "with the actor's forward.",
+                stacklevel=3,
+            )
+        self.resume()
+
+    def _sampling_params(self, params: SamplingParams, stop_ids: list[int], seed: int | None,
+                         max_tokens: int | None = None):
+        """vLLM's SamplingParams of one request; `max_tokens` defaults to params.max_new_tokens."""
         return self._vllm.SamplingParams(
             n=1,
             temperature=params.temperature,
             top_p=params.top_p,
             top_k=params.top_k,
             min_p=params.min_p,
-            max_tokens=params.max_new_tokens,
+            max_tokens=params.max_new_tokens if max_tokens is None else max_tokens,
             stop=list(params.stop) or None,
             stop_token_ids=stop_ids,
             ignore_eos=True,
             include_stop_str_in_output=params.include_stop_str_in_output,
-            seed=None if params.seed is None else params.seed + row,
+            seed=seed,
             logprobs=0 if params.logprobs else None,
         )

@@ -68,7 +68,8 @@ Departures from the papers, TRL and veRL, and why:
   the trajectory's last token (a model token). Environment rewards are the reward function
   `env_reward` (the default when there is none), so `reward.weights` combines them with
   the others. Dr.GRPO's constant is then min(max_turns · max_new_tokens, max_total_tokens).
-  TRL needs vLLM for this; here the native and hf engines run it (`posttrain.envs`).
+  TRL needs vLLM for this; here every engine runs it (`posttrain.envs`): native and hf token
+  by token, vllm turn by turn (`rollout.episodes.run_turn_episodes`).
 - Every RL metric is written every step: stages that did not run log their neutral
   value (`rl_steps.NOT_RUN`, timing 0), never NaN. `accuracy` is the fraction of
   samples whose first reward function gives ≥ 1 (`workers/reward_worker.py`).

@@ -127,8 +127,6 @@ def build_rollout(cfg: RLConfig, model: torch.nn.Module, tokenizer: Any, env_fac
 
     rc = cfg.rollout
     kind = engine_kind_for(model) if rc.engine == "auto" else rc.engine
-    check(env_factory is None or kind != "vllm", "rollout.engine",
-          "multi-turn episodes run on the native and hf engines, not vllm")
     opts = engine_options(cfg, kind, is_peft(model))
     return Rollout(make_engine(kind, model, tokenizer, **opts), SamplingParams.from_config(rc),
                    env_factory, MultiTurnLimits.from_config(rc.multi_turn))
