@@ -237,6 +237,82 @@ def test_a_shared_critic_backbone_is_refused_on_ray_naming_the_key(tmp_path):
         config(tmp_path, "ppo", **{"trainer.backend": "ray", "rollout.engine": "vllm"})
 
 
+GUESS_PROMPT = "Guess."
+GUESS_ROWS = [{"prompt": GUESS_PROMPT, "secret": s, "low": 1, "high": 3} for s in (1, 2, 3, 2)]
+FILE_GAME = """
+import dataclasses
+
+from posttrain.envs import GuessNumber
+
+
+class EveryTurnCounts(GuessNumber):
+    \"\"\"GuessNumber whose right guess earns 1 at any turn (a class the workers cannot import).\"\"\"
+
+    def step(self, action):
+        result = super().step(action)
+        return dataclasses.replace(result, reward=1.0) if result.reward else result
+"""
+
+
+@pytest.fixture(scope="module")
+def guesser():
+    """A float64 model taught (100 AdamW steps) to play GuessNumber over 1..3 on the byte
+    tokenizer: sampled at temperature 1 it guesses 1, 2 or 3, reads `<result>higher</result>`
+    and guesses again, so a group's episodes differ in turns and rewards."""
+    from posttrain.data.tokenizer import build_tokenizer
+    from posttrain.envs import GuessNumber
+    from posttrain.models import BuiltinConfig
+    from posttrain.models.builtin import next_token_loss
+
+    tok = build_tokenizer()
+    intro = GuessNumber().reset({"secret": 2, "low": 1, "high": 3})
+    plays = [f" <call>guess({a})</call><result>{'higher' if a < 2 else 'lower'}</result> <call>guess(2)</call>"
+             for a in (1, 3)] + [" <call>guess(2)</call>"]
+    seqs = [torch.tensor([tok(GUESS_PROMPT + intro + p)["input_ids"] + [tok.eos_token_id]]) for p in plays]
+    torch.manual_seed(0)
+    model = BuiltinLM(BuiltinConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                    num_attention_heads=4, bos_token_id=1, eos_token_id=2, pad_token_id=0)).double()
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-2)
+    for _ in range(100):
+        loss = sum(next_token_loss(model(x), x) for x in seqs) / len(seqs)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval(), tok
+
+
+def episode_config(run_dir, env, **overrides):
+    return grpo_config(run_dir, **{
+        "rollout.env": env, "rollout.max_new_tokens": 24, "rollout.multi_turn.max_turns": 3,
+        "rollout.multi_turn.max_total_tokens": 96, "data.train_batch_size": 2, "actor.ppo_mini_batch_size": 1,
+        "trainer.learning_rate": 1e-3, **overrides})
+
+
+@pytest.mark.parametrize("env", ["guess_number", "file"])
+def test_two_workers_give_the_local_update_over_episodes(ray_session, guesser, tmp_path, env):
+    """Worker 0 plays every episode (the local run's trajectories, exactly), then the batch is
+    split for log-probs and the update; an environment from a file reaches the workers by value."""
+    model, tok = guesser
+    if env == "file":
+        (tmp_path / "my_game.py").write_text(FILE_GAME)
+        env = f"{tmp_path / 'my_game.py'}:EveryTurnCounts"
+    runs = {backend: train(model, episode_config(tmp_path / backend, env, **{
+        "trainer.backend": backend, "trainer.n_workers_per_node": 2}), rows=GUESS_ROWS, tokenizer=tok)
+        for backend in ("local", "ray")}
+    start = model.state_dict()
+    assert max(float((v - start[k]).abs().max()) for k, v in runs["local"]["actor"].items()) > 1e-4
+    for k, v in runs["local"]["actor"].items():
+        assert float((v - runs["ray"]["actor"][k]).abs().max()) <= 1e-10, k
+    local, ray = lines(tmp_path / "local"), lines(tmp_path / "ray")
+    assert max(m["turns/max"] for m in local) > 1 and max(m["reward/std"] for m in local) > 0  # multi-turn, learning
+    # Not the ratio metrics (approx_kl, clip_frac): off-policy they are means over the rows that
+    # ran, and a worker whose share holds only zero-advantage rows runs them (`Actor.update_parts`).
+    for a, b in zip(local, ray, strict=True):
+        for key in ("turns/mean", "turns/max", "tool_calls/mean", "env/reward/mean", "reward/mean", "response_length/mean",
+                    "grad_norm", "policy_loss"):
+            assert a[key] == pytest.approx(b[key], abs=1e-9), (a["step"], key)
+
+
 def test_an_impossible_placement_fails_in_seconds_naming_the_key(ray_session):
     start = time.perf_counter()
     with pytest.raises(ConfigError, match=r"trainer.n_workers_per_node: .* 64 CPUs, but the Ray cluster has \d+ CPUs"):
