@@ -95,8 +95,9 @@ def test_ray_backend_config_checks():
     assert cfg.trainer.world_size == 4 and cfg.ray.address is None and cfg.placement.cpus_per_worker == 1
     with pytest.raises(ConfigError, match="trainer.n_workers_per_node"):
         grpo("trainer.backend=ray", "trainer.n_workers_per_node=8")  # 4 rows per mini-batch, 8 workers
-    with pytest.raises(ConfigError, match="trainer.backend"):
-        build_config(PPOConfig, None, ["trainer.backend=ray"])
+    assert build_config(PPOConfig, None, ["trainer.backend=ray"]).use_critic  # PPO's critic runs on the workers
+    with pytest.raises(ConfigError, match="critic.share_backbone"):
+        build_config(PPOConfig, None, ["trainer.backend=ray", "critic.share_backbone=true"])
     with pytest.raises(ConfigError, match="placement.cpus_per_worker"):
         grpo("trainer.backend=ray", "placement.cpus_per_worker=0")
     with pytest.raises(ConfigError, match="trainer.backend"):

@@ -1,7 +1,11 @@
 """Environments and tools from names and paths (a user environment loaded from a file), and
 the guess-the-number game."""
 
+import os
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -34,6 +38,25 @@ def test_a_user_environment_loads_from_a_file_path(tmp_path):
     assert env is not factory() and sorted(env.tools) == ["price"]
     env.reset({"prompt": "?"})
     assert env.step("<call>price(apple)</call>").observation == "<result>40</result>"
+
+
+def test_an_environment_from_a_file_pickles_by_value(tmp_path):
+    """Another process (a Ray worker) cannot import the file's module by its made-up name:
+    cloudpickle sends the class with its code (`rewards.registry.pickle_file_modules_by_value`)."""
+    cloudpickle = pytest.importorskip("cloudpickle")
+    (tmp_path / "far_envs.py").write_text(textwrap.dedent('''
+        from posttrain.envs import GuessNumber
+
+        class Far(GuessNumber):
+            def reset(self, row):
+                return "far" + super().reset(row)
+    '''))
+    blob = tmp_path / "env.pkl"
+    blob.write_bytes(cloudpickle.dumps(resolve_environment(f"{tmp_path / 'far_envs.py'}:Far")))
+    code = ("import pickle, sys; env = pickle.loads(open(sys.argv[1], 'rb').read())(); "
+            "assert env.reset({'secret': 2}).startswith('far Guess'), env")
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    subprocess.run([sys.executable, "-c", code, str(blob)], check=True, env={**os.environ, "PYTHONPATH": src})
 
 
 def test_names_callables_and_bad_specs():

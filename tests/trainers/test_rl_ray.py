@@ -1,6 +1,7 @@
-"""trainer.backend=ray on CPU: 2 workers give the local backend's update exactly, the CLI runs
-end to end with the local run's directory and metrics, an impossible placement fails in
-seconds, and no Ray process outlives a run.
+"""trainer.backend=ray on CPU: 2 workers give the local backend's update exactly (GRPO; PPO's
+actor and critic; a reference synced every 2 steps; GuessNumber episodes played on worker 0),
+a run resumes exactly (a PPO run's critic too), the CLI runs end to end with the local run's
+directory and metrics, an impossible placement fails in seconds, and no Ray process outlives a run.
 
 The driver-side roles are first checked without Ray, over a `LocalWorkerGroup`. Ray runs on 127.0.0.1 in a short temp dir; the tests that share a session get it from one
 module fixture, whose finalizer shuts it down and checks that its raylet is gone.
@@ -20,15 +21,14 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from posttrain import GRPOConfig, GRPOTrainer
+from posttrain import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
 from posttrain.cli import main
 from posttrain.config import ConfigError, build_config
 from posttrain.data.tasks import make_task
 from posttrain.distributed.groups import GroupSpec, LocalWorkerGroup, RayWorkerGroup
 from posttrain.distributed.ray_session import RaySession
 from posttrain.models import BuiltinLM
-from posttrain.trainers.rl_build import Roles
-from posttrain.trainers.rl_ray import Colocated, build_ray_roles
+from posttrain.trainers.rl_ray import build_ray_roles
 
 ROOT = Path(__file__).resolve().parents[2]
 WORDS = "a b c d e f g h".split()
@@ -93,13 +93,13 @@ def starts_with_a(prompts, completions, completion_ids, **columns):
     return [1.0 if ids and ids[0] == 3 else 0.0 for ids in completion_ids]
 
 
-def grpo_config(run_dir, **overrides):
+def grpo_config(run_dir, cls=GRPOConfig, **overrides):
     base = {"rollout.n": 4, "rollout.max_new_tokens": 4, "data.train_batch_size": 4, "actor.micro_batch_size": 4,
             "trainer.max_steps": 3, "trainer.learning_rate": 3e-2, "trainer.lr_scheduler": "constant",
             "trainer.precision": "fp32", "trainer.report_to": [], "trainer.progress": False,
             "trainer.output_dir": str(run_dir)}
     base.update(overrides)
-    return build_config(GRPOConfig, None, [f"{k}={json.dumps(v) if isinstance(v, list) else v}" for k, v in base.items()])
+    return build_config(cls, None, [f"{k}={json.dumps(v) if isinstance(v, list) else v}" for k, v in base.items()])
 
 
 def lines(run_dir):
@@ -118,64 +118,199 @@ SETTINGS = {
         "actor.policy_loss.loss_agg_mode": "seq-mean-token-mean",
         "algorithm.kl.in_loss": "true", "algorithm.kl.coef": 0.1,
     },
+    "reference synced every 2 steps": {  # TR-DPO: step 3's KL is to ref ← 0.6·π + 0.4·ref
+        "actor.ppo_mini_batch_size": 2, "algorithm.kl.in_loss": "true", "algorithm.kl.coef": 0.5,
+        "algorithm.ref_sync_steps": 2, "trainer.save_steps": 2,
+    },
+    "ppo": {  # critic warmup (step 1 trains the critic alone), 2 epochs of 2 mini-batches, KL in the reward
+        "cls": PPOConfig, "rollout.n": 2, "actor.ppo_mini_batch_size": 2, "actor.ppo_epochs": 2,
+        "actor.micro_batch_size": 2, "critic.micro_batch_size": 4, "critic.learning_rate": 1e-2,
+        "critic.warmup_steps": 1, "algorithm.kl.in_reward": "true", "algorithm.kl.coef": 0.05,
+    },
 }
+PPO_COMPARED = ("value_loss", "values/mean", "returns/mean", "critic/grad_norm")
+"""Compared to float32's precision: the critic computes its values in float32 (`Critic.loss`),
+so merging its metrics over another grouping of rows rounds differently (~1e-9 here)."""
 
 
-def train(model, cfg, group=None):
-    """Train a copy of `model`; with `group`, on the driver-side roles over that group."""
-    trainer = GRPOTrainer(copy.deepcopy(model), reward_funcs=[starts_with_a], args=cfg,
-                          train_dataset=PROMPTS, processing_class=word_tokenizer())
-    if group is not None:
-        policy = trainer.roles.actor.model
-        actor, rollout, ref, group = build_ray_roles(cfg, trainer.tokenizer, policy, group(copy.deepcopy(policy)))
-        trainer.roles = Roles(actor, rollout, trainer.roles.reward, ref, None, group)
-        trainer.reference = ref
+def config(run_dir, name, **overrides):
+    return grpo_config(run_dir, **{**SETTINGS[name], **overrides})
+
+
+def train(model, cfg, local_group=False, rows=PROMPTS, tokenizer=None, **kwargs):
+    """Train a copy of `model`; local_group: on the driver-side Ray roles over a
+    `LocalWorkerGroup` (no Ray). Returns {role: state dict} of the actor (and critic)."""
+    trainer_cls = PPOTrainer if isinstance(cfg, PPOConfig) else GRPOTrainer
+    trainer = trainer_cls(copy.deepcopy(model), args=cfg, train_dataset=rows,
+                          processing_class=tokenizer or word_tokenizer(), **kwargs)
+    if local_group:
+        r = trainer.roles
+        value = r.critic.model if r.critic is not None else None
+        trainer.roles = build_ray_roles(cfg, trainer.tokenizer, r.actor.model, r.reward, value, r.rollout.env_factory,
+                                        make_group=lambda f, *args: LocalWorkerGroup(f, *copy.deepcopy(args)))
+        trainer.reference = trainer.roles.ref
     trainer.train()
-    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    roles = {"actor": trainer.model, "critic": trainer.roles.critic.model if trainer.roles.critic else None}
+    return {k: {n: v.detach().clone() for n, v in m.state_dict().items()} for k, m in roles.items() if m is not None}
+
+
+def train_grpo(model, cfg, local_group=False):
+    return train(model, cfg, local_group, reward_funcs=[starts_with_a])
+
+
+def saved_models(run_dir):
+    """{checkpoint/role: state dict} of the critic and synced reference every checkpoint holds."""
+    from safetensors.torch import load_file
+
+    return {f"{f.parent.parent.name}/{f.parent.name}": load_file(f)
+            for f in sorted(Path(run_dir, "checkpoints").glob("step-*/*/model.safetensors"))}
+
+
+def assert_same_run(a_dir, b_dir, a, b, name, tol):
+    """Same parameters (every role), saved critics / references, and metrics."""
+    assert a.keys() == b.keys()
+    for role in a:
+        for k in a[role]:
+            assert float((a[role][k] - b[role][k]).abs().max()) <= tol, (role, k)
+    sa, sb = saved_models(a_dir), saved_models(b_dir)
+    assert sa.keys() == sb.keys()
+    for part in sa:
+        for k in sa[part]:
+            assert float((sa[part][k] - sb[part][k]).abs().max()) <= tol, (part, k)
+    seq_mean = SETTINGS[name].get("actor.policy_loss.loss_agg_mode", "token-mean") != "token-mean"
+    keys = [k for k in COMPARED if not (seq_mean and k in TOKEN_MEANS)]
+    ppo = SETTINGS[name].get("cls") is PPOConfig
+    for x, y in zip(lines(a_dir), lines(b_dir), strict=True):
+        for key in keys:
+            assert x[key] == pytest.approx(y[key], abs=tol * 10), (x["step"], key)
+        for key in PPO_COMPARED if ppo else ():
+            assert x[key] == pytest.approx(y[key], rel=1e-6, abs=tol * 10), (x["step"], key)
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_driver_side_roles_over_a_local_group_give_the_local_run(tmp_path, name):
     model = tiny_model_f64()
-    local = train(model, grpo_config(tmp_path / "local", **SETTINGS[name]))
-    cfg = grpo_config(tmp_path / "group", **SETTINGS[name])
-    grouped = train(model, cfg, lambda policy: LocalWorkerGroup(Colocated, cfg, word_tokenizer(), policy))
-    for k in local:
-        assert float((local[k] - grouped[k]).abs().max()) <= 1e-12, k
-    for a, b in zip(lines(tmp_path / "local"), lines(tmp_path / "group"), strict=True):
-        for key in COMPARED:
-            assert a[key] == pytest.approx(b[key], abs=1e-12), (a["step"], key)
+    local = train_grpo(model, config(tmp_path / "local", name))
+    grouped = train_grpo(model, config(tmp_path / "group", name), local_group=True)
+    assert_same_run(tmp_path / "local", tmp_path / "group", local, grouped, name, 1e-12)
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_two_workers_give_the_local_update(ray_session, tmp_path, name):
+    """PPO: the actor's and the critic's parameters; a synced reference: the reference each
+    checkpoint holds, and the actor's parameters, which its KL term moved."""
     model = tiny_model_f64()
-    runs = {backend: train(model, grpo_config(tmp_path / backend, **SETTINGS[name], **{
+    runs = {backend: train_grpo(model, config(tmp_path / backend, name, **{
         "trainer.backend": backend, "trainer.n_workers_per_node": 2})) for backend in ("local", "ray")}
-    moved = max(float((runs["local"][k] - model.state_dict()[k]).abs().max()) for k in runs["local"])
-    assert moved > 1e-4  # the run trained
-    for k in runs["local"]:
-        assert float((runs["local"][k] - runs["ray"][k]).abs().max()) <= 1e-10, k
-    seq_mean = SETTINGS[name].get("actor.policy_loss.loss_agg_mode", "token-mean") != "token-mean"
-    for a, b in zip(lines(tmp_path / "local"), lines(tmp_path / "ray"), strict=True):
-        for key in COMPARED:
-            if not (seq_mean and key in TOKEN_MEANS):
-                assert a[key] == pytest.approx(b[key], abs=1e-9), (a["step"], key)
+    start = model.state_dict()  # the critic's too (with a zero head)
+    for role, state in runs["local"].items():
+        moved = max(float((v - start[k]).abs().max()) if k in start else float(v.abs().max()) for k, v in state.items())
+        assert moved > 1e-4, role  # the run trained
+    if "algorithm.ref_sync_steps" in SETTINGS[name]:
+        assert "step-2/reference" in saved_models(tmp_path / "ray")
+    assert_same_run(tmp_path / "local", tmp_path / "ray", runs["local"], runs["ray"], name, 1e-10)
 
 
 def test_a_ray_run_resumes_exactly_from_its_checkpoint(ray_session, tmp_path):
-    """The restore loads the driver's mirror, which goes to every worker (`RayActor.steps`)."""
+    """The restore loads the driver's mirrors, which go to every worker (`RayActor.steps`):
+    a PPO run's critic, its AdamW moments and its schedule included."""
     model = tiny_model_f64()
     over = {"trainer.backend": "ray", "trainer.n_workers_per_node": 2, "trainer.save_steps": 1}
-    full = train(model, grpo_config(tmp_path / "full", **over))
+    full = train_grpo(model, config(tmp_path / "full", "ppo", **over))
     run = tmp_path / "cut"
     shutil.copytree(tmp_path / "full", run)
     shutil.rmtree(run / "checkpoints" / "step-3")
     shutil.rmtree(run / "final")
-    resumed = train(model, grpo_config(run, **over))
-    for k in full:
-        assert float((full[k] - resumed[k]).abs().max()) <= 1e-10, k
+    resumed = train_grpo(model, config(run, "ppo", **over))
+    assert set(full) == {"actor", "critic"}
+    for role in full:
+        for k in full[role]:
+            assert float((full[role][k] - resumed[role][k]).abs().max()) <= 1e-10, (role, k)
     assert [m["step"] for m in lines(run)] == [1, 2, 3]
+
+
+def test_a_shared_critic_backbone_is_refused_on_ray_naming_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"critic.share_backbone: .*share_backbone=false.*trainer.backend=local"):
+        config(tmp_path, "ppo", **{"trainer.backend": "ray", "critic.share_backbone": "true",
+                                   "critic.warmup_steps": 0})
+    with pytest.raises(ConfigError, match="rollout.engine: trainer.backend=ray runs the native or hf engine"):
+        config(tmp_path, "ppo", **{"trainer.backend": "ray", "rollout.engine": "vllm"})
+
+
+GUESS_PROMPT = "Guess."
+GUESS_ROWS = [{"prompt": GUESS_PROMPT, "secret": s, "low": 1, "high": 3} for s in (1, 2, 3, 2)]
+FILE_GAME = """
+import dataclasses
+
+from posttrain.envs import GuessNumber
+
+
+class EveryTurnCounts(GuessNumber):
+    \"\"\"GuessNumber whose right guess earns 1 at any turn (a class the workers cannot import).\"\"\"
+
+    def step(self, action):
+        result = super().step(action)
+        return dataclasses.replace(result, reward=1.0) if result.reward else result
+"""
+
+
+@pytest.fixture(scope="module")
+def guesser():
+    """A float64 model taught (100 AdamW steps) to play GuessNumber over 1..3 on the byte
+    tokenizer: sampled at temperature 1 it guesses 1, 2 or 3, reads `<result>higher</result>`
+    and guesses again, so a group's episodes differ in turns and rewards."""
+    from posttrain.data.tokenizer import build_tokenizer
+    from posttrain.envs import GuessNumber
+    from posttrain.models import BuiltinConfig
+    from posttrain.models.builtin import next_token_loss
+
+    tok = build_tokenizer()
+    intro = GuessNumber().reset({"secret": 2, "low": 1, "high": 3})
+    plays = [f" <call>guess({a})</call><result>{'higher' if a < 2 else 'lower'}</result> <call>guess(2)</call>"
+             for a in (1, 3)] + [" <call>guess(2)</call>"]
+    seqs = [torch.tensor([tok(GUESS_PROMPT + intro + p)["input_ids"] + [tok.eos_token_id]]) for p in plays]
+    torch.manual_seed(0)
+    model = BuiltinLM(BuiltinConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                    num_attention_heads=4, bos_token_id=1, eos_token_id=2, pad_token_id=0)).double()
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-2)
+    for _ in range(100):
+        loss = sum(next_token_loss(model(x), x) for x in seqs) / len(seqs)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval(), tok
+
+
+def episode_config(run_dir, env, **overrides):
+    return grpo_config(run_dir, **{
+        "rollout.env": env, "rollout.max_new_tokens": 24, "rollout.multi_turn.max_turns": 3,
+        "rollout.multi_turn.max_total_tokens": 96, "data.train_batch_size": 2, "actor.ppo_mini_batch_size": 1,
+        "trainer.learning_rate": 1e-3, **overrides})
+
+
+@pytest.mark.parametrize("env", ["guess_number", "file"])
+def test_two_workers_give_the_local_update_over_episodes(ray_session, guesser, tmp_path, env):
+    """Worker 0 plays every episode (the local run's trajectories, exactly), then the batch is
+    split for log-probs and the update; an environment from a file reaches the workers by value."""
+    model, tok = guesser
+    if env == "file":
+        (tmp_path / "my_game.py").write_text(FILE_GAME)
+        env = f"{tmp_path / 'my_game.py'}:EveryTurnCounts"
+    runs = {backend: train(model, episode_config(tmp_path / backend, env, **{
+        "trainer.backend": backend, "trainer.n_workers_per_node": 2}), rows=GUESS_ROWS, tokenizer=tok)
+        for backend in ("local", "ray")}
+    start = model.state_dict()
+    assert max(float((v - start[k]).abs().max()) for k, v in runs["local"]["actor"].items()) > 1e-4
+    for k, v in runs["local"]["actor"].items():
+        assert float((v - runs["ray"]["actor"][k]).abs().max()) <= 1e-10, k
+    local, ray = lines(tmp_path / "local"), lines(tmp_path / "ray")
+    assert max(m["turns/max"] for m in local) > 1 and max(m["reward/std"] for m in local) > 0  # multi-turn, learning
+    # Not the ratio metrics (approx_kl, clip_frac): off-policy they are means over the rows that
+    # ran, and a worker whose share holds only zero-advantage rows runs them (`Actor.update_parts`).
+    for a, b in zip(local, ray, strict=True):
+        for key in ("turns/mean", "turns/max", "tool_calls/mean", "env/reward/mean", "reward/mean", "response_length/mean",
+                    "grad_norm", "policy_loss"):
+            assert a[key] == pytest.approx(b[key], abs=1e-9), (a["step"], key)
 
 
 def test_an_impossible_placement_fails_in_seconds_naming_the_key(ray_session):

@@ -413,13 +413,14 @@ class RLTrainerConfig(TrainerConfig):
 
     backend: Literal["local", "ray"] = "local"
     """Where the roles run. `local`: every role in this process (Ray is never imported).
-    `ray`: actor, rollout and reference colocated in one Ray actor per worker (veRL's hybrid
-    engine), trainer.nnodes × trainer.n_workers_per_node workers joined in one gloo
-    torch.distributed group; the actor's update and the log-prob passes are data-parallel
-    over them, and give the update of the local backend (exact: loss normalised by the
-    all-reduced global weight). The driver, the reward and the prompt stream stay in this
-    process; generation runs on worker 0 (the local backend's tokens, exactly). Ray starts
-    locally on 127.0.0.1 unless ray.address says otherwise."""
+    `ray`: actor, rollout, reference and critic colocated in one Ray actor per worker (veRL's
+    hybrid engine), trainer.nnodes × trainer.n_workers_per_node workers joined in one gloo
+    torch.distributed group; the actor's and critic's updates, the log-prob and value passes
+    are data-parallel over them, and give the update of the local backend (exact: loss
+    normalised by the all-reduced global weight). The driver, the reward and the prompt
+    stream stay in this process; generation (multi-turn episodes included) runs on worker 0
+    (the local backend's tokens, exactly). Not with critic.share_backbone nor the vllm
+    engine. Ray starts locally on 127.0.0.1 unless ray.address says otherwise."""
     nnodes: int = 1
     """Nodes of the Ray cluster the workers span (trainer.backend=ray)."""
     n_workers_per_node: int = 1
@@ -563,15 +564,14 @@ class RLConfig:
               f"must be < trainer.max_steps={self.trainer.max_steps}")
 
     def _validate_ray(self, mini_rows: int) -> None:
-        """What the Ray backend runs today: the critic-free family, native/hf engines."""
+        """What the Ray backend runs: every algorithm with a separate critic, native/hf engines."""
         world = self.trainer.world_size
-        check(not self.use_critic, "trainer.backend",
-              "the critic (algorithm.adv_estimator=gae, PPO) does not run on Ray workers yet; "
-              "use trainer.backend=local for PPO")
+        check(not (self.use_critic and self.critic.share_backbone), "critic.share_backbone",
+              "a value head on the policy's backbone trains in the actor's loss and optimizer, which the Ray "
+              "workers keep apart from the critic's; set critic.share_backbone=false (a separate critic) or "
+              "trainer.backend=local")
         check(self.rollout.engine in ("auto", "native", "hf"), "rollout.engine",
               f"trainer.backend=ray runs the native or hf engine in its workers, not {self.rollout.engine}")
-        check(not self.algorithm.ref_sync_steps, "algorithm.ref_sync_steps",
-              "the reference sync does not run on Ray workers yet; set algorithm.ref_sync_steps=0")
         check(mini_rows >= world, "trainer.n_workers_per_node",
               f"every worker needs a row of each mini-batch: actor.ppo_mini_batch_size·rollout.n={mini_rows} "
               f"< {world} workers (trainer.nnodes × trainer.n_workers_per_node)")

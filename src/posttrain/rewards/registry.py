@@ -26,13 +26,17 @@ import inspect
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from posttrain.rewards.builtin import BUILTIN_REWARDS, REWARD_FACTORIES
 
-__all__ = ["load_object", "resolve_reward"]
+__all__ = ["load_object", "pickle_file_modules_by_value", "resolve_reward"]
 
 RewardFn = Callable[..., Any]
+
+FILE_MODULES: dict[str, ModuleType] = {}
+"""The modules `load_object` loaded from files, by their made-up names (`_load_file`)."""
 
 
 def resolve_reward(spec: str | Mapping[str, Any] | RewardFn) -> tuple[str, RewardFn]:
@@ -117,7 +121,8 @@ def _load_file(file: str, spec: str) -> Any:
     if not path.is_file():
         raise ValueError(f"reward {spec!r}: no such file {str(path)!r}")
     # A name unique per path, so two `rewards.py` files in different folders never collide,
-    # registered in sys.modules so pickling and dataclasses inside the file work.
+    # registered in sys.modules so pickling and dataclasses inside the file work; cloudpickle
+    # pickles the module by value (`pickle_file_modules_by_value`).
     digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
     name = f"posttrain_user_rewards_{path.stem}_{digest}"
     if name in sys.modules:
@@ -132,7 +137,21 @@ def _load_file(file: str, spec: str) -> Any:
     except BaseException:
         del sys.modules[name]
         raise
+    FILE_MODULES[name] = module
+    try:
+        import cloudpickle
+    except ImportError:  # nothing pickles it by value then; Ray registers it with its own copy
+        return module
+    cloudpickle.register_pickle_by_value(module)
     return module
+
+
+def pickle_file_modules_by_value(pickler: Any) -> None:
+    """Have `pickler` (a cloudpickle module: Ray vendors its own, `ray.cloudpickle`) pickle
+    what the files loaded so far define by value: its class or function travels with its
+    code, since another process (a Ray worker) cannot import the module by its made-up name."""
+    for module in FILE_MODULES.values():
+        pickler.register_pickle_by_value(module)
 
 
 def _unknown_message(name: str) -> str:

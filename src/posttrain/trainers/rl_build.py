@@ -17,6 +17,7 @@ from posttrain.config.core import ConfigError, check
 from posttrain.config.rl import RLConfig
 from posttrain.data.collate import pad_id_of
 from posttrain.logging import get_logger
+from posttrain.models.heads import ScalarHeadModel
 from posttrain.models.lora import is_peft
 from posttrain.rewards import RewardRunner
 from posttrain.rewards.checks import check_reward_signature
@@ -150,13 +151,20 @@ def check_critic_source(cfg: RLConfig) -> None:
 
 
 def build_critic(cfg: RLConfig, policy: torch.nn.Module, value_model: Any) -> Critic:
+    """The critic role: a value head on the policy's backbone (critic.share_backbone), or a
+    separate value model (`build_value_model`) with its own optimizer."""
+    if cfg.critic.share_backbone:
+        return Critic(head_on_policy(policy), cfg, cfg.trainer.max_steps, policy=policy)
+    return Critic(build_value_model(cfg, policy, value_model), cfg, cfg.trainer.max_steps)
+
+
+def build_value_model(cfg: RLConfig, policy: torch.nn.Module, value_model: Any) -> ScalarHeadModel:
+    """A separate critic's initial model: `value_model` (Python API), else critic.model_path,
+    else the policy's initial weights with a zero head; dropout off."""
     from posttrain.models.factory import weights_dtype
-    from posttrain.models.heads import ScalarHeadModel
     from posttrain.models.loading import disable_dropout, resolve_device
 
     c = cfg.critic
-    if c.share_backbone:
-        return Critic(head_on_policy(policy), cfg, cfg.trainer.max_steps, policy=policy)
     if value_model is None and c.model_path is not None:
         device = resolve_device(cfg.model.device)
         dtype = weights_dtype(cfg.model.dtype, device, trained=True)  # the critic trains every weight
@@ -165,7 +173,7 @@ def build_critic(cfg: RLConfig, policy: torch.nn.Module, value_model: Any) -> Cr
     if value_model is None:
         value_model = ScalarHeadModel.from_causal_lm(policy, init_std=0.0)  # policy: dropout already off
     disable_dropout(value_model, "critic")
-    return Critic(value_model, cfg, cfg.trainer.max_steps)
+    return value_model
 
 
 def build_reference(cfg: RLConfig, policy: torch.nn.Module) -> Reference | None:
@@ -184,8 +192,8 @@ def build_roles(cfg: RLConfig, tokenizer: Any, model: Any, reward_funcs: Any, va
     """Reward and critic checks first (cheap, fail early: `build_reward` checks the reward
     against the data's `columns`, plus `env_reward` for episodes), then the policy,
     reference, critic, actor, rollout. Dropout is off in every model: see `disable_dropout`.
-    trainer.backend=ray: the policy goes to the workers, which build actor, reference and
-    rollout each (`rl_ray`); the reward stays here."""
+    trainer.backend=ray: the policy and a critic's value model go to the workers, which build
+    actor, reference, critic and rollout each (`rl_ray`); the reward stays here."""
     from posttrain.models.factory import build_model
     from posttrain.models.loading import disable_dropout
 
@@ -197,13 +205,10 @@ def build_roles(cfg: RLConfig, tokenizer: Any, model: Any, reward_funcs: Any, va
         model = build_model(cfg.model, tokenizer, train=True)
     disable_dropout(model, "policy")  # before the reference and a critic are copied from it
     if cfg.trainer.backend == "ray":
-        check(env_factory is None and not cfg.rollout.episodes, "trainer.backend",
-              "multi-turn episodes (rollout.env / rollout.tools / environment_factory) run on the local backend "
-              "only for now; set trainer.backend=local")
         from posttrain.trainers.rl_ray import build_ray_roles
 
-        actor, rollout, ref, group = build_ray_roles(cfg, tokenizer, model)
-        return Roles(actor, rollout, reward, ref, None, group)
+        value = build_value_model(cfg, model, value_model) if cfg.use_critic else None  # share_backbone: refused
+        return build_ray_roles(cfg, tokenizer, model, reward, value, env_factory)
     ref = build_reference(cfg, model)
     critic = build_critic(cfg, model, value_model) if cfg.use_critic else None
     shared = critic is not None and critic.shared

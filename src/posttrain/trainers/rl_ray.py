@@ -1,38 +1,51 @@
 """The RL roles on Ray workers (trainer.backend=ray): veRL's hybrid engine.
 
 Each worker process holds a `Colocated`: its own actor (policy, AdamW, schedule), its
-reference and its rollout engine, all over one policy module, so the engine reads the
-actor's weights in place and a weight sync copies nothing. The driver (`trainers/rl.py`,
-unchanged) calls objects with the local roles' methods, which dispatch to the group
-(`distributed.groups`; W workers):
+reference, its critic (PPO: a separate value model with its own AdamW) and its rollout
+engine, the engine over the actor's policy module, so it reads the actor's weights in place
+and a weight sync copies nothing. The driver (`trainers/rl.py`, unchanged) calls objects
+with the local roles' methods, which dispatch to the group (`distributed.groups`; W workers):
 
-    rollout.generate(prompts, seed)   RANK_ZERO   worker 0 samples the whole batch, so the
-                                                  tokens are the local backend's, exactly
+    rollout.generate(prompts, seed)   RANK_ZERO   worker 0 samples the whole batch (or plays
+                                                  every episode, rollout.env), so the tokens
+                                                  are the local backend's, exactly
     actor.compute_logprobs(batch)     DP_COMPUTE  token-balanced parts, gathered to (B, Tr)
     ref.compute_logprobs(batch)       DP_COMPUTE
-    actor.update(batch, rows, ...)    per rank    the driver shuffles and cuts mini-batches as
-                                                  the local actor does (`shuffled_mini_batches`);
+    critic.compute_values(batch)      DP_COMPUTE
+    critic.update(batch, rows, ...)   per rank    the driver shuffles and cuts mini-batches as
+    actor.update(batch, rows, ...)    per rank    the local roles do (`shuffled_mini_batches`);
                                                   worker r gets a token-balanced share of each;
                                                   `train_step`'s collective all-reduces the
                                                   weight Σw, the gradients and the metrics, so
                                                   each optimizer step is the whole mini-batch's
+    ref.sync(policy, alpha)           ONE_TO_ALL  every reference moves towards its own actor
     rollout.offload / sync_weights    ONE_TO_ALL  every engine takes its own actor's weights
-    actor.model/optimizer/scheduler               the driver's mirror of worker 0's state
-                                                  (all workers hold the same), fetched when read
-                                                  after an update: checkpoints, final/, eval
+    actor/critic .model/.optimizer/.scheduler     the driver's mirror of worker 0's state (all
+    ref.model                                     workers hold the same), fetched when read
+                                                  after an update or a sync: checkpoints,
+                                                  final/, eval
 
 Exactness (tests/trainers/test_rl_ray.py): 2 workers give the parameters of the local
-backend after 3 GRPO steps in float64 within 1e-10: the global update is
+backend (actor and critic) after 3 steps in float64 within 1e-10: the global update is
     g = (1/W) Σ_r Σ_{k∈r} ∇(w_k L_k) · W / Σ_k w_k = Σ_k ∇(w_k L_k) / Σ_k w_k,
 the local one whatever the shares (`distributed.collectives`).
 
-A restored checkpoint reaches the workers when the driver sets `actor.steps` (what
-`RLTrainer.restore` does after loading the mirror): the mirror's weights, optimizer and
-schedule are pushed to every worker.
+A restored checkpoint reaches the workers when the driver sets `actor.steps` and
+`critic.steps` (what `RLTrainer.restore` and `RunModels.load_critic` do after loading the
+mirrors), and `ref.synced` (`RunModels.load_reference`, after loading a synced reference):
+the mirror's weights (and optimizer, schedule) are pushed to every worker.
+
+Not on this backend: a critic on the policy's backbone (critic.share_backbone: the value
+head and the policy would train in one loss and one optimizer, a layout the workers' separate
+roles do not have) and the vllm engine (config checks, `RLConfig._validate_ray`). An
+environment or tool loaded from a file (`file.py:Class`) reaches the workers by value
+(`rewards.registry.pickle_file_modules_by_value`); one given in Python must be importable by
+the workers, or defined in the driver's script (cloudpickle sends `__main__`'s by value).
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,24 +54,30 @@ import torch
 from posttrain.config.rl import RLConfig
 from posttrain.distributed.dispatch import shard_rows
 from posttrain.distributed.groups import GroupSpec, RayWorkerGroup
+from posttrain.models.heads import ScalarHeadModel
 from posttrain.models.lora import is_peft
 from posttrain.rollout import MultiTurnLimits, SamplingParams
-from posttrain.trainers.rl_build import build_reference, build_rollout
-from posttrain.workers import Actor, RLBatch
+from posttrain.trainers.rl_build import Roles, build_reference, build_rollout
+from posttrain.workers import Actor, Critic, Reward, RLBatch
 from posttrain.workers.actor import shuffled_mini_batches
 from posttrain.workers.forward import FORWARD_FIELDS
 
 
 class Colocated:
-    """A worker's roles: actor + reference + rollout over one policy (built in the worker's
-    process by `RayWorkerGroup`; `policy` arrives as the driver's initial weights)."""
+    """A worker's roles: actor + reference + critic + rollout (built in the worker's process
+    by `RayWorkerGroup`; `policy` and `value_model` arrive as the driver's initial weights,
+    `env_factory` as the episodes' environment factory, None for single-turn rollouts)."""
 
     def __init__(self, rank: int, world_size: int, collective: Any, cfg: RLConfig, tokenizer: Any,
-                 policy: torch.nn.Module):
+                 policy: torch.nn.Module, value_model: ScalarHeadModel | None = None, env_factory: Any = None):
         self.rank = rank
         self.ref = build_reference(cfg, policy)  # before training: a copy of the initial policy
-        self.actor = Actor(policy, cfg, cfg.trainer.max_steps - cfg.critic.warmup_steps, collective=collective)
-        self.rollout = build_rollout(cfg, policy, tokenizer)
+        self.actor = Actor(policy, cfg, cfg.trainer.max_steps - cfg.critic.warmup_steps, collective=collective,
+                           episodes=env_factory is not None)
+        self.critic = None
+        if value_model is not None:
+            self.critic = Critic(value_model, cfg, cfg.trainer.max_steps, collective=collective)
+        self.rollout = build_rollout(cfg, policy, tokenizer, env_factory)
 
     def generate(self, prompts: RLBatch, seed: int, params: SamplingParams | None) -> RLBatch:
         return self.rollout.generate(prompts, seed, params)
@@ -69,8 +88,17 @@ class Colocated:
     def ref_logprobs(self, batch: RLBatch) -> torch.Tensor:
         return self.ref.compute_logprobs(batch)
 
+    def critic_values(self, batch: RLBatch) -> torch.Tensor:
+        return self.critic.compute_values(batch)
+
     def update(self, shares: list[RLBatch], kl_coef: float) -> dict[str, float]:
         return self.actor.update_mini_batches(shares, kl_coef)
+
+    def critic_update(self, shares: list[RLBatch]) -> dict[str, float]:
+        return self.critic.update_mini_batches(shares)
+
+    def ref_sync(self, alpha: float) -> None:
+        self.ref.sync(self.actor.model, alpha)
 
     def offload(self) -> None:
         self.rollout.offload()
@@ -81,51 +109,62 @@ class Colocated:
     def lr(self) -> float:
         return self.actor.lr
 
-    def steps(self) -> int:
-        return self.actor.steps
+    def steps(self, role: str) -> int:
+        return self._trained(role).steps
 
-    def state(self, part: str) -> dict[str, Any]:
-        """`model`: the policy's weights; `optimizer`: AdamW's and the schedule's state."""
-        a = self.actor
+    def _trained(self, role: str) -> Actor | Critic:
+        return self.actor if role == "actor" else self.critic
+
+    def state(self, role: str, part: str) -> dict[str, Any]:
+        """`model`: the weights of role `actor`, `critic` or `ref`; `optimizer`: AdamW's and
+        the schedule's state of `actor` or `critic`."""
         if part == "model":
-            return {k: v.detach().cpu().clone() for k, v in a.model.state_dict().items()}
-        return {"optimizer": a.optimizer.state_dict(), "scheduler": a.scheduler.state_dict(), "steps": a.steps}
+            model = self.ref.model if role == "ref" else self._trained(role).model
+            return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        r = self._trained(role)
+        return {"optimizer": r.optimizer.state_dict(), "scheduler": r.scheduler.state_dict(), "steps": r.steps}
 
-    def load_state(self, state: dict[str, Any]) -> None:
-        a = self.actor
-        a.model.load_state_dict(state["model"])
-        a.optimizer.load_state_dict(state["optimizer"])
-        a.scheduler.load_state_dict(state["scheduler"])
-        a.steps = state["steps"]
-        self.rollout.sync_weights(a.model)
+    def load_state(self, role: str, state: dict[str, Any]) -> None:
+        """A restored state: the reference's weights (`ref`: {"model"}), or a trained role's
+        weights, optimizer, schedule and step count."""
+        if role == "ref":
+            self.ref.model.load_state_dict(state["model"])
+            self.ref.synced = True
+            return
+        r = self._trained(role)
+        r.model.load_state_dict(state["model"])
+        r.optimizer.load_state_dict(state["optimizer"])
+        r.scheduler.load_state_dict(state["scheduler"])
+        r.steps = state["steps"]
+        if role == "actor":
+            self.rollout.sync_weights(r.model)
 
 
-class RayActor:
-    """The actor role over the group (module doc); `mirror` is a driver-side Actor over the
-    initial policy, whose model, optimizer and scheduler take worker 0's state when read."""
+def per_rank_shares(batch: RLBatch, mini_batch_rows: int, epochs: int, seed: int, world_size: int) -> list[list[RLBatch]]:
+    """The update's mini-batches, cut as the local roles cut them (`shuffled_mini_batches`),
+    each shared out by tokens: entry r lists worker r's share of every mini-batch."""
+    minis = [shard_rows(m, world_size, pad=False).parts for m in shuffled_mini_batches(batch, mini_batch_rows, epochs, seed)]
+    return [[parts[r] for parts in minis] for r in range(world_size)]
 
-    def __init__(self, group: Any, mirror: Actor):
+
+class _Mirrored:
+    """A trained role (`role`: actor or critic) over the group; `mirror` is a driver-side
+    role object over the initial weights, whose model, optimizer and scheduler take worker
+    0's state when read after an update."""
+
+    role = ""
+
+    def __init__(self, group: Any, mirror: Actor | Critic):
         self.group, self.mirror = group, mirror
         self._stale: set[str] = set()
 
-    def compute_logprobs(self, batch: RLBatch) -> torch.Tensor:
-        """(B, Tr), as `Actor.compute_logprobs`, computed over the workers."""
-        batch.require(*FORWARD_FIELDS, role="actor.compute_logprobs")
-        return self.group.dp_compute("actor_logprobs", batch)
-
-    def update(self, batch: RLBatch, mini_batch_rows: int, epochs: int, kl_coef: float, seed: int) -> dict[str, float]:
-        """`Actor.update` over the workers: the same mini-batches, each shared out by tokens."""
-        self.mirror.require_update_fields(batch, mini_batch_rows, epochs)
-        w = self.group.world_size
-        shares = [shard_rows(mini, w, pad=False).parts for mini in shuffled_mini_batches(batch, mini_batch_rows, epochs, seed)]
-        results = self.group.per_rank("update", [([s[r] for s in shares], kl_coef) for r in range(w)])
+    def _updated(self) -> None:
         self._stale = {"model", "optimizer"}
-        return results[0]  # reduced over the workers inside each step: the same on every worker
 
     def _fetch(self, part: str) -> None:
         if part not in self._stale:
             return
-        state = self.group.rank_zero("state", part)
+        state = self.group.rank_zero("state", self.role, part)
         m = self.mirror
         if part == "model":
             m.model.load_state_dict(state)
@@ -151,22 +190,61 @@ class RayActor:
         return self.mirror.scheduler
 
     @property
-    def lr(self) -> float:
-        return float(self.group.rank_zero("lr"))
-
-    @property
     def steps(self) -> int:
-        return int(self.group.rank_zero("steps"))
+        return int(self.group.rank_zero("steps", self.role))
 
     @steps.setter
     def steps(self, value: int) -> None:
         """After a restore: the mirror's state (just loaded) goes to every worker."""
         m = self.mirror
-        self.group.one_to_all("load_state", {
+        self.group.one_to_all("load_state", self.role, {
             "model": {k: v.detach().cpu() for k, v in m.model.state_dict().items()},
             "optimizer": m.optimizer.state_dict(), "scheduler": m.scheduler.state_dict(), "steps": value,
         })
         m.steps, self._stale = value, set()
+
+
+class RayActor(_Mirrored):
+    """The actor role over the group (module doc)."""
+
+    role = "actor"
+
+    def compute_logprobs(self, batch: RLBatch) -> torch.Tensor:
+        """(B, Tr), as `Actor.compute_logprobs`, computed over the workers."""
+        batch.require(*FORWARD_FIELDS, role="actor.compute_logprobs")
+        return self.group.dp_compute("actor_logprobs", batch)
+
+    def update(self, batch: RLBatch, mini_batch_rows: int, epochs: int, kl_coef: float, seed: int) -> dict[str, float]:
+        """`Actor.update` over the workers: the same mini-batches, each shared out by tokens."""
+        self.mirror.require_update_fields(batch, mini_batch_rows, epochs)
+        shares = per_rank_shares(batch, mini_batch_rows, epochs, seed, self.group.world_size)
+        results = self.group.per_rank("update", [(s, kl_coef) for s in shares])
+        self._updated()
+        return results[0]  # reduced over the workers inside each step: the same on every worker
+
+    @property
+    def lr(self) -> float:
+        return float(self.group.rank_zero("lr"))
+
+
+class RayCritic(_Mirrored):
+    """The critic role over the group (a separate value model on every worker)."""
+
+    role = "critic"
+    shared = False
+
+    def compute_values(self, batch: RLBatch) -> torch.Tensor:
+        """(B, Tr), as `Critic.compute_values`, computed over the workers."""
+        batch.require(*FORWARD_FIELDS, role="critic.compute_values")
+        return self.group.dp_compute("critic_values", batch)
+
+    def update(self, batch: RLBatch, mini_batch_rows: int, epochs: int, seed: int) -> dict[str, float]:
+        """`Critic.update` over the workers: the same mini-batches, each shared out by tokens."""
+        batch.require(*FORWARD_FIELDS, "values", "returns", role="critic.update")
+        shares = per_rank_shares(batch, mini_batch_rows, epochs, seed, self.group.world_size)
+        results = self.group.per_rank("critic_update", [(s,) for s in shares])
+        self._updated()
+        return results[0]
 
 
 @dataclass(frozen=True)
@@ -176,12 +254,13 @@ class EngineInfo:
 
 
 class RayRollout:
-    """The rollout role over the group: generation on worker 0, sync on every worker.
-    Single-turn only (`env_factory` None: build_roles refuses episodes on Ray)."""
+    """The rollout role over the group: generation (single-turn or episodes) on worker 0,
+    sync on every worker. `env_factory` and `limits` are the workers' (evaluation reads them)."""
 
-    def __init__(self, group: Any, params: SamplingParams, kind: str):
+    def __init__(self, group: Any, params: SamplingParams, kind: str, env_factory: Any = None,
+                 limits: MultiTurnLimits | None = None):
         self.group, self.params, self.engine = group, params, EngineInfo(kind)
-        self.env_factory, self.limits = None, MultiTurnLimits()
+        self.env_factory, self.limits = env_factory, limits or MultiTurnLimits()
 
     def generate(self, prompts: RLBatch, seed: int, params: SamplingParams | None = None) -> RLBatch:
         prompts.require("prompt_ids", "prompt_mask", "prompts", role="rollout.generate")
@@ -197,34 +276,77 @@ class RayRollout:
 
 
 class RayReference:
-    """π_ref over the group (each worker holds its copy, or its adapter-disabled policy)."""
+    """π_ref over the group (each worker holds its copy, or its adapter-disabled policy).
+    `model`, read for a checkpoint once synced, is a driver-side copy of `template` (the
+    policy's module) holding worker 0's reference weights."""
 
-    synced = False  # algorithm.ref_sync_steps is refused on this backend (config check)
-
-    def __init__(self, group: Any, shares_policy: bool):
-        self.group, self.shares_policy = group, shares_policy
+    def __init__(self, group: Any, shares_policy: bool, template: torch.nn.Module):
+        self.group, self.shares_policy, self.template = group, shares_policy, template
+        self._mirror: torch.nn.Module | None = None
+        self._synced = self._stale = False
 
     def compute_logprobs(self, batch: RLBatch) -> torch.Tensor:
         batch.require(*FORWARD_FIELDS, role="ref.compute_logprobs")
         return self.group.dp_compute("ref_logprobs", batch)
 
-    def saved_model(self) -> None:
-        """Nothing to save: the reference stays the initial policy."""
-        return None
+    def sync(self, policy: torch.nn.Module, alpha: float) -> None:
+        """TR-DPO's ref ← α·policy + (1 − α)·ref on every worker, each with its own actor
+        (`policy`, the driver's mirror, is not sent: the workers hold the same weights)."""
+        self.group.one_to_all("ref_sync", alpha)
+        self._synced = self._stale = True
+
+    @property
+    def model(self) -> torch.nn.Module:
+        if self._mirror is None:
+            self._mirror = copy.deepcopy(self.template).eval().requires_grad_(False)
+        if self._stale:
+            self._mirror.load_state_dict(self.group.rank_zero("state", "ref", "model"))
+            self._stale = False
+        return self._mirror
+
+    @property
+    def synced(self) -> bool:
+        """True once the reference moved away from the initial policy (checkpoints save it)."""
+        return self._synced
+
+    @synced.setter
+    def synced(self, value: bool) -> None:
+        """After a restore loaded a synced reference into `model`: it goes to every worker."""
+        if value:
+            sd = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+            self.group.one_to_all("load_state", "ref", {"model": sd})
+        self._synced = value
+
+    def saved_model(self) -> torch.nn.Module | None:
+        """The module a checkpoint holds once synced (None: rebuilt from the initial policy)."""
+        return self.model if self._synced else None
 
 
-def build_ray_roles(cfg: RLConfig, tokenizer: Any, policy: torch.nn.Module,
-                    group: Any = None) -> tuple[RayActor, RayRollout, RayReference | None, Any]:
-    """Start the workers (each builds `Colocated` from `policy`'s initial weights) and the
-    driver-side roles over them; `group` replaces the Ray group (a `LocalWorkerGroup`)."""
+def build_ray_roles(cfg: RLConfig, tokenizer: Any, policy: torch.nn.Module, reward: Reward,
+                    value_model: ScalarHeadModel | None = None, env_factory: Any = None,
+                    make_group: Any = None) -> Roles:
+    """Start the workers (each builds `Colocated` from the initial `policy`, `value_model`
+    and `env_factory`) and the driver-side roles over them; the reward stays here.
+    `make_group(Colocated, *args)` replaces the Ray group (e.g. a `LocalWorkerGroup`)."""
     from posttrain.rollout import engine_kind_for
 
     t = cfg.trainer
-    if group is None:
+    args = (cfg, tokenizer, policy, value_model, env_factory)
+    if make_group is None:
+        from posttrain.distributed.ray_session import import_ray
+        from posttrain.rewards.registry import pickle_file_modules_by_value
+
+        pickle_file_modules_by_value(import_ray().cloudpickle)  # before the arguments are pickled
         spec = GroupSpec(t.nnodes, t.n_workers_per_node, cfg.placement.cpus_per_worker, cfg.ray.address,
                          t.collective_timeout_s)
-        group = RayWorkerGroup(spec, Colocated, cfg, tokenizer, policy)
-    mirror = Actor(policy, cfg, t.max_steps - cfg.critic.warmup_steps)
-    ref = RayReference(group, is_peft(policy)) if cfg.algorithm.kl.enabled else None
+        group = RayWorkerGroup(spec, Colocated, *args)
+    else:
+        group = make_group(Colocated, *args)
+    episodes = env_factory is not None
+    actor = RayActor(group, Actor(policy, cfg, t.max_steps - cfg.critic.warmup_steps, episodes=episodes))
+    critic = RayCritic(group, Critic(value_model, cfg, t.max_steps)) if value_model is not None else None
+    ref = RayReference(group, is_peft(policy), policy) if cfg.algorithm.kl.enabled else None
     kind = engine_kind_for(policy) if cfg.rollout.engine == "auto" else cfg.rollout.engine
-    return RayActor(group, mirror), RayRollout(group, SamplingParams.from_config(cfg.rollout), kind), ref, group
+    limits = MultiTurnLimits.from_config(cfg.rollout.multi_turn)
+    rollout = RayRollout(group, SamplingParams.from_config(cfg.rollout), kind, env_factory, limits)
+    return Roles(actor, rollout, reward, ref, critic, group)

@@ -11,7 +11,10 @@ Two layouts (`critic.share_backbone`):
   else from the policy's initial weights with a zero head, so every value starts at 0),
   its own AdamW and schedule; `update` runs after the values are used for GAE and before
   the actor's update, over the same mini-batch layout (ppo_epochs × shuffled mini-batches,
-  one optimizer step each, exact accumulation over micro-batches).
+  one optimizer step each, exact accumulation over micro-batches). On a data-parallel
+  worker (the Ray backend, `collective` given) `update_mini_batches` takes this worker's
+  share of each mini-batch, and each step all-reduces its weight, gradients and metrics
+  (`training.core.train_step`), as the actor's.
 - shared (TRL's old value-head models): a zero-initialised head on the policy's own
   backbone. One forward gives logits and values; the value loss joins the actor's loss,
   L = L_policy + vf_coef · L_value, under the actor's optimizer. `update` then does
@@ -29,8 +32,14 @@ from torch import nn
 from posttrain.algos import aggregation_weight, masked_mean, value_loss
 from posttrain.config.rl import RLConfig
 from posttrain.models.heads import ScalarHeadModel
-from posttrain.training.core import autocast, build_optimizer, build_scheduler, train_step
-from posttrain.workers.actor import average_steps
+from posttrain.training.core import (
+    StepCollective,
+    autocast,
+    build_optimizer,
+    build_scheduler,
+    train_step,
+)
+from posttrain.workers.actor import average_steps, shuffled_mini_batches
 from posttrain.workers.batch import RLBatch
 from posttrain.workers.forward import (
     FORWARD_FIELDS,
@@ -66,10 +75,13 @@ class Critic:
             the actor's `loss_agg_mode` and token budget per micro-batch, `trainer.*`.
         total_steps: RL steps the schedule spans.
         policy: the policy whose backbone `model` shares, or None for a separate critic.
+        collective: the data-parallel group of a Ray worker (None: one process).
     """
 
-    def __init__(self, model: ScalarHeadModel, cfg: RLConfig, total_steps: int, policy: nn.Module | None = None):
+    def __init__(self, model: ScalarHeadModel, cfg: RLConfig, total_steps: int, policy: nn.Module | None = None,
+                 collective: StepCollective | None = None):
         self.model, self.cfg, self.policy = model, cfg, policy
+        self.collective = collective
         self.c, self.agg = cfg.critic, cfg.actor.policy_loss.loss_agg_mode
         self.micro_batch_size = cfg.critic.micro_batch_size or cfg.actor.micro_batch_size
         self.max_tokens = cfg.actor.max_tokens_per_micro_batch
@@ -124,15 +136,19 @@ class Critic:
         if self.shared:
             return {}
         batch.require(*FORWARD_FIELDS, "values", "returns", role="critic.update")
+        return self.update_mini_batches(shuffled_mini_batches(batch, mini_batch_rows, epochs, seed))
+
+    def update_mini_batches(self, minis: list[RLBatch]) -> dict[str, float]:
+        """One critic optimizer step per mini-batch, then one scheduler step; the metrics
+        averaged over the steps. On a data-parallel worker each `minis[k]` is this worker's
+        share of mini-batch k (every worker gets the same number, each at least one row)."""
         self.model.train()
-        results = []
-        for epoch in range(epochs):
-            order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(seed + epoch))
-            for mini in batch.select(order).split(mini_batch_rows):
-                parts = micro_batches(mini, self.micro_batch_size, self.max_tokens, self.device)
-                result = train_step(self.model, parts, self.loss, self.optimizer, None,
-                                    self.cfg.trainer.max_grad_norm, self.cfg.trainer.precision)
-                results.append(result)
+        results = [
+            train_step(self.model, micro_batches(mini, self.micro_batch_size, self.max_tokens, self.device),
+                       self.loss, self.optimizer, None, self.cfg.trainer.max_grad_norm, self.cfg.trainer.precision,
+                       self.collective)
+            for mini in minis
+        ]
         self.scheduler.step()
         self.steps += 1
         return average_steps(results, role="critic")
