@@ -171,9 +171,19 @@ def child(backend: str, cli: list[str]) -> int:
     return cli_main(cli)
 
 
-def raylets() -> list[str]:
-    p = subprocess.run(["pgrep", "-f", "raylet"], capture_output=True, text=True)
-    return p.stdout.split()
+def raylets() -> set[str]:
+    """Pids of live raylets (`pgrep -f`, the binary's path)."""
+    p = subprocess.run(["pgrep", "-f", "ray/raylet/raylet"], capture_output=True, text=True)
+    return set(p.stdout.split())
+
+
+def raylets_left(before: set[str], seconds: float = 15.0) -> list[str]:
+    """The raylets not in `before` still alive after up to `seconds` (the raylet exits a few
+    seconds after `ray.shutdown()` returns)."""
+    deadline = time.time() + seconds
+    while (left := raylets() - before) and time.time() < deadline:
+        time.sleep(0.5)
+    return sorted(left)
 
 
 def machine() -> dict[str, Any]:
@@ -217,12 +227,13 @@ def main() -> None:
             cli = cli_args(backend, data, run, args)
             env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": str(THREADS[backend]),
                    "RAY_USAGE_STATS_ENABLED": "0"}
+            before = raylets()
             t0 = time.perf_counter()
             subprocess.run([sys.executable, __file__, "--child", backend, "--cli", json.dumps(cli)], env=env,
                            check=True, stdout=subprocess.DEVNULL)
             wall = time.perf_counter() - t0
             rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-            left = raylets() if backend == "ray" else []
+            left = raylets_left(before) if backend == "ray" else []
             leftovers += left
             runs.append({"backend": backend, "round": rnd, "rows": rows, "process_s": wall})
             print(f"round {rnd} {backend}: {wall:.1f} s process, raylets left: {left or 'none'}", flush=True)
