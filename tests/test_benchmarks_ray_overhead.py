@@ -74,8 +74,10 @@ def test_table_and_estimate(bench):
     s = bench.summarize([run("local", 0, 1.0), run("ray", 0, 1.1, other=0.02)], warmup=1)
     text = bench.table(s)
     assert text.splitlines()[0].startswith("| | local")
-    assert "| update_actor (s) | 0.500 | 0.550 | +0.050 | 1.10x |" in text
+    assert "| update_actor (s): median (best) | 0.500 (0.500) | 0.550 (0.550) | +0.050 | 1.10x (1.10x) |" in text
     assert "values (s)" not in text  # stages this workload does not run are left out
-    assert "target ≤ 1.15): **PASS**" in text
+    assert "target ≤ 1.15): **PASS**; best steps: " in text
+    assert s["ratio_best"] == pytest.approx(s["ray"]["step_best"] / s["local"]["step_best"])
+    assert s["local"]["step_best"] == pytest.approx(0.4 + 0.25 + 0.5 + 0.002)
     est = bench.comm_estimate(s)
     assert "communication/dispatch" in est and "0.095" in est  # ref 0.025 + update 0.05 + other 0.02
