@@ -16,7 +16,8 @@ they alternate over --rounds rounds (local first in even rounds):
   local  trainer.backend=local, torch.set_num_threads(2)
   ray    trainer.backend=ray trainer.n_workers_per_node=2 placement.cpus_per_worker=1 (each worker
          sets its torch threads to 1), the driver with 1 thread; Ray on 127.0.0.1, shut down
-         by the backend at the end of the run; after each Ray run `pgrep -f raylet` must be empty.
+         by the backend at the end of the run; after each Ray run the new raylets still alive
+         after up to 15 s are reported (`pgrep -f ray/raylet/raylet`; none expected).
 
 Measured: the run's own metrics.jsonl (`rl_step`'s stage timer, wall seconds): `timing/step`,
 `timing/<stage>` for gen, reward, old_logprob, ref, values, adv, update_critic, update_actor,
