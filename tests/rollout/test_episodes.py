@@ -11,6 +11,7 @@ import torch
 from posttrain.algos import policy_loss, token_logprobs
 from posttrain.rollout import SamplingParams, make_engine
 from posttrain.rollout.episodes import MultiTurnLimits, Reply
+from posttrain.rollout.native_episodes import packed_positions
 
 from .conftest import PROMPTS
 
@@ -111,6 +112,15 @@ def test_compaction_and_cache_growth_change_nothing(model, tok):
     assert int(a.total_lengths.max()) > 64
     assert torch.equal(a.response_ids, b.response_ids)
     torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+
+
+def test_packed_positions_drop_padding_columns_and_keep_the_order():
+    valid = torch.tensor([[0, 1, 0, 1, 1, 0], [1, 0, 0, 0, 1, 0], [0, 0, 0, 1, 0, 0]], dtype=torch.bool)
+    positions, kept = packed_positions(valid)
+    # 3 real tokens at most; each row's real positions in order and right-aligned
+    assert positions.tolist() == [[1, 3, 4], [5, 0, 4], [4, 5, 3]]  # pad slots: the last pad columns
+    assert kept.tolist() == [[True] * 3, [False, True, True], [False, False, True]]
+    assert torch.equal(valid.gather(1, positions), kept)
 
 
 def test_max_turns_and_max_total_tokens_are_respected(native, tok):

@@ -79,7 +79,7 @@ class KVCache:
         """Mark `num_tokens` more positions as filled (after all layers were written)."""
         self.length += num_tokens
 
-    def select(self, rows: torch.Tensor) -> None:
+    def select(self, rows: torch.Tensor, positions: torch.Tensor | None = None) -> None:
         """Keep only batch rows `rows` (LongTensor of row indices, in the new order;
         repeats allowed: a prompt prefilled once serves its n samples).
 
@@ -87,9 +87,27 @@ class KVCache:
         its attention mask (and any per-row state) with the same `rows`. Only the
         `length` filled positions are copied; the rest of the new storage is left
         uninitialised (never read: every read stops at the filled length).
+
+        positions: (len(rows), T') long, or None. Given, kept row i holds only its filled
+        positions positions[i] (in that order) and `length` becomes T': the multi-turn loop
+        drops the padding columns its chunks leave this way (`packed_positions`).
         """
         rows = rows.to(device=self._keys.device, dtype=torch.long)
-        self._keys, self._values = (self._rows_of(t, rows) for t in (self._keys, self._values))
+        if positions is None:
+            self._keys, self._values = (self._rows_of(t, rows) for t in (self._keys, self._values))
+            return
+        positions = positions.to(device=self._keys.device, dtype=torch.long)
+        if positions.shape[0] != len(rows) or positions.shape[1] > self.length:
+            raise ValueError(f"positions {tuple(positions.shape)} must be (rows, <= {self.length} filled)")
+        self._keys, self._values = (self._gather(t, rows, positions) for t in (self._keys, self._values))
+        self.length = positions.shape[1]
+
+    def _gather(self, store: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """store[:, rows[i], positions[i]] for every kept row i, in new (L, R', T_max, nkv, D) storage."""
+        layers, _, max_len, heads, dim = store.shape
+        out = store.new_empty((layers, len(rows), max_len, heads, dim))
+        out[:, :, : positions.shape[1]] = store[:, rows[:, None], positions]
+        return out
 
     def _rows_of(self, store: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Rows of (L, B, T_max, nkv, D) storage, filled positions only."""

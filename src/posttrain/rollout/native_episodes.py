@@ -12,7 +12,13 @@ W chunk width, P the longest prompt, D head dim.
   its unpadded sequence. A width-1 chunk (plain decoding) runs `native._decode_step` on
   the call's `DecodeWeights`; a wider one (an environment answer) runs
   `BuiltinLM.hidden_states` with the cache. Nothing before position L is recomputed.
-- keep: `cache.select` (compaction) of the rows still running.
+- keep: `cache.select` (compaction) of the rows still running, with the padding columns
+  dropped (`packed_positions`). All rows share L, so every chunk adds W columns to every
+  row, and a row fed one token while another gets a 100-token answer gains 99 padding
+  columns: left alone, L grew to 4x the longest row's real tokens (1277 vs ~330 in the
+  calculator task), and every later attention and compaction paid for it. `feed` also
+  packs once the padding passes `PACK_WASTE` of L. Dropping keys the mask hides changes no
+  attention output (up to float summation order: sampled tokens stay the same).
 - The cache grows by doubling (`KVCache.reserve`), since an episode's length is only
   bounded by the limits; RoPE's table covers P + max_total_tokens positions.
 """
@@ -26,6 +32,10 @@ from posttrain.rollout.native import DecodeWeights, NativeEngine, _decode_step
 
 FIRST_ROOM = 64
 """Cache positions allocated after the prompt at the start; `_reserve` doubles from there."""
+
+PACK_WASTE = 0.25
+"""`feed` drops the padding columns (`_pack`) once they are more than this fraction of every
+row's filled positions: a pack copies the cache once, about what one decode step reads."""
 
 
 class NativeEpisodeModel:
@@ -48,7 +58,11 @@ class NativeEpisodeModel:
         return logits
 
     def feed(self, chunks: list[list[int]]) -> torch.Tensor:
-        width, length, device = max(len(c) for c in chunks), self.cache.length, self.model.device
+        width, device = max(len(c) for c in chunks), self.model.device
+        real = int(self.valid[:, : self.cache.length].sum(-1).max())
+        if self.cache.length - real > PACK_WASTE * self.cache.length:
+            self._pack(torch.arange(len(self.valid), device=device))
+        length = self.cache.length
         self._reserve(length + width)
         ids, chunk_mask = left_pad(chunks, self.pad_id, device)  # (R, W)
         self.valid[:, length : length + width] = chunk_mask.bool()
@@ -68,8 +82,15 @@ class NativeEpisodeModel:
 
     def keep(self, rows: torch.Tensor) -> None:
         rows = rows.to(self.model.device)
-        self.cache.select(rows)
-        self.valid, self.next_pos = self.valid[rows], self.next_pos[rows]
+        self._pack(rows)
+        self.next_pos = self.next_pos[rows]
+
+    def _pack(self, rows: torch.Tensor) -> None:
+        """Hold rows `rows` with their padding columns dropped (`packed_positions`)."""
+        positions, valid = packed_positions(self.valid[rows, : self.cache.length])
+        self.cache.select(rows, positions)
+        self.valid = torch.zeros(len(rows), self.cache.max_len, dtype=torch.bool, device=valid.device)
+        self.valid[:, : valid.shape[1]] = valid
 
     def _reserve(self, needed: int) -> None:
         if needed <= self.cache.max_len:
@@ -78,3 +99,16 @@ class NativeEpisodeModel:
         self.cache.reserve(grown)
         extra = torch.zeros(len(self.valid), grown - self.valid.shape[1], dtype=torch.bool, device=self.valid.device)
         self.valid = torch.cat([self.valid, extra], dim=1)
+
+
+def packed_positions(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache positions each row keeps when the padding columns are dropped.
+
+    valid (R, L) bool, True = a real token -> positions (R, L') long and their valid
+    (R, L') bool, L' the most real tokens of any row. A row's real positions keep their
+    order and end at column L' - 1 (left padding, as after a prefill); a shorter row's
+    first columns name padding positions, valid False. Attention over the kept keys is
+    attention over the row's real keys, as before: masked keys add nothing."""
+    width = int(valid.sum(-1).max()) if len(valid) else 0
+    order = torch.sort(valid.to(torch.uint8), dim=1, stable=True)  # padding first, each in order
+    return order.indices[:, valid.shape[1] - width :], order.values[:, valid.shape[1] - width :].bool()
