@@ -5,6 +5,8 @@ Notation: L layers, B batch rows, nkv key/value heads, T_max capacity, D head di
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 
@@ -119,6 +121,32 @@ class KVCache:
         else:
             torch.index_select(filled, 1, rows, out=out[:, :, : self.length])
         return out
+
+    def take(self, rows: torch.Tensor) -> KVCache:
+        """A new cache of rows `rows` (copies of their filled positions); this one is unchanged."""
+        part = copy.copy(self)
+        part.select(rows)
+        return part
+
+    def put(self, rows: torch.Tensor, part: KVCache, start: int) -> None:
+        """Copy positions [start, part.length) of `part`'s rows into rows `rows` (one per row of
+        `part`), which must already be filled that far (`pad`)."""
+        if part.length > self.length:
+            raise ValueError(f"put up to position {part.length} into a cache filled to {self.length}")
+        rows = rows.to(device=self._keys.device, dtype=torch.long)
+        for mine, theirs in ((self._keys, part._keys), (self._values, part._values)):
+            mine[:, rows, start : part.length] = theirs[:, :, start : part.length]
+
+    def pad(self, num_tokens: int) -> None:
+        """Fill `num_tokens` more positions of every row with zeros and advance past them: padding
+        the caller's mask hides. Zeros, not uninitialised memory: attention still multiplies a
+        hidden key's value by its weight 0, and 0 * NaN is NaN."""
+        end = self.length + num_tokens
+        if end > self.max_len:
+            raise ValueError(f"KVCache overflow: {end} positions > max_len={self.max_len}")
+        self._keys[:, :, self.length : end] = 0
+        self._values[:, :, self.length : end] = 0
+        self.length = end
 
     def reserve(self, max_len: int) -> None:
         """Make room for at least `max_len` positions per row (a copy of the filled ones into
