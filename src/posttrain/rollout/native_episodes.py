@@ -36,8 +36,9 @@ FIRST_ROOM = 64
 """Cache positions allocated after the prompt at the start; `_reserve` doubles from there."""
 
 PACK_WASTE = 0.25
-"""`feed` drops the padding columns (`_pack`) once they are more than this fraction of every
-row's filled positions: a pack copies the cache once, about what one decode step reads."""
+"""`feed` drops the padding columns (`_pack`) once even the row with the most real tokens has
+more than this fraction of L as padding: a pack copies the cache once, about what one decode
+step reads, and every later step reads the padding again."""
 
 
 class NativeEpisodeModel:
