@@ -14,8 +14,11 @@ W chunk width, P the longest prompt, D head dim.
   `BuiltinLM.hidden_states` with the cache, for the rows with an answer only (`_feed_wide`:
   most rows of a chunk feed one token, and running them W wide made these forwards 70%
   of the time), the others a decode step. Nothing before position L is recomputed.
-- keep: `cache.select` (compaction) of the rows still running, with the padding columns
-  dropped (`packed_positions`). All rows share L, so every chunk adds W columns to every
+- keep: the finished rows stay in the cache, fed nothing, until `compact_fraction` of the
+  cache's rows have finished (as in `NativeEngine.generate`; None: until a pack for padding);
+  then `cache.select` (compaction) of the rows still running, with the padding columns
+  dropped (`packed_positions`). Compacting at every finished row copied the whole cache
+  ~60 times per batch (40% of the time with 256 rows). All rows share L, so every chunk adds W columns to every
   row, and a row fed one token while another gets a 100-token answer gains 99 padding
   columns: left alone, L grew to 4x the longest row's real tokens (1277 vs ~330 in the
   calculator task), and every later attention and compaction paid for it. `feed` also
@@ -56,18 +59,25 @@ class NativeEpisodeModel:
         if key_mask is not None:
             self.valid = key_mask[:, 0, 0].clone()
         self.valid[:, self.cache.length :] = False
+        self.slot = torch.arange(rows, device=device)  # (R_held,) cache row of each held row
         positions = torch.arange(room, device=device)[None]
         self.cos, self.sin = (t[0] for t in self.model.model.rotary_emb(positions, self.model.dtype))
         return logits
 
     def feed(self, chunks: list[list[int]]) -> torch.Tensor:
         width, device = max(len(c) for c in chunks), self.model.device
-        real = int(self.valid[:, : self.cache.length].sum(-1).max())
+        real = int(self.valid[self.slot, : self.cache.length].sum(-1).max())
         if self.cache.length - real > PACK_WASTE * self.cache.length:
-            self._pack(torch.arange(len(self.valid), device=device))
+            self._compact()
         length = self.cache.length
         self._reserve(length + width)
-        ids, chunk_mask = left_pad(chunks, self.pad_id, device)  # (R, W)
+        padded = [[self.pad_id]] * self.cache.batch_size  # finished rows still held feed nothing
+        for slot, chunk in zip(self.slot.tolist(), chunks):
+            padded[slot] = chunk
+        ids, chunk_mask = left_pad(padded, self.pad_id, device)  # (R, W)
+        held = torch.zeros(len(ids), 1, dtype=chunk_mask.dtype, device=device)
+        held[self.slot] = 1
+        chunk_mask = chunk_mask * held
         self.valid[:, length : length + width] = chunk_mask.bool()
         if width == 1:
             pos = self.next_pos
@@ -78,7 +88,7 @@ class NativeEpisodeModel:
         else:
             logits = self._feed_wide(ids, chunk_mask, length)
         self.next_pos = self.next_pos + chunk_mask.sum(-1)
-        return logits
+        return logits[self.slot]
 
     def _feed_wide(self, ids: torch.Tensor, chunk_mask: torch.Tensor, length: int) -> torch.Tensor:
         """Chunks ids (R, W) left-padded (chunk_mask (R, W)) at cache positions [L, L + W) -> logits
@@ -105,9 +115,18 @@ class NativeEpisodeModel:
         return logits
 
     def keep(self, rows: torch.Tensor) -> None:
-        rows = rows.to(self.model.device)
-        self._pack(rows)
-        self.next_pos = self.next_pos[rows]
+        """Finished rows stay in the cache (fed nothing) until `engine.compact_fraction` of its
+        rows have finished (module docstring): a compaction copies the cache."""
+        self.slot = self.slot[rows.to(self.model.device)]
+        frac = self.engine.compact_fraction
+        if frac is not None and self.cache.batch_size - len(self.slot) >= max(1, frac * self.cache.batch_size):
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop the finished rows and the padding columns from the cache."""
+        self._pack(self.slot)
+        self.next_pos = self.next_pos[self.slot]
+        self.slot = torch.arange(len(self.slot), device=self.slot.device)
 
     def _pack(self, rows: torch.Tensor) -> None:
         """Hold rows `rows` with their padding columns dropped (`packed_positions`)."""
