@@ -75,6 +75,26 @@ def test_select_compaction_keeps_rows_decoding_correctly(tiny_lm):
         assert torch.allclose(steps[i], alone[-3:], atol=ATOL)
 
 
+def test_select_with_positions_keeps_only_those_and_decodes_the_same(tiny_lm):
+    prompts = [torch.randint(1, 61, (n,)) for n in (2, 5, 3)]
+    continuation = torch.randint(1, 61, (3, 4))
+    ids, mask = left_padded(prompts)
+    cache = tiny_lm.new_cache(3, ids.shape[1] + 4)
+    tiny_lm(ids, attention_mask=mask, cache=cache)
+    _, mask = decode(tiny_lm, cache, mask, continuation[:, :1])  # 6 filled, pads: row 0 [0, 3), row 2 [0, 2)
+    rows = torch.tensor([2, 0])
+    positions = torch.tensor([[1, 2, 3, 4, 5], [0, 1, 3, 4, 5]])  # rows 2, 0 keep 1, 2 pad columns
+    kept_keys = cache.keys[:, 0, :, [0, 1, 3, 4, 5]]
+    cache.select(rows, positions)
+    assert cache.batch_size == 2 and cache.length == 5 and cache.max_len == ids.shape[1] + 4
+    assert torch.equal(cache.keys[:, 1, :, :5], kept_keys)
+    mask = torch.tensor([[0, 1, 1, 1, 1], [0, 0, 1, 1, 1]])  # what each kept column holds
+    steps, _ = decode(tiny_lm, cache, mask, continuation[rows, 1:])
+    for i, row in enumerate(rows.tolist()):
+        alone = tiny_lm(torch.cat([prompts[row], continuation[row]])[None])[0]
+        assert torch.allclose(steps[i], alone[-3:], atol=ATOL)
+
+
 def test_explicit_position_ids_with_cache(tiny_lm):
     ids = torch.randint(0, 61, (1, 6))
     cache = tiny_lm.new_cache(1, 6)

@@ -11,6 +11,7 @@ import torch
 from posttrain.algos import policy_loss, token_logprobs
 from posttrain.rollout import SamplingParams, make_engine
 from posttrain.rollout.episodes import MultiTurnLimits, Reply
+from posttrain.rollout.native_episodes import packed_positions
 
 from .conftest import PROMPTS
 
@@ -102,6 +103,24 @@ def test_native_and_hf_give_the_same_episodes(model, hf_model, tok, native):
     assert a.meta["engine"] == "native" and b.meta["engine"] == "hf"
 
 
+def test_native_and_hf_agree_when_turns_end_at_different_steps(model, hf_model, tok, native):
+    """A stop string ends turns at different steps: a chunk then mixes answers and single
+    tokens (the native engine runs the answers as a sub-batch and packs padding away)."""
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=20, stop=("e",), stop_token_ids=(), seed=1)
+    limits = MultiTurnLimits(max_turns=4, max_total_tokens=90)
+    a, _ = run(native, tok, params, limits, answer=lambda r, k: "[" * (3 + 4 * r + k) + "]")
+    b, _ = run(make_engine("hf", hf_model, tok), tok, params, limits, answer=lambda r, k: "[" * (3 + 4 * r + k) + "]")
+    assert len(set(a.turns.tolist())) > 1
+    assert torch.equal(a.response_ids, b.response_ids)
+    assert torch.equal(a.sequence_mask, b.sequence_mask)
+    torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
+    for r in range(len(a)):
+        n = int(a.total_lengths[r])
+        resp, mask = a.response_ids[r, :n].tolist(), a.response_mask[r, :n].bool()
+        forced = teacher_forced_logp(model, a.prompt_ids[r], resp)
+        torch.testing.assert_close(a.logprobs[r, :n][mask], forced[mask], atol=1e-4, rtol=0)
+
+
 def test_compaction_and_cache_growth_change_nothing(model, tok):
     """Long episodes (past the first cache allocation) with and without dropping rows."""
     params = SamplingParams(n=1, temperature=0.7, max_new_tokens=30, stop_token_ids=(), seed=5)
@@ -111,6 +130,15 @@ def test_compaction_and_cache_growth_change_nothing(model, tok):
     assert int(a.total_lengths.max()) > 64
     assert torch.equal(a.response_ids, b.response_ids)
     torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+
+
+def test_packed_positions_drop_padding_columns_and_keep_the_order():
+    valid = torch.tensor([[0, 1, 0, 1, 1, 0], [1, 0, 0, 0, 1, 0], [0, 0, 0, 1, 0, 0]], dtype=torch.bool)
+    positions, kept = packed_positions(valid)
+    # 3 real tokens at most; each row's real positions in order and right-aligned
+    assert positions.tolist() == [[1, 3, 4], [5, 0, 4], [4, 5, 3]]  # pad slots: the last pad columns
+    assert kept.tolist() == [[True] * 3, [False, True, True], [False, False, True]]
+    assert torch.equal(valid.gather(1, positions), kept)
 
 
 def test_max_turns_and_max_total_tokens_are_respected(native, tok):
