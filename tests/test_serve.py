@@ -520,3 +520,26 @@ def test_batched_streaming_jobs_each_hear_their_own_rows(engine):
     for got, result in zip(heard, results):
         assert sorted(got) == list(range(len(result.texts)))
         assert [tok.decode(got[r], skip_special_tokens=True) for r in sorted(got)] == result.texts
+
+
+def test_cli_serve_stops_on_ctrl_c_at_once_even_when_started_with_sigint_ignored(model_dir):
+    """A background job of a non-interactive shell starts with SIGINT ignored; a Ctrl-C
+    sent as soon as the URL is printed (before uvicorn installs its handlers) was then lost
+    and the server never stopped. Three tries, each signalled right after the URL line."""
+    for _ in range(3):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "posttrain.cli", "serve", str(model_dir), "--port", "0"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+        )
+        try:
+            first = proc.stdout.readline()
+            assert re.search(r"at http://127\.0\.0\.1:\d+/v1", first), first + proc.stdout.read()
+            proc.send_signal(signal.SIGINT)
+            rest, _ = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        assert "shutting down" in rest and "Traceback" not in rest, rest

@@ -339,15 +339,19 @@ def serve(
     URL once it accepts connections."""
     server = load_server(model_path, host, port, **options)
     app = server.app
-    print(
-        f"posttrain serve: {app.info.name} ({app.engine_kind} engine) at {server.url}/v1 "
-        f"(max batch {app.batcher.max_batch_size} rows, wait {app.batcher.batch_wait_s * 1000:g} ms); "
-        "Ctrl-C stops",
-        flush=True,
-    )
-    previous = None
+    line = (f"posttrain serve: {app.info.name} ({app.engine_kind} engine) at {server.url}/v1 "
+            f"(max batch {app.batcher.max_batch_size} rows, wait {app.batcher.batch_wait_s * 1000:g} ms); "
+            "Ctrl-C stops")
+    previous = {}
     if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+        # SIGINT too: a process started in the background by a non-interactive shell
+        # inherits SIGINT ignored, and a Ctrl-C before uvicorn's handler would be lost.
+        previous = {sig: signal.signal(sig, handler) for sig, handler in
+                    ((signal.SIGTERM, _raise_interrupt), (signal.SIGINT, signal.default_int_handler))}
+    # The URL is printed once uvicorn has started (its signal handlers installed), so that a
+    # Ctrl-C as soon as it appears stops the server the graceful way.
+    threading.Thread(target=_announce_when_started, args=(server, line), daemon=True,
+                     name="posttrain-serve-ready").start()
     try:
         server.serve_forever()
     except KeyboardInterrupt:  # uvicorn raises the signal it stopped on again
@@ -355,8 +359,16 @@ def serve(
     finally:
         print("posttrain serve: shutting down", flush=True)
         server.close()
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _announce_when_started(server: ModelServer, line: str) -> None:
+    while not server.uvicorn.started:
+        if server.uvicorn.should_exit:
+            return
+        time.sleep(0.01)
+    print(line, flush=True)
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
