@@ -9,6 +9,29 @@ from posttrain.models import BuiltinConfig, BuiltinLM
 from posttrain.models.builtin import next_token_loss
 
 PROMPT = "Q: 23*47+5?"
+
+USER_ENV = '''
+from posttrain.envs import ToolEnvironment, calculator
+
+
+class MyEnv(ToolEnvironment):
+    """The calculator; reward 1 when the final answer ends in the row's answer."""
+
+    def __init__(self):
+        super().__init__(tools=[calculator], describe_tools=False)
+
+    def score(self, answer):
+        return float(answer.strip().endswith(str(self.row["answer"])))
+'''
+"""A user environment as a file (`rollout.env=ROOT/my_env.py:MyEnv`), written by `write_setup`."""
+
+
+def write_setup(root, model, tok):
+    """ROOT/model (the model and tokenizer) and ROOT/my_env.py (`USER_ENV`); returns ROOT."""
+    model.save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    (root / "my_env.py").write_text(USER_ENV)
+    return root
 DEMO = " <call>calculator(23*47)</call><result>1081</result> 1081+5 <call>calculator(1081+5)</call><result>1086</result> A: 1086"
 
 

@@ -10,27 +10,13 @@ from posttrain.cli import main
 from posttrain.evaluation import evaluate
 from posttrain.rewards import RewardRunner, env_reward
 
-from .conftest import PROMPT
-
-ENV_FILE = '''
-from posttrain.envs import ToolEnvironment, calculator
-
-
-class Arithmetic(ToolEnvironment):
-    def __init__(self):
-        super().__init__(tools=[calculator], describe_tools=False)
-
-    def score(self, answer):
-        return float(answer.strip().endswith(str(self.row["answer"])))
-'''
+from .conftest import PROMPT, write_setup
 
 
 @pytest.fixture(scope="module")
 def setup(taught, tok, tmp_path_factory):
     root = tmp_path_factory.mktemp("episodes")
-    taught.save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
-    (root / "my_env.py").write_text(ENV_FILE)
+    write_setup(root, taught, tok)
     rows = [{"prompt": PROMPT, "answer": "1086"}, {"prompt": PROMPT, "answer": "1087"}]
     (root / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return root
@@ -39,7 +25,7 @@ def setup(taught, tok, tmp_path_factory):
 def test_eval_plays_episodes_and_reports_turns_and_tool_calls(setup, tmp_path):
     out = tmp_path / "eval"
     assert main(["eval", str(setup / "model"), "--data", str(setup / "test.jsonl"), "--env",
-                 f"{setup / 'my_env.py'}:Arithmetic", "--n", "2", "--temperature", "0", "--max-new-tokens", "48",
+                 f"{setup / 'my_env.py'}:MyEnv", "--n", "2", "--temperature", "0", "--max-new-tokens", "48",
                  "--max-turns", "4", "--max-total-tokens", "160", "--out", str(out)]) == 0
     summary = json.loads((out / "eval.json").read_text())
     m = summary["metrics"]
@@ -55,7 +41,7 @@ def test_eval_plays_episodes_and_reports_turns_and_tool_calls(setup, tmp_path):
 def test_evaluate_takes_an_environment_factory(setup, taught, tok):
     from posttrain.envs import resolve_environment
 
-    env = resolve_environment(f"{setup / 'my_env.py'}:Arithmetic")
+    env = resolve_environment(f"{setup / 'my_env.py'}:MyEnv")
     rows = [{"prompt": PROMPT, "answer": "1086"}]
     report = evaluate(taught, tok, rows, RewardRunner([("env_reward", env_reward)]), n=1, max_new_tokens=48,
                       environment=env)
@@ -63,7 +49,7 @@ def test_evaluate_takes_an_environment_factory(setup, taught, tok):
 
 
 def test_generate_shows_an_episode_turn_by_turn(setup, capsys):
-    assert main(["generate", str(setup / "model"), PROMPT, "--env", f"{setup / 'my_env.py'}:Arithmetic",
+    assert main(["generate", str(setup / "model"), PROMPT, "--env", f"{setup / 'my_env.py'}:MyEnv",
                  "--row", '{"answer": "1086"}', "--max-new-tokens", "48", "--max-total-tokens", "160"]) == 0
     printed = capsys.readouterr().out.splitlines()
     assert printed[0].startswith("--- episode 1/1 (3 model turns") and "environment reward: 1" in printed[0]

@@ -15,33 +15,17 @@ from posttrain import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
 from posttrain.cli import main
 from posttrain.config import build_config
 
-from .conftest import PROMPT
+from .conftest import PROMPT, write_setup
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 ROW = {"prompt": PROMPT, "answer": "1086"}
-
-ENV_FILE = '''
-from posttrain.envs import ToolEnvironment, calculator
-
-
-class MyEnv(ToolEnvironment):
-    """The calculator; reward 1 when the final answer ends in the row's answer."""
-
-    def __init__(self):
-        super().__init__(tools=[calculator], describe_tools=False)
-
-    def score(self, answer):
-        return float(answer.strip().endswith(str(self.row["answer"])))
-'''
 
 
 @pytest.fixture(scope="module")
 def setup(taught, tok, tmp_path_factory):
     root = tmp_path_factory.mktemp("recipes_on_episodes")
-    taught.save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
+    write_setup(root, taught, tok)
     (root / "train.jsonl").write_text((json.dumps(ROW) + "\n") * 2)
-    (root / "my_env.py").write_text(ENV_FILE)
     return root
 
 
