@@ -7,7 +7,7 @@ One driver, `rl_step` (one step of the loop in `trainers/loop.py`), calls the ro
       → ref.compute_logprobs (only with a KL term) → critic.compute_values (PPO)
       → advantages (`algos.ADV_ESTIMATORS[algorithm.adv_estimator]`)
       → rollout.offload → critic.update → actor.update (ppo_epochs × shuffled mini-batches)
-      → rollout.sync_weights (the engine resumes, then takes the new weights)
+      → rollout.sync_from(actor) (the engine resumes, then takes the new weights)
 
 Papers: PPO (Schulman et al. 2017, arXiv 1707.06347) with GAE (arXiv 1506.02438); GRPO
 (Shao et al. 2024, arXiv 2402.03300); DAPO (Yu et al. 2025, arXiv 2503.14476); GSPO
@@ -276,7 +276,7 @@ class RLTrainer:
         self.kl_ctrl.value = float(state["data_state"]["kl_coef"])
         self.rollout_logp_ok = state["data_state"]["rollout_logp_ok"]
         r.actor.steps = max(0, state["step"] - self.args.critic.warmup_steps)
-        r.rollout.sync_weights(r.actor.model)
+        r.rollout.sync_from(r.actor)
         return state["step"]
 
     def save_final(self, run_dir: Path) -> Path:
@@ -350,7 +350,7 @@ def rl_step(trainer: RLTrainer, step: int) -> tuple[dict[str, float], RLBatch]:
         actor_metrics = {}
         if step > cfg.critic.warmup_steps:
             actor_metrics = r.actor.update(batch, rows, epochs, beta, seed)
-    r.rollout.sync_weights(r.actor.model)
+    r.rollout.sync_from(r.actor)
 
     if step == 1 and not cfg.use_critic:
         log.info("policy_loss ≈ 0 on a fresh rollout is expected (ratio 1, advantages centred per group); "

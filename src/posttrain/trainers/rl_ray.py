@@ -19,7 +19,7 @@ with the local roles' methods, which dispatch to the group (`distributed.groups`
                                                   weight Σw, the gradients and the metrics, so
                                                   each optimizer step is the whole mini-batch's
     ref.sync(policy, alpha)           ONE_TO_ALL  every reference moves towards its own actor
-    rollout.offload / sync_weights    ONE_TO_ALL  every engine takes its own actor's weights
+    rollout.offload / sync_from       ONE_TO_ALL  every engine takes its own actor's weights
     actor/critic .model/.optimizer/.scheduler     the driver's mirror of worker 0's state (all
     ref.model                                     workers hold the same), fetched when read
                                                   after an update or a sync: checkpoints,
@@ -269,9 +269,10 @@ class RayRollout:
     def offload(self) -> None:
         self.group.one_to_all("offload")
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        """Each worker's engine takes its own actor's weights, in place (`model`, the
-        driver's mirror, is not sent: the workers hold the same weights)."""
+    def sync_from(self, actor: Any) -> None:
+        """Each worker's engine takes its own actor's weights, in place. The driver's mirror
+        of the actor is not read (that would fetch worker 0's weights every step): the
+        workers hold the same weights."""
         self.group.one_to_all("sync_weights")
 
 

@@ -5,7 +5,7 @@
     actor.compute_logprobs(batch), actor.update(...)  Actor     (actor.py)
     ref.compute_logprobs(batch)                       Reference (reference.py)
     critic.compute_values(batch), critic.update(...)  Critic    (critic.py)
-    rollout.sync_weights(actor.model)
+    rollout.sync_from(actor)                          after each update
 
 Roles take and return `RLBatch` containers (batch.py) and plain numbers, never config
 trees other than the run's own config, or each other's internals, so a Ray-backed worker group exposing the same methods

@@ -103,6 +103,13 @@ class Rollout:
         self.engine.resume()
         self.engine.sync_weights(model)
 
+    def sync_from(self, actor: Any) -> None:
+        """After an update: sample from the actor role's current weights (`sync_weights` of
+        its module). The driver calls this, not `sync_weights(actor.model)`, so a role group
+        decides how weights reach its engines (Ray: each worker's engine from its own actor,
+        without fetching the weights into the driver)."""
+        self.sync_weights(actor.model)
+
 
 def episode_batch(batch: RLBatch, n: int, out: Episodes, env_rewards: torch.Tensor,
                   metrics: dict[str, float]) -> RLBatch:
