@@ -10,7 +10,8 @@ digit products, which it cannot multiply in its head; `posttrain.data.tasks.arit
    them and answer from the head in the rest. The held-out problems and the RL prompts
    (rl.jsonl, in neither train nor test) are plain: the SFT model knows the tool but
    seldom reaches for it unasked, and RL teaches it to.
-2. SFT of each (`recipes/sft_tools.yaml`, `--sft-steps` steps).
+2. SFT of each (`recipes/sft_tools.yaml`, `--sft-steps` steps of a `--sft-schedule-steps`
+   cosine).
 3. eval of both SFT models: greedy episodes of the 500 held-out problems with the
    calculator environment (`arithmetic_tools`) under the RL recipe's turn and token limits,
    scored by the task (the last `Answer:` line).
@@ -68,6 +69,9 @@ def main() -> int:
     p.add_argument("--tool-fraction", type=float, default=0.15,
                    help="share of the plain SFT prompts whose demonstration calls the tool")
     p.add_argument("--sft-steps", type=int, default=650)
+    p.add_argument("--sft-schedule-steps", type=int, default=None,
+                   help="the SFT cosine's length (trainer.lr_schedule_steps; default --sft-steps): longer stops "
+                        "it part-way, in the middle of the phase where the model learns to copy the tool's operands")
     p.add_argument("--rl-minutes", type=float, default=8.0, help="GRPO's wall-clock budget")
     p.add_argument("--n-test", type=int, default=500)
     p.add_argument("--speed-prompts", type=int, default=32)
@@ -130,6 +134,7 @@ def train_sft(run_dir: Path, data: Path, args: argparse.Namespace) -> Path:
     cfg = build_config(SFTConfig, SFT_RECIPE, [
         f"data.train_files=[{data / 'train.jsonl'}]", f"data.eval_files=[{data / 'test.jsonl'}]",
         f"trainer.output_dir={run_dir}", f"trainer.max_steps={args.sft_steps}", f"trainer.seed={args.seed}",
+        f"trainer.lr_schedule_steps={args.sft_schedule_steps or args.sft_steps}",
         "trainer.eval_steps=0", "trainer.save_steps=0", "trainer.resume=never", "trainer.overwrite=true",
         "trainer.report_to=[]",
     ])

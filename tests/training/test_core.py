@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from posttrain.config.core import ConfigError
 from posttrain.config.sections import TrainerConfig
 from posttrain.models import BuiltinLM
 from posttrain.training.core import (
@@ -81,6 +82,23 @@ def test_schedule_matches_transformers():
         for step in range(total + 1):
             ours = lr_factor(step, kind, warmup, total, floor)
             assert ours == pytest.approx(ref.lr_lambdas[0](step), abs=1e-12), (kind, step)
+
+
+def test_lr_schedule_steps_stops_a_longer_schedule_part_way():
+    # max_steps=4 of an 8-step linear decay: 1 − s/8 (not 1 − s/4). An actor whose schedule
+    # starts one step later (total_steps = max_steps − 1) spans 8 − 1 = 7: 1 − s/7.
+    cfg = TrainerConfig(learning_rate=1.0, lr_scheduler="linear", max_steps=4, lr_schedule_steps=8)
+    for total, want in ((4, [1.0, 0.875, 0.75, 0.625]), (3, [1.0, 6 / 7, 5 / 7])):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        sched = build_scheduler(opt, cfg, total_steps=total)
+        got = []
+        for _ in want:
+            got.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        assert got == pytest.approx(want)
+    with pytest.raises(ConfigError, match="trainer.lr_schedule_steps"):
+        TrainerConfig(max_steps=4, lr_schedule_steps=3).validate()
 
 
 def test_unknown_scheduler_is_rejected_when_built():

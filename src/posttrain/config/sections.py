@@ -131,6 +131,10 @@ class TrainerConfig:
     """Linear warmup from 0 to the peak over this many steps."""
     min_lr_ratio: float = 0.0
     """Floor of the cosine/linear decay, as a fraction of the peak."""
+    lr_schedule_steps: int | None = None
+    """Steps the warmup + decay spans (null: max_steps). Longer than max_steps stops a longer
+    schedule part-way, e.g. max_steps=420 with lr_schedule_steps=700 trains the first 420
+    steps of a 700-step cosine."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay (not applied to norms and biases)."""
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -178,6 +182,9 @@ class TrainerConfig:
               "save_steps and eval_steps must be >= 0 (0: only at the end)")
         check(len(self.adam_betas) == 2, "trainer.adam_betas", "needs two values, e.g. [0.9,0.999]")
         check(0.0 <= self.min_lr_ratio <= 1.0, "trainer.min_lr_ratio", "must be in [0, 1]")
+        check(self.lr_schedule_steps is None or self.lr_schedule_steps >= self.max_steps,
+              "trainer.lr_schedule_steps", f"must be >= trainer.max_steps={self.max_steps} (or null), "
+              f"got {self.lr_schedule_steps}")
         if self.warmup_steps >= self.max_steps:
             log.warning("trainer.warmup_steps=%d >= trainer.max_steps=%d: the run ends before the learning "
                         "rate reaches trainer.learning_rate (warmup is cut short)", self.warmup_steps, self.max_steps)

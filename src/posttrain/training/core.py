@@ -116,9 +116,13 @@ def build_scheduler(
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """`trainer.lr_scheduler` with linear warmup, as a LambdaLR (see `lr_factor`).
 
-    Call `scheduler.step()` once after each optimizer step; `train_step` does.
+    Call `scheduler.step()` once after each optimizer step; `train_step` does. `total_steps`
+    is the schedule's span when it is `cfg.max_steps`; `trainer.lr_schedule_steps` stretches
+    it by the same offset (an actor that starts after the critic's warmup keeps its shift).
     """
     lr_factor(0, cfg.lr_scheduler, 0, 1)  # reject an unknown kind now, not at the first step
+    if cfg.lr_schedule_steps is not None:
+        total_steps = cfg.lr_schedule_steps - (cfg.max_steps - total_steps)
 
     def factor(step: int) -> float:
         return lr_factor(step, cfg.lr_scheduler, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
