@@ -66,7 +66,8 @@ class RLBatch(BatchOps):
     uid: torch.Tensor | None = field(default=None, metadata={"kind": "row"})
     """(B,) long: id of the prompt a row answers, unique within a run (rows of a group share it)."""
     truncated: torch.Tensor | None = field(default=None, metadata={"kind": "row"})
-    """(B,) bool: generation hit max_new_tokens without a stop token."""
+    """(B,) bool: generation hit max_new_tokens without a stop token; for an episode, a turn or
+    token limit (`rollout.multi_turn`) ended it before the environment said done."""
     lengths: torch.Tensor | None = field(default=None, metadata={"kind": "row"})
     """(B,) long: generated (model) tokens per row (before any loss masking)."""
     total_lengths: torch.Tensor | None = field(default=None, metadata={"kind": "row"})
