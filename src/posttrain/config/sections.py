@@ -122,7 +122,7 @@ class TrainerConfig:
     """Wall-clock budget of this process's training loop, in seconds: the run ends at the
     first step that finishes past it (training, evaluation and checkpoints count), then
     evaluates, checkpoints and writes final/ as at max_steps. The lr schedule still spans
-    max_steps. null = no budget. A resumed run gets the budget afresh."""
+    max_steps (or lr_schedule_steps). null = no budget. A resumed run gets the budget afresh."""
     learning_rate: float = 1e-4
     """Peak learning rate (AdamW)."""
     lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
