@@ -10,13 +10,22 @@ digit products, which it cannot multiply in its head; `posttrain.data.tasks.arit
    them and answer from the head in the rest. The held-out problems and the RL prompts
    (rl.jsonl, in neither train nor test) are plain: the SFT model knows the tool but
    seldom reaches for it unasked, and RL teaches it to.
-2. SFT of each (`recipes/sft_tools.yaml`, `--sft-steps` steps of a `--sft-schedule-steps`
-   cosine).
+2. SFT of the tool data (`recipes/sft_tools.yaml`, a `--sft-schedule-steps` cosine),
+   stopped by a measured criterion, not a step count: from step `--sft-min-steps` on,
+   every `--sft-check-every` steps (the run is resumed from its own checkpoint), greedy
+   episodes of `--dev-n` dev problems (held back from rl.jsonl, in neither the held-out
+   set nor the RL prompts); SFT stops at the first check whose dev accuracy reaches
+   `--sft-stop-at`, or at `--sft-steps`. Where the tiny model starts copying operands into
+   its calls moves by more than 50 steps from seed to seed, so a fixed step count leaves RL
+   a model near 100% on one seed and one that never calls the tool right on another.
+   `--sft-stop-at 0` trains exactly `--sft-steps`. The no-tool baseline trains as many
+   steps as the tool SFT took.
 3. eval of both SFT models: greedy episodes of the 500 held-out problems with the
    calculator environment (`arithmetic_tools`) under the RL recipe's turn and token limits,
    scored by the task (the last `Answer:` line).
 4. GRPO over episodes from the tool SFT model (`recipes/grpo_tools.yaml`) on the RL
-   prompts, for `--rl-minutes` (the run stops at the first step past the budget).
+   prompts (less the dev problems), for `--rl-minutes` (the run stops at the first step
+   past the budget).
 5. eval of the RL model, as 3.
 6. rollout speed of the RL model: the same sampled episodes (`--speed-prompts` prompts x
    the recipe's rollout.n, temperature 1, seeded) with the native engine, which extends
@@ -27,7 +36,7 @@ digit products, which it cannot multiply in its head; `posttrain.data.tasks.arit
 Targets (issue 18): RL gains >= +10 points in <= 10 minutes on 2 CPU cores, and the tool
 model beats the no-tool SFT baseline on the same held-out problems by >= +20 points.
 
-    python benchmarks/agent_learning.py --out runs/bench_agent
+    python benchmarks/agent_learning.py --out runs/bench_agent --seed 0
 
 Writes OUT/agent_learning.json (every figure, the machine) and prints a Markdown table.
 """
@@ -65,17 +74,21 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/bench_agent")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--hinted", type=float, default=0.5, help="share of SFT prompts that ask for the tool")
-    p.add_argument("--tool-fraction", type=float, default=0.15,
+    p.add_argument("--hinted", type=float, default=0.0, help="share of SFT prompts that ask for the tool")
+    p.add_argument("--tool-fraction", type=float, default=1.0,
                    help="share of the plain SFT prompts whose demonstration calls the tool")
-    p.add_argument("--sft-steps", type=int, default=650)
-    p.add_argument("--sft-schedule-steps", type=int, default=None,
-                   help="the SFT cosine's length (trainer.lr_schedule_steps; default --sft-steps): longer stops "
-                        "it part-way, in the middle of the phase where the model learns to copy the tool's operands")
+    p.add_argument("--sft-steps", type=int, default=700, help="the most SFT steps")
+    p.add_argument("--sft-schedule-steps", type=int, default=700,
+                   help="the SFT cosine's length (trainer.lr_schedule_steps, >= --sft-steps)")
+    p.add_argument("--sft-stop-at", type=float, default=0.2,
+                   help="stop SFT at the first check whose greedy dev accuracy reaches this (0: train --sft-steps)")
+    p.add_argument("--sft-min-steps", type=int, default=300, help="the first check's step")
+    p.add_argument("--sft-check-every", type=int, default=20, help="steps between checks")
+    p.add_argument("--dev-n", type=int, default=100, help="dev problems, held back from rl.jsonl")
     p.add_argument("--rl-minutes", type=float, default=8.0, help="GRPO's wall-clock budget")
     p.add_argument("--n-test", type=int, default=500)
     p.add_argument("--speed-prompts", type=int, default=32)
-    p.add_argument("--speed-reps", type=int, default=2)
+    p.add_argument("--speed-reps", type=int, default=2, help="0: no rollout speed test")
     p.add_argument("--skip-baseline", action="store_true", help="no no-tool SFT (exploration only)")
     p.add_argument("rl_overrides", nargs="*", help="extra key=value overrides of the GRPO recipe")
     args = p.parse_args()
@@ -91,15 +104,19 @@ def main() -> int:
         make_task(TASK, out / "data_notool", n_train=8000, n_test=args.n_test, n_rl=2000, seed=args.seed, use_tools=False)
     seconds["data"] = time.perf_counter() - t
 
+    dev_rows = split_dev(data, args.dev_n)
     rl_cfg = rl_config(out, data, out / "sft" / "final", args)
     limits = MultiTurnLimits.from_config(rl_cfg.rollout.multi_turn)
     test_rows = load_rows(str(data / "test.jsonl"))
 
+    def accuracy(model_dir: Path, rows: list[dict]) -> tuple[dict[str, float], list[dict]]:
+        model, tokenizer = build_model_and_tokenizer(ModelConfig(path=str(model_dir), device="cpu", dtype="float32"))
+        return evaluate_task(model.eval(), tokenizer, rows, TASK, rl_cfg.rollout.max_new_tokens, 64,
+                             environment=resolve_environment(ENV), limits=limits)
+
     def eval_episodes(model_dir: Path, name: str) -> dict[str, float]:
         t = time.perf_counter()
-        model, tokenizer = build_model_and_tokenizer(ModelConfig(path=str(model_dir), device="cpu", dtype="float32"))
-        metrics, samples = evaluate_task(model.eval(), tokenizer, test_rows, TASK, rl_cfg.rollout.max_new_tokens,
-                                         64, environment=resolve_environment(ENV), limits=limits)
+        metrics, samples = accuracy(model_dir, test_rows)
         (out / f"samples_{name}.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
         seconds[f"eval_{name}"] = time.perf_counter() - t
         print(f"[{name}] held-out accuracy {100 * metrics['accuracy']:.1f}%, "
@@ -107,12 +124,13 @@ def main() -> int:
         return metrics
 
     t = time.perf_counter()
-    sft_model = train_sft(out / "sft", data, args)
+    sft_model, results["sft_stop"] = train_sft_until(out / "sft", data, args,
+                                                     lambda d: accuracy(d, dev_rows)[0]["accuracy"])
     seconds["sft"] = time.perf_counter() - t
     results["sft"] = eval_episodes(sft_model, "sft")
     if not args.skip_baseline:
         t = time.perf_counter()
-        base_model = train_sft(out / "sft_notool", out / "data_notool", args)
+        base_model = train_sft(out / "sft_notool", out / "data_notool", args, results["sft_stop"]["step"])
         seconds["sft_notool"] = time.perf_counter() - t
         results["sft_notool"] = eval_episodes(base_model, "sft_notool")
 
@@ -121,8 +139,9 @@ def main() -> int:
     seconds["rl"] = time.perf_counter() - t
     results["rl"] = eval_episodes(rl_model, "rl")
     results["rl_curve"] = rl_curve(out / "rl" / "metrics.jsonl")
-    results["speed"] = rollout_speed(rl_model, load_rows(str(data / "rl.jsonl"))[: args.speed_prompts],
-                                     rl_cfg, limits, args.speed_reps)
+    if args.speed_reps:
+        results["speed"] = rollout_speed(rl_model, load_rows(str(data / "rl.jsonl"))[: args.speed_prompts],
+                                         rl_cfg, limits, args.speed_reps)
     results["seconds"] = {k: round(v, 1) for k, v in seconds.items()}
     results["verdict"] = verdict(results)
     (out / "agent_learning.json").write_text(json.dumps(results, indent=2) + "\n")
@@ -130,20 +149,54 @@ def main() -> int:
     return 0 if results["verdict"]["pass"] else 1
 
 
-def train_sft(run_dir: Path, data: Path, args: argparse.Namespace) -> Path:
+def split_dev(data: Path, n: int) -> list[dict]:
+    """The last `n` rows of rl.jsonl, held back as SFT's dev set; the rest, rl_train.jsonl, are RL's prompts."""
+    rows = load_rows(str(data / "rl.jsonl"))
+    if not 0 < n < len(rows):
+        raise SystemExit(f"--dev-n must be in (0, {len(rows)}), got {n}")
+    (data / "rl_train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:-n]))
+    return rows[-n:]
+
+
+def check_steps(first: int, every: int, last: int) -> list[int]:
+    """The steps at which SFT's dev accuracy is checked: first, first + every, ..., last."""
+    first = min(first, last)
+    return [*range(first, last, every), last]
+
+
+def train_sft_until(run_dir: Path, data: Path, args: argparse.Namespace,
+                    dev_accuracy: Any) -> tuple[Path, dict[str, Any]]:
+    """SFT resumed from its own checkpoint from check to check (`check_steps`) until
+    `dev_accuracy(final_dir)` reaches `--sft-stop-at` (or `--sft-steps`). Returns the model and
+    {"step": the step it stopped at, "checks": [{"step", "dev_accuracy"}, ...]}."""
+    if args.sft_stop_at <= 0:
+        return train_sft(run_dir, data, args, args.sft_steps), {"step": args.sft_steps, "checks": []}
+    checks: list[dict[str, float]] = []
+    for i, step in enumerate(check_steps(args.sft_min_steps, args.sft_check_every, args.sft_steps)):
+        final = train_sft(run_dir, data, args, step, resume=i > 0)
+        checks.append({"step": step, "dev_accuracy": dev_accuracy(final)})
+        print(f"[sft] step {step}: dev accuracy {100 * checks[-1]['dev_accuracy']:.0f}%", flush=True)
+        if checks[-1]["dev_accuracy"] >= args.sft_stop_at:
+            break
+    return final, {"step": checks[-1]["step"], "checks": checks}
+
+
+def train_sft(run_dir: Path, data: Path, args: argparse.Namespace, steps: int, resume: bool = False) -> Path:
+    """`steps` SFT steps of the `--sft-schedule-steps` cosine; `resume`: continue the run in
+    `run_dir` from its last checkpoint (the last step always saves one)."""
     cfg = build_config(SFTConfig, SFT_RECIPE, [
-        f"data.train_files=[{data / 'train.jsonl'}]", f"data.eval_files=[{data / 'test.jsonl'}]",
-        f"trainer.output_dir={run_dir}", f"trainer.max_steps={args.sft_steps}", f"trainer.seed={args.seed}",
-        f"trainer.lr_schedule_steps={args.sft_schedule_steps or args.sft_steps}",
-        "trainer.eval_steps=0", "trainer.save_steps=0", "trainer.resume=never", "trainer.overwrite=true",
-        "trainer.report_to=[]",
+        f"data.train_files=[{data / 'train.jsonl'}]", "data.eval_files=[]",
+        f"trainer.output_dir={run_dir}", f"trainer.max_steps={steps}", f"trainer.seed={args.seed}",
+        f"trainer.lr_schedule_steps={max(args.sft_schedule_steps, steps)}",
+        "trainer.eval_steps=0", "trainer.save_steps=0", "trainer.report_to=[]",
+        *(["trainer.resume=auto"] if resume else ["trainer.resume=never", "trainer.overwrite=true"]),
     ])
     return SFTTrainer(args=cfg).train().final_dir
 
 
 def rl_config(out: Path, data: Path, sft_model: Path, args: argparse.Namespace) -> GRPOConfig:
     return build_config(GRPOConfig, RL_RECIPE, [
-        f"model.path={sft_model}", f"data.train_files=[{data / 'rl.jsonl'}]",
+        f"model.path={sft_model}", f"data.train_files=[{data / 'rl_train.jsonl'}]",
         f"data.eval_files=[{data / 'test.jsonl'}]", f"trainer.output_dir={out / 'rl'}",
         f"trainer.seed={args.seed}", f"trainer.max_time_s={args.rl_minutes * 60}", "trainer.max_steps=100000",
         "trainer.save_steps=0", "trainer.eval_steps=50", "eval.num_examples=100",
@@ -211,21 +264,30 @@ def format_results(r: dict[str, Any]) -> str:
             e = r[key]
             lines.append(f"| {label} | {100 * e['accuracy']:.1f}% | {e.get('tool_calls/mean', 0):.2f} | "
                          f"{e.get('turns/mean', 0):.2f} | {secs:.0f} |")
+    stop = r.get("sft_stop")
+    if stop and stop["checks"]:
+        lines += ["", f"Tool SFT stopped at step {stop['step']}; dev accuracy at the checks: "
+                  + ", ".join(f"{c['step']}: {100 * c['dev_accuracy']:.0f}%" for c in stop["checks"]) + "."]
     lines += ["", f"RL gain: {v['gain_points']:+.1f} points in {v['rl_seconds']:.0f} s "
                   f"(target >= +{MIN_GAIN:.0f} in <= {MAX_RL_SECONDS:.0f} s)."]
     if "tool_advantage_points" in v:
         lines.append(f"Tool model over the no-tool baseline: {v['tool_advantage_points']:+.1f} points "
                      f"(SFT alone {v['sft_tool_advantage_points']:+.1f}; target >= +{MIN_TOOL_ADVANTAGE:.0f}).")
-    sp = r["speed"]
-    lines += ["", f"Rollout of {sp['episodes']} episodes (temperature 1):", "",
+    sp = r.get("speed")
+    if sp:
+        lines += speed_lines(sp)
+    lines += ["", "RL curve (100 problems): " + ", ".join(f"{c['step']}: {100 * c['accuracy']:.0f}%" for c in r["rl_curve"]),
+              "", f"**{'PASS' if v['pass'] else 'FAIL'}**"]
+    return "\n".join(lines)
+
+
+def speed_lines(sp: dict[str, Any]) -> list[str]:
+    lines = ["", f"Rollout of {sp['episodes']} episodes (temperature 1):", "",
               "| engine | history after an answer | seconds | episodes/s | model tokens/s |", "|---|---|---|---|---|"]
     for name, how in (("native", "KV cache extended by the new tokens"), ("hf", "re-encoded")):
         e = sp[name]
         lines.append(f"| {name} | {how} | {e['seconds']} | {e['episodes_per_s']} | {e['model_tokens_per_s']:.0f} |")
-    lines += ["", f"native / hf speed: {sp['native_over_hf']}x", "",
-              "RL curve (100 problems): " + ", ".join(f"{c['step']}: {100 * c['accuracy']:.0f}%" for c in r["rl_curve"]),
-              "", f"**{'PASS' if v['pass'] else 'FAIL'}**"]
-    return "\n".join(lines)
+    return [*lines, "", f"native / hf speed: {sp['native_over_hf']}x"]
 
 
 def machine_info() -> dict[str, Any]:
