@@ -45,3 +45,19 @@ def test_the_table_has_every_model_and_both_engines(bench):
                    "| GRPO over episodes | 75.0% |", "RL gain: +45.0 points in 480 s", "+73.0 points",
                    "| native | KV cache extended", "| hf | re-encoded", "native / hf speed: 2.5x", "**PASS**"):
         assert needle in text, needle
+
+
+def test_sft_is_checked_from_the_first_step_to_the_last(bench):
+    assert bench.check_steps(300, 20, 380) == [300, 320, 340, 360, 380]
+    assert bench.check_steps(300, 20, 390) == [300, 320, 340, 360, 380, 390]
+    assert bench.check_steps(500, 20, 450) == [450]
+
+
+def test_the_table_names_where_sft_stopped_and_may_leave_out_the_speed(bench):
+    r = results(bench, 0.30, 0.75)
+    del r["speed"]
+    r["sft_stop"] = {"step": 340, "checks": [{"step": 300, "dev_accuracy": 0.02}, {"step": 320, "dev_accuracy": 0.11},
+                                             {"step": 340, "dev_accuracy": 0.27}]}
+    text = bench.format_results(r)
+    assert "Tool SFT stopped at step 340; dev accuracy at the checks: 300: 2%, 320: 11%, 340: 27%." in text
+    assert "native / hf" not in text and "**PASS**" in text
