@@ -5,7 +5,8 @@
 #     bash benchmarks/gpu_suite.sh            # PYTHON=.venv/bin/python to choose the interpreter
 #
 # Checks: CUDA is visible; NCCL initialises (one process, world size 1); a few SFT steps of the
-# built-in tiny model on CUDA under bf16 autocast keep fp32 master weights and a finite loss; the
+# built-in tiny model on CUDA under bf16 autocast keep fp32 master weights and a finite loss, in one
+# process and under torchrun with trainer.strategy=fsdp2 (NCCL, sharded DCP checkpoint); the
 # native engine generates on CUDA as it does on the CPU; the vllm engine's GPU tests
 # (tests/rollout/test_rollout_vllm.py: single-turn sampling, weight sync, sleep, and multi-turn
 # episodes over the calculator environment) when vLLM is importable. A missing vLLM is a SKIP, not a
@@ -71,6 +72,29 @@ rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
 losses = [r["loss"] for r in rows if "loss" in r]
 assert losses and all(math.isfinite(x) for x in losses), losses
 print(f"{len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}, weights float32 on cuda")' "$WORK"
+
+check fsdp2_bf16_autocast 300 "$PY" -c '
+import json, math, os, subprocess, sys
+from pathlib import Path
+from safetensors import safe_open
+from posttrain.data.tasks import make_task
+work = Path(sys.argv[1])
+data, run = work / "arith_fsdp", work / "sft_fsdp2"
+make_task("arithmetic", data, n_train=64, n_test=8, seed=0, difficulty="easy")
+cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", "29534",
+       "-m", "posttrain", "sft", "model.init=tiny", "model.device=cuda", "trainer.precision=bf16",
+       "trainer.strategy=fsdp2", "trainer.max_steps=5", f"data.train_files=[{data}/train.jsonl]",
+       "data.train_batch_size=8", "trainer.micro_batch_size=4", f"trainer.output_dir={run}",
+       "trainer.report_to=[]", "trainer.progress=false", "trainer.save_steps=5"]
+subprocess.run(cmd, check=True, env=os.environ)
+rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+losses = [r["loss"] for r in rows if "loss" in r]
+assert losses and all(math.isfinite(x) for x in losses), losses
+with safe_open(str(run / "final" / "model.safetensors"), "pt") as f:
+    dtypes = {str(f.get_tensor(k).dtype) for k in f.keys()}
+assert dtypes == {"torch.float32"}, f"the FSDP2 master weights were saved as {dtypes}"
+assert (run / "checkpoints" / "step-5" / "dcp").is_dir(), "no DCP shards in the checkpoint"
+print(f"torchrun fsdp2 on cuda: {len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}, fp32 master weights, dcp shards")' "$WORK"
 
 check native_engine_cuda 180 "$PY" -c '
 import sys
