@@ -5,6 +5,7 @@ name in veRL's dispatch modes (`dispatch`).
     group.one_to_all("sync_weights")          # ONE_TO_ALL: [result of worker r for r < W]
     group.rank_zero("generate", prompts, s)   # RANK_ZERO: worker 0's result
     group.dp_compute("logprobs", batch)       # DP_COMPUTE: pad, balance, split, run, gather
+    group.dp_split("generate", prompts, s)    # DP_SPLIT: contiguous slices, each with its first row
     group.per_rank("update", [args_0, ...])   # worker r gets args_r
 
 `factory(rank, world_size, collective, *args)` runs in the worker's process and builds the
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from posttrain.distributed.dispatch import gather_rows, shard_rows
+from posttrain.distributed.dispatch import gather_rows, shard_rows, split_contiguous
 
 Factory = Callable[..., Any]
 
@@ -60,6 +61,15 @@ class _Dispatch(ABC):
         row order (`dispatch.shard_rows`, `dispatch.gather_rows`)."""
         sharded = shard_rows(batch, self.world_size)
         return gather_rows(self._run(method, [(part, *args) for part in sharded.parts]), sharded)
+
+
+    def dp_split(self, method: str, batch: Any, *args: Any) -> list[Any]:
+        """`method(part, first, *args)` on each worker's contiguous slice of `batch` (`first`:
+        the index of its first row; `dispatch.split_contiguous`); the results in slice order.
+        A worker without rows gets part None and returns nothing that is kept."""
+        parts = split_contiguous(batch, self.world_size)
+        results = self._run(method, [(part, first, *args) for part, first in parts])
+        return [out for (part, _), out in zip(parts, results) if part is not None]
 
 
 class LocalWorkerGroup(_Dispatch):
