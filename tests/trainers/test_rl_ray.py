@@ -1,5 +1,6 @@
 """trainer.backend=ray on CPU: 2 workers give the local backend's update exactly (GRPO; PPO's
-actor and critic; a reference synced every 2 steps; GuessNumber episodes played on worker 0),
+actor and critic; a reference synced every 2 steps; GuessNumber episodes played on worker 0;
+generation split over the workers with rollout.seed_mode=row, single-turn and episodes),
 a run resumes exactly (a PPO run's critic too), the CLI runs end to end with the local run's
 directory and metrics, an impossible placement fails in seconds, and no Ray process outlives a run.
 
@@ -25,10 +26,12 @@ from posttrain import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
 from posttrain.cli import main
 from posttrain.config import ConfigError, build_config
 from posttrain.data.tasks import make_task
-from posttrain.distributed.groups import GroupSpec, LocalWorkerGroup, RayWorkerGroup
+from posttrain.distributed.groups import GroupSpec, LocalWorkerGroup, RayWorkerGroup, _Dispatch
 from posttrain.distributed.ray_session import RaySession
 from posttrain.models import BuiltinLM
-from posttrain.trainers.rl_ray import build_ray_roles
+from posttrain.trainers.rl_build import build_rollout
+from posttrain.trainers.rl_ray import Colocated, RayRollout, build_ray_roles
+from posttrain.workers import RLBatch
 
 ROOT = Path(__file__).resolve().parents[2]
 WORDS = "a b c d e f g h".split()
@@ -113,6 +116,7 @@ actor.micro_batch_size too); the loss, the gradient and the parameters do not.""
 
 SETTINGS = {
     "on-policy token-mean": {},
+    "split generation (row sampler)": {"rollout.seed_mode": "row"},  # ray: rollout.dispatch=auto → split
     "mini-batches, seq-mean, KL in the loss": {
         "actor.ppo_mini_batch_size": 2, "actor.micro_batch_size": 2,
         "actor.policy_loss.loss_agg_mode": "seq-mean-token-mean",
@@ -193,6 +197,39 @@ def test_driver_side_roles_over_a_local_group_give_the_local_run(tmp_path, name)
     local = train_grpo(model, config(tmp_path / "local", name))
     grouped = train_grpo(model, config(tmp_path / "group", name), local_group=True)
     assert_same_run(tmp_path / "local", tmp_path / "group", local, grouped, name, 1e-12)
+
+
+class InProcessGroup(_Dispatch):
+    """W workers in this process, called one after the other: the dispatch modes without Ray."""
+
+    def __init__(self, factory, world, *args):
+        self.world_size = world
+        self.workers = [factory(r, world, None, *copy.deepcopy(args)) for r in range(world)]
+
+    def _run(self, method, args_per_rank):
+        return [getattr(w, method)(*a) for w, a in zip(self.workers, args_per_rank, strict=True)]
+
+    def _run_one(self, rank, method, args):
+        return getattr(self.workers[rank], method)(*args)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_split_rollout_over_any_group_samples_the_local_rollout_s_rows(tmp_path, world):
+    """Every worker generates its slice (its own rollout counted prompts) and the joined batch,
+    uids included, is the local rollout's with the row sampler: twice, so the uids go on."""
+    cfg = grpo_config(tmp_path, **{"rollout.seed_mode": "row", "trainer.backend": "ray",
+                                   "trainer.n_workers_per_node": world})
+    model, tok = tiny_model_f64(), word_tokenizer()
+    group = InProcessGroup(Colocated, world, cfg, tok, model)
+    split = RayRollout(group, build_rollout(cfg, model, tok).params, "native", split=cfg.rollout.split)
+    local = build_rollout(cfg, copy.deepcopy(model), tok)
+    for seed in (3, 4):
+        prompts = RLBatch.from_prompts([{"ids": tok(p["prompt"])["input_ids"], "prompt": p["prompt"], "columns": {}}
+                                        for p in PROMPTS[:5]], 0)
+        a, b = split.generate(prompts, seed), local.generate(prompts, seed)
+        assert a.completions == b.completions and torch.equal(a.uid, b.uid) and torch.equal(a.lengths, b.lengths)
+        torch.testing.assert_close(a.rollout_logp, b.rollout_logp, rtol=0, atol=1e-12)
+    assert all(w.rollout._next_uid > 0 for w in group.workers)  # each worker generated
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
@@ -290,15 +327,18 @@ def episode_config(run_dir, env, **overrides):
 
 @pytest.mark.parametrize("env", ["guess_number", "file"])
 def test_two_workers_give_the_local_update_over_episodes(ray_session, guesser, tmp_path, env):
-    """Worker 0 plays every episode (the local run's trajectories, exactly), then the batch is
-    split for log-probs and the update; an environment from a file reaches the workers by value."""
+    """guess_number: worker 0 plays every episode (the local run's trajectories, exactly);
+    file: rollout.seed_mode=row, each worker plays its slice of the prompts (the local run's
+    trajectories with the row sampler), and an environment from a file reaches the workers by
+    value. Then the batch is split for log-probs and the update."""
     model, tok = guesser
+    seed_mode = "batch"
     if env == "file":
         (tmp_path / "my_game.py").write_text(FILE_GAME)
-        env = f"{tmp_path / 'my_game.py'}:EveryTurnCounts"
+        env, seed_mode = f"{tmp_path / 'my_game.py'}:EveryTurnCounts", "row"
     runs = {backend: train(model, episode_config(tmp_path / backend, env, **{
-        "trainer.backend": backend, "trainer.n_workers_per_node": 2}), rows=GUESS_ROWS, tokenizer=tok)
-        for backend in ("local", "ray")}
+        "trainer.backend": backend, "trainer.n_workers_per_node": 2, "rollout.seed_mode": seed_mode}),
+        rows=GUESS_ROWS, tokenizer=tok) for backend in ("local", "ray")}
     start = model.state_dict()
     assert max(float((v - start[k]).abs().max()) for k, v in runs["local"]["actor"].items()) > 1e-4
     for k, v in runs["local"]["actor"].items():
