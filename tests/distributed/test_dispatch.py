@@ -15,7 +15,8 @@ from posttrain.distributed.dispatch import (
     shard_rows,
     split_contiguous,
 )
-from posttrain.distributed.groups import LocalWorkerGroup, _Dispatch
+from posttrain.distributed.groups import LocalWorkerGroup, _Dispatch, collective_backend
+from posttrain.distributed.ray_session import bundle
 from posttrain.workers import RLBatch
 
 
@@ -148,6 +149,15 @@ def test_ray_backend_config_checks():
         grpo(*ray, "rollout.dispatch=split")
     with pytest.raises(ConfigError, match="rollout.dispatch: .*trainer.backend=ray"):
         grpo("rollout.seed_mode=row", "rollout.dispatch=split")
+
+
+def test_gpu_workers_reserve_gpus_and_join_over_nccl_only_with_a_gpu_each():
+    assert bundle(2, 0) == {"CPU": 2} and bundle(1, 0.5) == {"CPU": 1, "GPU": 0.5}
+    assert collective_backend(1, cuda=True) == "nccl"
+    assert collective_backend(0.5, cuda=True) == "gloo"  # two ranks on one GPU: NCCL refuses
+    assert collective_backend(0, cuda=True) == collective_backend(1, cuda=False) == "gloo"
+    with pytest.raises(ConfigError, match="placement.gpus_per_worker"):
+        grpo("trainer.backend=ray", "placement.gpus_per_worker=-1")
 
 
 def test_the_local_backend_never_imports_ray():

@@ -9,6 +9,7 @@ module fixture, whose finalizer shuts it down and checks that its raylet is gone
 """
 
 import copy
+import importlib.util
 import json
 import os
 import shutil
@@ -270,8 +271,10 @@ def test_a_shared_critic_backbone_is_refused_on_ray_naming_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"critic.share_backbone: .*share_backbone=false.*trainer.backend=local"):
         config(tmp_path, "ppo", **{"trainer.backend": "ray", "critic.share_backbone": "true",
                                    "critic.warmup_steps": 0})
-    with pytest.raises(ConfigError, match="rollout.engine: trainer.backend=ray runs the native or hf engine"):
+    with pytest.raises(ConfigError, match="placement.gpus_per_worker: rollout.engine=vllm on trainer.backend=ray"):
         config(tmp_path, "ppo", **{"trainer.backend": "ray", "rollout.engine": "vllm"})
+    gpu = config(tmp_path, "ppo", **{"trainer.backend": "ray", "rollout.engine": "vllm", "placement.gpus_per_worker": 1})
+    assert gpu.placement.gpus_per_worker == 1 and gpu.rollout.engine == "vllm"
 
 
 GUESS_PROMPT = "Guess."
@@ -351,6 +354,29 @@ def test_two_workers_give_the_local_update_over_episodes(ray_session, guesser, t
         for key in ("turns/mean", "turns/max", "tool_calls/mean", "env/reward/mean", "reward/mean", "response_length/mean",
                     "grad_norm", "policy_loss"):
             assert a[key] == pytest.approx(b[key], abs=1e-9), (a["step"], key)
+
+
+@pytest.mark.skipif(not (importlib.util.find_spec("vllm") and torch.cuda.is_available()),
+                    reason="the vllm engine on Ray needs vLLM and a CUDA GPU (pip install 'posttrain[vllm]')")
+def test_vllm_engines_on_gpu_workers_sample_like_the_local_engine_and_take_the_new_weights(ray_session, tmp_path):
+    """rollout.engine=vllm on a GPU worker (placement.gpus_per_worker=1): its engine samples the
+    local engine's first batch (same weights, same request seeds), then sleeps, wakes and loads
+    its actor's weights each step (`Colocated.sync_weights`), and the run trains."""
+    torch.manual_seed(0)  # 32-wide heads: what vLLM's attention backends serve (tests/rollout/test_rollout_vllm.py)
+    model = BuiltinLM.from_preset("tiny", vocab_size=len(WORDS) + 3, num_hidden_layers=1, hidden_size=64,
+                                  intermediate_size=96, num_attention_heads=2, num_key_value_heads=1,
+                                  bos_token_id=1, eos_token_id=2, pad_token_id=0).cuda()
+    over = {"rollout.engine": "vllm", "rollout.gpu_memory_utilization": 0.15, "model.device": "cuda",
+            "rollout.seed_mode": "row"}
+    ray = {"trainer.backend": "ray", "trainer.n_workers_per_node": 1, "placement.gpus_per_worker": 1}
+    runs = {b: train_grpo(model, grpo_config(tmp_path / b, **over, **(ray if b == "ray" else {})))
+            for b in ("local", "ray")}
+    first = [lines(tmp_path / b)[0] for b in ("local", "ray")]
+    for key in ("response_length/mean", "reward/mean"):
+        assert first[0][key] == first[1][key], key
+    start = model.state_dict()
+    assert max(float((v - start[k]).abs().max()) for k, v in runs["ray"]["actor"].items()) > 1e-4
+    assert [m["step"] for m in lines(tmp_path / "ray")] == [1, 2, 3]
 
 
 def test_an_impossible_placement_fails_in_seconds_naming_the_key(ray_session):

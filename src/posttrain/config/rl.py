@@ -442,8 +442,8 @@ class RLTrainerConfig(TrainerConfig):
     normalised by the all-reduced global weight). The driver, the reward and the prompt
     stream stay in this process. Generation (multi-turn episodes included) runs on worker 0
     (the local backend's tokens, exactly), or split over the workers with rollout.seed_mode=row
-    (rollout.dispatch; the local backend's tokens with the same seed_mode). Not with
-    critic.share_backbone nor the vllm engine. Ray starts locally on 127.0.0.1 unless ray.address says otherwise."""
+    (rollout.dispatch; the local backend's tokens with the same seed_mode). The vllm engine
+    needs GPU workers (placement.gpus_per_worker). Not with critic.share_backbone. Ray starts locally on 127.0.0.1 unless ray.address says otherwise."""
     nnodes: int = 1
     """Nodes of the Ray cluster the workers span (trainer.backend=ray)."""
     n_workers_per_node: int = 1
@@ -470,9 +470,15 @@ class PlacementConfig:
 
     cpus_per_worker: int = 1
     """CPU cores reserved for each worker, and its torch threads."""
+    gpus_per_worker: float = 0.0
+    """GPUs reserved for each worker (veRL: a worker is a GPU). 0: CPU workers. 1: a GPU of its
+    own, the workers joined over NCCL. A fraction (0.5: two workers per GPU, e.g. 2 workers on
+    a 1-GPU machine): workers share a GPU, joined over gloo (NCCL refuses two ranks on one
+    device). The roles' models stay on the device model.device gives them (cuda for a GPU run)."""
 
     def validate(self) -> None:
         check(self.cpus_per_worker >= 1, "placement.cpus_per_worker", f"must be >= 1, got {self.cpus_per_worker}")
+        check(self.gpus_per_worker >= 0, "placement.gpus_per_worker", f"must be >= 0, got {self.gpus_per_worker}")
 
 
 @dataclass
@@ -590,14 +596,16 @@ class RLConfig:
               f"must be < trainer.max_steps={self.trainer.max_steps}")
 
     def _validate_ray(self, mini_rows: int) -> None:
-        """What the Ray backend runs: every algorithm with a separate critic, native/hf engines."""
+        """What the Ray backend runs: every algorithm with a separate critic; the vllm engine on
+        GPU workers."""
         world = self.trainer.world_size
         check(not (self.use_critic and self.critic.share_backbone), "critic.share_backbone",
               "a value head on the policy's backbone trains in the actor's loss and optimizer, which the Ray "
               "workers keep apart from the critic's; set critic.share_backbone=false (a separate critic) or "
               "trainer.backend=local")
-        check(self.rollout.engine in ("auto", "native", "hf"), "rollout.engine",
-              f"trainer.backend=ray runs the native or hf engine in its workers, not {self.rollout.engine}")
+        check(self.rollout.engine != "vllm" or self.placement.gpus_per_worker > 0, "placement.gpus_per_worker",
+              "rollout.engine=vllm on trainer.backend=ray runs a vLLM engine in every worker, each on its GPU: "
+              "set placement.gpus_per_worker (1, or 0.5 for two workers per GPU)")
         check(mini_rows >= world, "trainer.n_workers_per_node",
               f"every worker needs a row of each mini-batch: actor.ppo_mini_batch_size·rollout.n={mini_rows} "
               f"< {world} workers (trainer.nnodes × trainer.n_workers_per_node)")

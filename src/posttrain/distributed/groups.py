@@ -14,7 +14,8 @@ workers' gloo group that averages gradients (None in a local group). This layer 
 role: the factory comes from above.
 
 A `RayWorkerGroup` worker is a Ray actor in one bundle of one placement group (one bundle
-per worker, `ray_session.place`), with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+per worker, `ray_session.place`; GPU workers reserve `gpus_per_worker` GPUs, which Ray shows
+them as cuda:0, and join over NCCL when each has a whole GPU), with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
 MASTER_PORT in its environment before it joins the group, torch threads set to its CPUs.
 """
 
@@ -100,10 +101,18 @@ class GroupSpec:
     address: str | None  # ray.address
     collective_timeout_s: float = 600.0  # trainer.collective_timeout_s
     placement_timeout_s: float = 10.0
+    gpus_per_worker: float = 0.0  # placement.gpus_per_worker
 
     @property
     def world_size(self) -> int:
         return self.nnodes * self.workers_per_node
+
+
+def collective_backend(gpus_per_worker: float, cuda: bool) -> str:
+    """The workers' torch.distributed backend: NCCL when each has a GPU of its own (and CUDA is
+    there), else gloo (CPU workers; workers sharing a GPU, where NCCL refuses two ranks on one
+    device: gloo all-reduces CUDA tensors too)."""
+    return "nccl" if cuda and gpus_per_worker >= 1 else "gloo"
 
 
 class _Worker:
@@ -125,7 +134,7 @@ class _Worker:
         return ray.util.get_node_ip_address(), port
 
     def setup(self, rank: int, world: int, local_rank: int, addr: str, port: int, timeout_s: float,
-              factory: Factory, *args: Any) -> int:
+              gpus: float, factory: Factory, *args: Any) -> int:
         import torch
         import torch.distributed as dist
 
@@ -135,9 +144,11 @@ class _Worker:
                           MASTER_PORT=str(port))
         if addr == "127.0.0.1" and os.path.isdir("/sys/class/net/lo"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # stay on loopback
-        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
+        backend = collective_backend(gpus, torch.cuda.is_available())
+        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s))
-        collective = Collective(world, torch.device("cpu"), average_gradients=True)
+        device = torch.device("cuda" if backend == "nccl" else "cpu")  # Ray shows each worker its GPU(s)
+        collective = Collective(world, device, average_gradients=True)
         self.obj = factory(rank, world, collective, *args)
         return os.getpid()
 
@@ -172,17 +183,18 @@ class RayWorkerGroup(_Dispatch):
         ray, s = self.session.ray, self.spec
         shape = (f"placement.cpus_per_worker={s.cpus_per_worker} × trainer.n_workers_per_node="
                  f"{s.workers_per_node} × trainer.nnodes={s.nnodes}")
-        self.group = place(ray, self.world_size, s.cpus_per_worker, shape, s.placement_timeout_s)
+        self.group = place(ray, self.world_size, s.cpus_per_worker, shape, s.placement_timeout_s, s.gpus_per_worker)
         worker = ray.remote(_Worker)
         self.actors = [
-            worker.options(num_cpus=s.cpus_per_worker, scheduling_strategy=PlacementGroupSchedulingStrategy(
+            worker.options(num_cpus=s.cpus_per_worker, num_gpus=s.gpus_per_worker,
+                           scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=self.group, placement_group_bundle_index=i)).remote(s.cpus_per_worker)
             for i in range(self.world_size)
         ]
         addr, port = ray.get(self.actors[0].master_address.remote())
         refs = [ray.put(a) for a in args]
         self.pids = ray.get([a.setup.remote(rank, self.world_size, rank % s.workers_per_node, addr, port,
-                                            s.collective_timeout_s, factory, *refs)
+                                            s.collective_timeout_s, s.gpus_per_worker, factory, *refs)
                              for rank, a in enumerate(self.actors)])
 
     def _run(self, method: str, args_per_rank: Sequence[tuple]) -> list[Any]:

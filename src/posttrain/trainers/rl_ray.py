@@ -41,9 +41,17 @@ A restored checkpoint reaches the workers when the driver sets `actor.steps` and
 mirrors), and `ref.synced` (`RunModels.load_reference`, after loading a synced reference):
 the mirror's weights (and optimizer, schedule) are pushed to every worker.
 
+The vllm engine (rollout.engine=vllm, GPU workers: placement.gpus_per_worker): each worker
+builds its own `VLLMEngine` over its actor's policy, last (`build_rollout`, after the actor,
+reference and critic took their GPU memory), and runs it in the worker's process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0). `rollout.offload` puts every engine to sleep (level 1)
+before the update; `rollout.sync_from` wakes each and loads its own actor's new weights in
+place through vLLM's `load_weights` (`VLLMEngine.sync_weights`: `collective_rpc`, tensors by
+reference in process), then drops its prefix cache: the local engine's path, per worker.
+
 Not on this backend: a critic on the policy's backbone (critic.share_backbone: the value
 head and the policy would train in one loss and one optimizer, a layout the workers' separate
-roles do not have) and the vllm engine (config checks, `RLConfig._validate_ray`). An
+roles do not have; config checks, `RLConfig._validate_ray`). An
 environment or tool loaded from a file (`file.py:Class`) reaches the workers by value
 (`rewards.registry.pickle_file_modules_by_value`); one given in Python must be importable by
 the workers, or defined in the driver's script (cloudpickle sends `__main__`'s by value).
@@ -374,7 +382,7 @@ def build_ray_roles(cfg: RLConfig, tokenizer: Any, policy: torch.nn.Module, rewa
 
         pickle_file_modules_by_value(import_ray().cloudpickle)  # before the arguments are pickled
         spec = GroupSpec(t.nnodes, t.n_workers_per_node, cfg.placement.cpus_per_worker, cfg.ray.address,
-                         t.collective_timeout_s)
+                         t.collective_timeout_s, gpus_per_worker=cfg.placement.gpus_per_worker)
         group = RayWorkerGroup(spec, Colocated, *args)
     else:
         group = make_group(Colocated, *args)
