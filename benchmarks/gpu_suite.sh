@@ -7,7 +7,8 @@
 # Checks: CUDA is visible; NCCL initialises (one process, world size 1); a few SFT steps of the
 # built-in tiny model on CUDA under bf16 autocast keep fp32 master weights and a finite loss, in one
 # process and under torchrun with trainer.strategy=fsdp2 (NCCL, sharded DCP checkpoint); the
-# native engine generates on CUDA as it does on the CPU; the vllm engine's GPU tests
+# native engine generates on CUDA as it does on the CPU; a colocated Ray GRPO run of 20 steps
+# (trainer.backend=ray, 2 workers sharing the GPU, generation split over them); the vllm engine's GPU tests
 # (tests/rollout/test_rollout_vllm.py: single-turn sampling, weight sync, sleep, and multi-turn
 # episodes over the calculator environment) when vLLM is importable. A missing vLLM is a SKIP, not a
 # failure; POSTTRAIN_INSTALL_VLLM=1 first tries `pip install 'posttrain[vllm]'` (needs a registry).
@@ -114,6 +115,30 @@ sampled = make_engine("native", randomized(seed=3).cuda(), tok).generate(
     PROMPTS, SamplingParams(n=4, temperature=1.0, max_new_tokens=16, seed=0))
 assert torch.equal(sampled.response_mask.sum(-1).cpu(), sampled.lengths.cpu())
 print(f"greedy equals the CPU, logprob diff {diff:.1e}; {len(sampled.lengths)} sampled rows")'
+
+check ray_grpo_cuda 240 "$PY" -c '
+import json, math, sys
+from pathlib import Path
+from posttrain.cli import main
+from posttrain.data.tasks import make_task
+work = Path(sys.argv[1])
+data, run = work / "arith_ray", work / "grpo_ray"
+make_task("arithmetic", data, n_train=64, n_test=4, seed=0, difficulty="easy")
+rc = main(["grpo", "--config", "recipes/grpo.yaml", "model.path=null", "model.init=tiny", "model.device=cuda",
+           f"data.train_files=[{data}/train.jsonl]", f"data.eval_files=[{data}/test.jsonl]", "eval.num_examples=2",
+           "data.train_batch_size=8", "rollout.n=4", "rollout.max_new_tokens=16", "actor.micro_batch_size=16",
+           "trainer.max_steps=20", "trainer.save_steps=10", "trainer.eval_steps=0", "trainer.report_to=[]",
+           "trainer.progress=false", f"trainer.output_dir={run}", "trainer.backend=ray", "trainer.n_workers_per_node=2",
+           "placement.gpus_per_worker=0.5", "rollout.seed_mode=row"])
+assert rc == 0, f"exit code {rc}"
+rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+steps = [r for r in rows if "timing/step" in r]
+assert len(steps) == 20 and all(math.isfinite(r["grad_norm"]) for r in steps), steps[-1]
+assert (run / "final" / "config.json").is_file() and (run / "checkpoints" / "step-20").is_dir()
+mean = sum(r["timing/step"] for r in steps) / len(steps)
+first, last = steps[0]["reward/mean"], steps[-1]["reward/mean"]
+print(f"20 colocated steps on 2 GPU workers (0.5 GPU each, split generation): {mean:.2f} s/step, "
+      f"reward {first:.2f} -> {last:.2f}")' "$WORK"
 
 if ! "$PY" -c 'import vllm' >/dev/null 2>&1 && [ "${POSTTRAIN_INSTALL_VLLM:-0}" = 1 ]; then
     timeout 300 "$PY" -m pip install -q -e '.[vllm]' >"$WORK/pip.log" 2>&1 ||

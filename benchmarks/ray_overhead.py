@@ -1,6 +1,7 @@
 """Ray backend overhead: the same GRPO workload on the local backend and on Ray (issue 17).
 
-    PYTHONPATH=src .venv/bin/python benchmarks/ray_overhead.py --out runs/bench_ray [--rounds 2] [--steps 15]
+    PYTHONPATH=src .venv/bin/python benchmarks/ray_overhead.py --out runs/bench_ray [--rounds 2] [--steps 15] \
+        [--seed-mode row|batch]
 
 Target (issue 17): seconds per GRPO step on Ray (2 workers × 1 thread) ≤ 1.15 × the local
 backend's (1 process, 2 torch threads): the same 2 cores either way.
@@ -9,7 +10,10 @@ The workload: `recipes/grpo.yaml` with the built-in `tiny` model (`model.init=ti
 weights, so completions mostly run to max_new_tokens) on the bundled arithmetic task
 (`make_task("arithmetic", ...)`), no checkpoints, no evaluation, no loggers
 (`trainer.save_steps=0 trainer.eval_steps=0 trainer.report_to=[]`); --batch prompts × --n
-completions of at most --max-new-tokens tokens per step, --steps steps per run.
+completions of at most --max-new-tokens tokens per step, --steps steps per run, sampled with
+`rollout.seed_mode=--seed-mode` on both sides (default row: Ray then splits generation over its
+workers, `rollout.dispatch=auto`, and both sides sample the same tokens; batch: generation on
+Ray's worker 0 alone, RANK_ZERO, what the first record measured).
 
 The two sides, each run in its own fresh child process (thread settings and Ray do not leak);
 they alternate over --rounds rounds (local first in even rounds):
@@ -37,9 +41,9 @@ the same rows on the same 2 cores (2 threads on all rows vs 1 thread on half of 
 its time stands in for the workers' compute and
     communication + overhead ≈ Ray stage − local stage
 (an upper bound: it also holds the loss of 2-thread vs 2-process parallel efficiency, either
-sign). Generation is the exception: on Ray it runs on worker 0 alone with 1 thread, so its
-compute is ~the local one with 1 thread, not 2; the gap there is mostly compute, not
-communication (`RayRollout.generate`).
+sign). With --seed-mode batch generation is the exception: on Ray it runs on worker 0 alone
+with 1 thread, so its compute is ~the local one with 1 thread, not 2; the gap there is mostly
+compute, not communication (`RayRollout.generate`).
 """
 
 from __future__ import annotations
@@ -168,7 +172,7 @@ def cli_args(backend: str, data: Path, run: Path, args: argparse.Namespace) -> l
            f"data.train_batch_size={args.batch}", f"rollout.n={args.n}", f"rollout.max_new_tokens={args.max_new_tokens}",
            f"actor.micro_batch_size={args.batch * args.n}", f"trainer.max_steps={args.steps}",
            "trainer.save_steps=0", "trainer.eval_steps=0", "trainer.report_to=[]", "trainer.progress=false",
-           f"trainer.output_dir={run}", f"trainer.backend={backend}"]
+           f"trainer.output_dir={run}", f"trainer.backend={backend}", f"rollout.seed_mode={args.seed_mode}"]
     if backend == "ray":
         out += ["trainer.nnodes=1", "trainer.n_workers_per_node=2", "placement.cpus_per_worker=1"]
     return out
@@ -219,6 +223,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8, help="prompts per step (data.train_batch_size)")
     p.add_argument("--n", type=int, default=8, help="completions per prompt (rollout.n)")
     p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--seed-mode", choices=("row", "batch"), default="row",
+                   help="rollout.seed_mode on both sides (row: Ray splits generation over its workers)")
     p.add_argument("--from-json", help="print the table of a saved ray_overhead.json again (no runs)")
     p.add_argument("--child", choices=BACKENDS, help=argparse.SUPPRESS)
     p.add_argument("--cli", help=argparse.SUPPRESS)

@@ -9,8 +9,14 @@ import torch
 
 from posttrain.config import ConfigError, build_config
 from posttrain.config.rl import GRPOConfig, PPOConfig
-from posttrain.distributed.dispatch import balanced_partition, gather_rows, shard_rows
-from posttrain.distributed.groups import LocalWorkerGroup
+from posttrain.distributed.dispatch import (
+    balanced_partition,
+    gather_rows,
+    shard_rows,
+    split_contiguous,
+)
+from posttrain.distributed.groups import LocalWorkerGroup, _Dispatch, collective_backend
+from posttrain.distributed.ray_session import bundle
 from posttrain.workers import RLBatch
 
 
@@ -64,6 +70,36 @@ def test_an_update_share_is_not_padded_and_every_worker_gets_a_row():
     assert sorted(map(len, sharded.parts)) == [2, 3] and sharded.rows == 5
 
 
+def test_split_contiguous_keeps_each_slice_s_first_row():
+    batch = rl_batch(5)
+    parts = split_contiguous(batch, 2)
+    assert [(p.prompts, first) for p, first in parts] == [(["p0", "p1", "p2"], 0), (["p3", "p4"], 3)]
+    assert [len(p) for p, _ in split_contiguous(batch, 3)] == [2, 2, 1]
+    few = split_contiguous(rl_batch(1), 3)
+    assert few[0][0].prompts == ["p0"] and [(p, first) for p, first in few[1:]] == [(None, 1), (None, 1)]
+
+
+class InProcessGroup(_Dispatch):
+    """W workers in this process, called one after the other: the dispatch modes without Ray."""
+
+    def __init__(self, factory, world, *args):
+        self.world_size, self.workers = world, [factory(r, world, None, *args) for r in range(world)]
+
+    def _run(self, method, args_per_rank):
+        return [getattr(w, method)(*a) for w, a in zip(self.workers, args_per_rank, strict=True)]
+
+    def _run_one(self, rank, method, args):
+        return getattr(self.workers[rank], method)(*args)
+
+
+@pytest.mark.parametrize("rows,world", [(7, 2), (2, 3)])
+def test_dp_split_runs_each_slice_with_its_first_row_and_keeps_the_order(rows, world):
+    group = InProcessGroup(Doubler, world, 3)
+    out = group.dp_split("tag", rl_batch(rows))
+    assert len(out) == min(rows, world)  # a worker without rows returns nothing
+    assert [x for part in out for x in part] == [(f"p{i}", i) for i in range(rows)]
+
+
 class Doubler:
     def __init__(self, rank, world_size, collective, factor):
         self.factor, self.rank, self.collective = factor, rank, collective
@@ -73,6 +109,10 @@ class Doubler:
 
     def whoami(self):
         return self.rank
+
+    def tag(self, part, first):
+        """Each row of `part` with its index in the whole batch (None: no rows)."""
+        return None if part is None else [(p, first + i) for i, p in enumerate(part.prompts)]
 
 
 def test_local_group_has_the_ray_group_interface():
@@ -102,6 +142,22 @@ def test_ray_backend_config_checks():
         grpo("trainer.backend=ray", "placement.cpus_per_worker=0")
     with pytest.raises(ConfigError, match="trainer.backend"):
         grpo("trainer.backend=spark")
+    ray = ("trainer.backend=ray", "trainer.n_workers_per_node=2")
+    assert grpo(*ray, "rollout.seed_mode=row").rollout.split and not grpo(*ray).rollout.split  # auto
+    assert not grpo(*ray, "rollout.seed_mode=row", "rollout.dispatch=rank_zero").rollout.split
+    with pytest.raises(ConfigError, match="rollout.dispatch: .*rollout.seed_mode=row"):
+        grpo(*ray, "rollout.dispatch=split")
+    with pytest.raises(ConfigError, match="rollout.dispatch: .*trainer.backend=ray"):
+        grpo("rollout.seed_mode=row", "rollout.dispatch=split")
+
+
+def test_gpu_workers_reserve_gpus_and_join_over_nccl_only_with_a_gpu_each():
+    assert bundle(2, 0) == {"CPU": 2} and bundle(1, 0.5) == {"CPU": 1, "GPU": 0.5}
+    assert collective_backend(1, cuda=True) == "nccl"
+    assert collective_backend(0.5, cuda=True) == "gloo"  # two ranks on one GPU: NCCL refuses
+    assert collective_backend(0, cuda=True) == collective_backend(1, cuda=False) == "gloo"
+    with pytest.raises(ConfigError, match="placement.gpus_per_worker"):
+        grpo("trainer.backend=ray", "placement.gpus_per_worker=-1")
 
 
 def test_the_local_backend_never_imports_ray():

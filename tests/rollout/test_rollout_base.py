@@ -192,7 +192,7 @@ def test_every_sampling_field_of_the_rollout_config_reaches_sampling_params():
     # One value per sampling field, none of them a default of either class: a field added to
     # RolloutConfig fails here (and in from_config until SamplingParams has it too).
     values = {"n": 3, "max_new_tokens": 17, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.05,
-              "stop": ["\n\n", "Q:"]}
+              "stop": ["\n\n", "Q:"], "seed_mode": "row"}
     sampling = {f.name for f in dataclasses.fields(RolloutConfig)} - set(ROLLOUT_ENGINE_OPTIONS)
     assert sampling == set(values)
     defaults = SamplingParams()

@@ -1,5 +1,6 @@
 """trainer.backend=ray on CPU: 2 workers give the local backend's update exactly (GRPO; PPO's
-actor and critic; a reference synced every 2 steps; GuessNumber episodes played on worker 0),
+actor and critic; a reference synced every 2 steps; GuessNumber episodes played on worker 0;
+generation split over the workers with rollout.seed_mode=row, single-turn and episodes),
 a run resumes exactly (a PPO run's critic too), the CLI runs end to end with the local run's
 directory and metrics, an impossible placement fails in seconds, and no Ray process outlives a run.
 
@@ -8,6 +9,7 @@ module fixture, whose finalizer shuts it down and checks that its raylet is gone
 """
 
 import copy
+import importlib.util
 import json
 import os
 import shutil
@@ -25,10 +27,12 @@ from posttrain import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
 from posttrain.cli import main
 from posttrain.config import ConfigError, build_config
 from posttrain.data.tasks import make_task
-from posttrain.distributed.groups import GroupSpec, LocalWorkerGroup, RayWorkerGroup
+from posttrain.distributed.groups import GroupSpec, LocalWorkerGroup, RayWorkerGroup, _Dispatch
 from posttrain.distributed.ray_session import RaySession
 from posttrain.models import BuiltinLM
-from posttrain.trainers.rl_ray import build_ray_roles
+from posttrain.trainers.rl_build import build_rollout
+from posttrain.trainers.rl_ray import Colocated, RayRollout, build_ray_roles
+from posttrain.workers import RLBatch
 
 ROOT = Path(__file__).resolve().parents[2]
 WORDS = "a b c d e f g h".split()
@@ -113,6 +117,7 @@ actor.micro_batch_size too); the loss, the gradient and the parameters do not.""
 
 SETTINGS = {
     "on-policy token-mean": {},
+    "split generation (row sampler)": {"rollout.seed_mode": "row"},  # ray: rollout.dispatch=auto → split
     "mini-batches, seq-mean, KL in the loss": {
         "actor.ppo_mini_batch_size": 2, "actor.micro_batch_size": 2,
         "actor.policy_loss.loss_agg_mode": "seq-mean-token-mean",
@@ -195,6 +200,39 @@ def test_driver_side_roles_over_a_local_group_give_the_local_run(tmp_path, name)
     assert_same_run(tmp_path / "local", tmp_path / "group", local, grouped, name, 1e-12)
 
 
+class InProcessGroup(_Dispatch):
+    """W workers in this process, called one after the other: the dispatch modes without Ray."""
+
+    def __init__(self, factory, world, *args):
+        self.world_size = world
+        self.workers = [factory(r, world, None, *copy.deepcopy(args)) for r in range(world)]
+
+    def _run(self, method, args_per_rank):
+        return [getattr(w, method)(*a) for w, a in zip(self.workers, args_per_rank, strict=True)]
+
+    def _run_one(self, rank, method, args):
+        return getattr(self.workers[rank], method)(*args)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_split_rollout_over_any_group_samples_the_local_rollout_s_rows(tmp_path, world):
+    """Every worker generates its slice (its own rollout counted prompts) and the joined batch,
+    uids included, is the local rollout's with the row sampler: twice, so the uids go on."""
+    cfg = grpo_config(tmp_path, **{"rollout.seed_mode": "row", "trainer.backend": "ray",
+                                   "trainer.n_workers_per_node": world})
+    model, tok = tiny_model_f64(), word_tokenizer()
+    group = InProcessGroup(Colocated, world, cfg, tok, model)
+    split = RayRollout(group, build_rollout(cfg, model, tok).params, "native", split=cfg.rollout.split)
+    local = build_rollout(cfg, copy.deepcopy(model), tok)
+    for seed in (3, 4):
+        prompts = RLBatch.from_prompts([{"ids": tok(p["prompt"])["input_ids"], "prompt": p["prompt"], "columns": {}}
+                                        for p in PROMPTS[:5]], 0)
+        a, b = split.generate(prompts, seed), local.generate(prompts, seed)
+        assert a.completions == b.completions and torch.equal(a.uid, b.uid) and torch.equal(a.lengths, b.lengths)
+        torch.testing.assert_close(a.rollout_logp, b.rollout_logp, rtol=0, atol=1e-12)
+    assert all(w.rollout._next_uid > 0 for w in group.workers)  # each worker generated
+
+
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_two_workers_give_the_local_update(ray_session, tmp_path, name):
     """PPO: the actor's and the critic's parameters; a synced reference: the reference each
@@ -233,8 +271,10 @@ def test_a_shared_critic_backbone_is_refused_on_ray_naming_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"critic.share_backbone: .*share_backbone=false.*trainer.backend=local"):
         config(tmp_path, "ppo", **{"trainer.backend": "ray", "critic.share_backbone": "true",
                                    "critic.warmup_steps": 0})
-    with pytest.raises(ConfigError, match="rollout.engine: trainer.backend=ray runs the native or hf engine"):
+    with pytest.raises(ConfigError, match="placement.gpus_per_worker: rollout.engine=vllm on trainer.backend=ray"):
         config(tmp_path, "ppo", **{"trainer.backend": "ray", "rollout.engine": "vllm"})
+    gpu = config(tmp_path, "ppo", **{"trainer.backend": "ray", "rollout.engine": "vllm", "placement.gpus_per_worker": 1})
+    assert gpu.placement.gpus_per_worker == 1 and gpu.rollout.engine == "vllm"
 
 
 GUESS_PROMPT = "Guess."
@@ -290,15 +330,18 @@ def episode_config(run_dir, env, **overrides):
 
 @pytest.mark.parametrize("env", ["guess_number", "file"])
 def test_two_workers_give_the_local_update_over_episodes(ray_session, guesser, tmp_path, env):
-    """Worker 0 plays every episode (the local run's trajectories, exactly), then the batch is
-    split for log-probs and the update; an environment from a file reaches the workers by value."""
+    """guess_number: worker 0 plays every episode (the local run's trajectories, exactly);
+    file: rollout.seed_mode=row, each worker plays its slice of the prompts (the local run's
+    trajectories with the row sampler), and an environment from a file reaches the workers by
+    value. Then the batch is split for log-probs and the update."""
     model, tok = guesser
+    seed_mode = "batch"
     if env == "file":
         (tmp_path / "my_game.py").write_text(FILE_GAME)
-        env = f"{tmp_path / 'my_game.py'}:EveryTurnCounts"
+        env, seed_mode = f"{tmp_path / 'my_game.py'}:EveryTurnCounts", "row"
     runs = {backend: train(model, episode_config(tmp_path / backend, env, **{
-        "trainer.backend": backend, "trainer.n_workers_per_node": 2}), rows=GUESS_ROWS, tokenizer=tok)
-        for backend in ("local", "ray")}
+        "trainer.backend": backend, "trainer.n_workers_per_node": 2, "rollout.seed_mode": seed_mode}),
+        rows=GUESS_ROWS, tokenizer=tok) for backend in ("local", "ray")}
     start = model.state_dict()
     assert max(float((v - start[k]).abs().max()) for k, v in runs["local"]["actor"].items()) > 1e-4
     for k, v in runs["local"]["actor"].items():
@@ -311,6 +354,29 @@ def test_two_workers_give_the_local_update_over_episodes(ray_session, guesser, t
         for key in ("turns/mean", "turns/max", "tool_calls/mean", "env/reward/mean", "reward/mean", "response_length/mean",
                     "grad_norm", "policy_loss"):
             assert a[key] == pytest.approx(b[key], abs=1e-9), (a["step"], key)
+
+
+@pytest.mark.skipif(not (importlib.util.find_spec("vllm") and torch.cuda.is_available()),
+                    reason="the vllm engine on Ray needs vLLM and a CUDA GPU (pip install 'posttrain[vllm]')")
+def test_vllm_engines_on_gpu_workers_sample_like_the_local_engine_and_take_the_new_weights(ray_session, tmp_path):
+    """rollout.engine=vllm on a GPU worker (placement.gpus_per_worker=1): its engine samples the
+    local engine's first batch (same weights, same request seeds), then sleeps, wakes and loads
+    its actor's weights each step (`Colocated.sync_weights`), and the run trains."""
+    torch.manual_seed(0)  # 32-wide heads: what vLLM's attention backends serve (tests/rollout/test_rollout_vllm.py)
+    model = BuiltinLM.from_preset("tiny", vocab_size=len(WORDS) + 3, num_hidden_layers=1, hidden_size=64,
+                                  intermediate_size=96, num_attention_heads=2, num_key_value_heads=1,
+                                  bos_token_id=1, eos_token_id=2, pad_token_id=0).cuda()
+    over = {"rollout.engine": "vllm", "rollout.gpu_memory_utilization": 0.15, "model.device": "cuda",
+            "rollout.seed_mode": "row"}
+    ray = {"trainer.backend": "ray", "trainer.n_workers_per_node": 1, "placement.gpus_per_worker": 1}
+    runs = {b: train_grpo(model, grpo_config(tmp_path / b, **over, **(ray if b == "ray" else {})))
+            for b in ("local", "ray")}
+    first = [lines(tmp_path / b)[0] for b in ("local", "ray")]
+    for key in ("response_length/mean", "reward/mean"):
+        assert first[0][key] == first[1][key], key
+    start = model.state_dict()
+    assert max(float((v - start[k]).abs().max()) for k, v in runs["ray"]["actor"].items()) > 1e-4
+    assert [m["step"] for m in lines(tmp_path / "ray")] == [1, 2, 3]
 
 
 def test_an_impossible_placement_fails_in_seconds_naming_the_key(ray_session):

@@ -74,6 +74,7 @@ class RLDataConfig:
 
 ROLLOUT_ENGINE_OPTIONS = (
     "engine", "max_batch_size", "gpu_memory_utilization", "use_rollout_logprobs", "multi_turn", "env", "tools",
+    "dispatch",
 )
 """The RolloutConfig fields that choose or tune the engine (and the episodes); every
 other one is a SamplingParams field of the same name (`SamplingParams.from_config`)."""
@@ -138,6 +139,24 @@ class RolloutConfig:
     """Tools of multi-turn episodes: built-in names (calculator, python), `module:function`
     or `file.py:function`. Without rollout.env they make a `ToolEnvironment` (the plain-text
     `<call>` protocol); with it, they are its `tools=` argument."""
+    seed_mode: Literal["batch", "row"] = "batch"
+    """How sampling draws its randomness. `batch`: one random stream per generation call (the
+    samples depend on the batch they are drawn in). `row`: each response row draws from a
+    stream of (seed, its index in the batch, its position) alone, so a batch generated in
+    slices gives the tokens of the whole batch: what `rollout.dispatch=split` needs. Native
+    and hf engines (single-turn and episodes) sample the same tokens in either mode for the
+    same logits; vllm seeds each request (row mode: a hash of seed, row and turn)."""
+    dispatch: Literal["auto", "rank_zero", "split"] = "auto"
+    """trainer.backend=ray: where generation runs. `rank_zero`: worker 0 generates the whole
+    batch (the other workers wait); `split`: the prompts are cut into one contiguous slice per
+    worker (about equal prompt counts), each worker generates its slice and the rows are
+    gathered back in order (needs rollout.seed_mode=row: the tokens are then the local run's
+    with seed_mode=row). `auto`: split with seed_mode=row, else rank_zero."""
+
+    @property
+    def split(self) -> bool:
+        """Generation is split over the Ray workers (rollout.dispatch, `auto` resolved)."""
+        return self.dispatch == "split" or (self.dispatch == "auto" and self.seed_mode == "row")
 
     @property
     def episodes(self) -> bool:
@@ -162,6 +181,9 @@ class RolloutConfig:
         if self.engine == "vllm":  # outside vLLM's range its log-probs are not softmax(logits / T)
             problem = check_vllm_temperature(self.temperature)
             check(problem is None, "rollout.temperature", problem or "")
+        check(not (self.dispatch == "split" and self.seed_mode != "row"), "rollout.dispatch",
+              "split generation gives the whole batch's tokens only when each row draws its own random "
+              "stream: set rollout.seed_mode=row (or rollout.dispatch=rank_zero)")
 
 
 @dataclass
@@ -418,9 +440,10 @@ class RLTrainerConfig(TrainerConfig):
     torch.distributed group; the actor's and critic's updates, the log-prob and value passes
     are data-parallel over them, and give the update of the local backend (exact: loss
     normalised by the all-reduced global weight). The driver, the reward and the prompt
-    stream stay in this process; generation (multi-turn episodes included) runs on worker 0
-    (the local backend's tokens, exactly). Not with critic.share_backbone nor the vllm
-    engine. Ray starts locally on 127.0.0.1 unless ray.address says otherwise."""
+    stream stay in this process. Generation (multi-turn episodes included) runs on worker 0
+    (the local backend's tokens, exactly), or split over the workers with rollout.seed_mode=row
+    (rollout.dispatch; the local backend's tokens with the same seed_mode). The vllm engine
+    needs GPU workers (placement.gpus_per_worker). Not with critic.share_backbone. Ray starts locally on 127.0.0.1 unless ray.address says otherwise."""
     nnodes: int = 1
     """Nodes of the Ray cluster the workers span (trainer.backend=ray)."""
     n_workers_per_node: int = 1
@@ -447,9 +470,15 @@ class PlacementConfig:
 
     cpus_per_worker: int = 1
     """CPU cores reserved for each worker, and its torch threads."""
+    gpus_per_worker: float = 0.0
+    """GPUs reserved for each worker (veRL: a worker is a GPU). 0: CPU workers. 1: a GPU of its
+    own, the workers joined over NCCL. A fraction (0.5: two workers per GPU, e.g. 2 workers on
+    a 1-GPU machine): workers share a GPU, joined over gloo (NCCL refuses two ranks on one
+    device). The roles' models stay on the device model.device gives them (cuda for a GPU run)."""
 
     def validate(self) -> None:
         check(self.cpus_per_worker >= 1, "placement.cpus_per_worker", f"must be >= 1, got {self.cpus_per_worker}")
+        check(self.gpus_per_worker >= 0, "placement.gpus_per_worker", f"must be >= 0, got {self.gpus_per_worker}")
 
 
 @dataclass
@@ -528,6 +557,9 @@ class RLConfig:
         self._validate_critic(est)
         if self.trainer.backend == "ray":
             self._validate_ray(mini * n)
+        check(self.rollout.dispatch != "split" or self.trainer.backend == "ray", "rollout.dispatch",
+              "split generation divides a batch over Ray workers: set trainer.backend=ray, or "
+              "rollout.dispatch=auto for one process")
         self.check_overlong()
         if self.rollout.engine == "vllm" and self.eval.task is None:  # eval samples through the engine
             problem = check_vllm_temperature(self.eval.temperature)
@@ -564,14 +596,16 @@ class RLConfig:
               f"must be < trainer.max_steps={self.trainer.max_steps}")
 
     def _validate_ray(self, mini_rows: int) -> None:
-        """What the Ray backend runs: every algorithm with a separate critic, native/hf engines."""
+        """What the Ray backend runs: every algorithm with a separate critic; the vllm engine on
+        GPU workers."""
         world = self.trainer.world_size
         check(not (self.use_critic and self.critic.share_backbone), "critic.share_backbone",
               "a value head on the policy's backbone trains in the actor's loss and optimizer, which the Ray "
               "workers keep apart from the critic's; set critic.share_backbone=false (a separate critic) or "
               "trainer.backend=local")
-        check(self.rollout.engine in ("auto", "native", "hf"), "rollout.engine",
-              f"trainer.backend=ray runs the native or hf engine in its workers, not {self.rollout.engine}")
+        check(self.rollout.engine != "vllm" or self.placement.gpus_per_worker > 0, "placement.gpus_per_worker",
+              "rollout.engine=vllm on trainer.backend=ray runs a vLLM engine in every worker, each on its GPU: "
+              "set placement.gpus_per_worker (1, or 0.5 for two workers per GPU)")
         check(mini_rows >= world, "trainer.n_workers_per_node",
               f"every worker needs a row of each mini-batch: actor.ppo_mini_batch_size·rollout.n={mini_rows} "
               f"< {world} workers (trainer.nnodes × trainer.n_workers_per_node)")

@@ -4,7 +4,14 @@ modes, on any `BatchOps` container).
 Notation: B rows, W workers, c_i the token count of row i (`token_counts()`).
 
 - ONE_TO_ALL: the same arguments to every worker (setup, state, weight sync).
-- RANK_ZERO: worker 0 alone (generation, which must draw the local backend's samples).
+- RANK_ZERO: worker 0 alone (generation in rollout.seed_mode=batch, which must draw the
+  local backend's samples from one random stream).
+- DP_SPLIT (`split_contiguous` → run → concatenate): the batch is cut into W contiguous
+  slices of ⌊B/W⌋ or ⌈B/W⌉ rows, each worker told the index of its slice's first row, and
+  the results (any number of rows per input row) are concatenated in slice order. For
+  generation, whose cost is unknown before it runs (so rows are balanced by count, not by
+  tokens) and whose rows must keep their index in the batch (rollout.seed_mode=row draws by
+  it). A worker left without rows (B < W) runs nothing.
 - DP_COMPUTE (`shard_rows` → run → `gather_rows`): the batch is padded to a multiple of W
   with copies of its first rows, cut into W parts of B' / W rows whose token totals are about
   equal (`balanced_partition`, veRL's `_balance_batch`), each worker computes its part, and
@@ -77,6 +84,24 @@ def gather_rows(outputs: Sequence[Any], sharded: Sharded) -> Any:
     inverse[sharded.order] = torch.arange(len(sharded.order))
     keep = inverse[: sharded.rows]
     return joined.select(keep) if isinstance(joined, BatchOps) else joined[keep]
+
+
+def split_contiguous(batch: BatchOps, world_size: int) -> list[tuple[Any, int]]:
+    """DP_SPLIT's split: W (part, first) pairs, part r holding rows [first_r, first_{r+1}) of
+    `batch` (the first B mod W parts one row more), None where B < W leaves a part empty
+    (its `first` is then B). Concatenating the parts in order gives the batch.
+
+    B 5, W 2 → (rows 0-2, 0), (rows 3-4, 3); B 1, W 2 → (row 0, 0), (None, 1).
+    """
+    if world_size < 1:
+        raise ValueError(f"cannot split into {world_size} parts")
+    size, extra = divmod(len(batch), world_size)
+    out, first = [], 0
+    for r in range(world_size):
+        rows = size + (r < extra)
+        out.append((batch.select(range(first, first + rows)) if rows else None, first))
+        first += rows
+    return out
 
 
 def _cat_rows(tensors: list[torch.Tensor]) -> torch.Tensor:

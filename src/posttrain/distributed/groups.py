@@ -5,6 +5,7 @@ name in veRL's dispatch modes (`dispatch`).
     group.one_to_all("sync_weights")          # ONE_TO_ALL: [result of worker r for r < W]
     group.rank_zero("generate", prompts, s)   # RANK_ZERO: worker 0's result
     group.dp_compute("logprobs", batch)       # DP_COMPUTE: pad, balance, split, run, gather
+    group.dp_split("generate", prompts, s)    # DP_SPLIT: contiguous slices, each with its first row
     group.per_rank("update", [args_0, ...])   # worker r gets args_r
 
 `factory(rank, world_size, collective, *args)` runs in the worker's process and builds the
@@ -13,7 +14,8 @@ workers' gloo group that averages gradients (None in a local group). This layer 
 role: the factory comes from above.
 
 A `RayWorkerGroup` worker is a Ray actor in one bundle of one placement group (one bundle
-per worker, `ray_session.place`), with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+per worker, `ray_session.place`; GPU workers reserve `gpus_per_worker` GPUs, which Ray shows
+them as cuda:0, and join over NCCL when each has a whole GPU), with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
 MASTER_PORT in its environment before it joins the group, torch threads set to its CPUs.
 """
 
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from posttrain.distributed.dispatch import gather_rows, shard_rows
+from posttrain.distributed.dispatch import gather_rows, shard_rows, split_contiguous
 
 Factory = Callable[..., Any]
 
@@ -62,6 +64,15 @@ class _Dispatch(ABC):
         return gather_rows(self._run(method, [(part, *args) for part in sharded.parts]), sharded)
 
 
+    def dp_split(self, method: str, batch: Any, *args: Any) -> list[Any]:
+        """`method(part, first, *args)` on each worker's contiguous slice of `batch` (`first`:
+        the index of its first row; `dispatch.split_contiguous`); the results in slice order.
+        A worker without rows gets part None and returns nothing that is kept."""
+        parts = split_contiguous(batch, self.world_size)
+        results = self._run(method, [(part, first, *args) for part, first in parts])
+        return [out for (part, _), out in zip(parts, results) if part is not None]
+
+
 class LocalWorkerGroup(_Dispatch):
     """One worker, in this process, no Ray: the same interface as `RayWorkerGroup`."""
 
@@ -90,10 +101,18 @@ class GroupSpec:
     address: str | None  # ray.address
     collective_timeout_s: float = 600.0  # trainer.collective_timeout_s
     placement_timeout_s: float = 10.0
+    gpus_per_worker: float = 0.0  # placement.gpus_per_worker
 
     @property
     def world_size(self) -> int:
         return self.nnodes * self.workers_per_node
+
+
+def collective_backend(gpus_per_worker: float, cuda: bool) -> str:
+    """The workers' torch.distributed backend: NCCL when each has a GPU of its own (and CUDA is
+    there), else gloo (CPU workers; workers sharing a GPU, where NCCL refuses two ranks on one
+    device: gloo all-reduces CUDA tensors too)."""
+    return "nccl" if cuda and gpus_per_worker >= 1 else "gloo"
 
 
 class _Worker:
@@ -115,7 +134,7 @@ class _Worker:
         return ray.util.get_node_ip_address(), port
 
     def setup(self, rank: int, world: int, local_rank: int, addr: str, port: int, timeout_s: float,
-              factory: Factory, *args: Any) -> int:
+              gpus: float, factory: Factory, *args: Any) -> int:
         import torch
         import torch.distributed as dist
 
@@ -125,9 +144,11 @@ class _Worker:
                           MASTER_PORT=str(port))
         if addr == "127.0.0.1" and os.path.isdir("/sys/class/net/lo"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # stay on loopback
-        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
+        backend = collective_backend(gpus, torch.cuda.is_available())
+        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s))
-        collective = Collective(world, torch.device("cpu"), average_gradients=True)
+        device = torch.device("cuda" if backend == "nccl" else "cpu")  # Ray shows each worker its GPU(s)
+        collective = Collective(world, device, average_gradients=True)
         self.obj = factory(rank, world, collective, *args)
         return os.getpid()
 
@@ -162,17 +183,18 @@ class RayWorkerGroup(_Dispatch):
         ray, s = self.session.ray, self.spec
         shape = (f"placement.cpus_per_worker={s.cpus_per_worker} × trainer.n_workers_per_node="
                  f"{s.workers_per_node} × trainer.nnodes={s.nnodes}")
-        self.group = place(ray, self.world_size, s.cpus_per_worker, shape, s.placement_timeout_s)
+        self.group = place(ray, self.world_size, s.cpus_per_worker, shape, s.placement_timeout_s, s.gpus_per_worker)
         worker = ray.remote(_Worker)
         self.actors = [
-            worker.options(num_cpus=s.cpus_per_worker, scheduling_strategy=PlacementGroupSchedulingStrategy(
+            worker.options(num_cpus=s.cpus_per_worker, num_gpus=s.gpus_per_worker,
+                           scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=self.group, placement_group_bundle_index=i)).remote(s.cpus_per_worker)
             for i in range(self.world_size)
         ]
         addr, port = ray.get(self.actors[0].master_address.remote())
         refs = [ray.put(a) for a in args]
         self.pids = ray.get([a.setup.remote(rank, self.world_size, rank % s.workers_per_node, addr, port,
-                                            s.collective_timeout_s, factory, *refs)
+                                            s.collective_timeout_s, s.gpus_per_worker, factory, *refs)
                              for rank, a in enumerate(self.actors)])
 
     def _run(self, method: str, args_per_rank: Sequence[tuple]) -> list[Any]:

@@ -69,9 +69,15 @@ def cluster_cpus(ray: Any) -> tuple[float, float, int]:
     return ray.cluster_resources().get("CPU", 0.0), ray.available_resources().get("CPU", 0.0), nodes
 
 
-def place(ray: Any, workers: int, cpus_per_worker: int, shape: str, timeout_s: float) -> Any:
-    """One placement group of `workers` bundles of {"CPU": cpus_per_worker} (PACK: as few
-    nodes as fit), ready within `timeout_s`, or a ConfigError naming the config keys
+def bundle(cpus: int, gpus: float) -> dict[str, float]:
+    """One worker's placement-group bundle: {"CPU": cpus}, plus {"GPU": gpus} on GPU workers."""
+    return {"CPU": cpus, "GPU": gpus} if gpus > 0 else {"CPU": cpus}
+
+
+def place(ray: Any, workers: int, cpus_per_worker: int, shape: str, timeout_s: float,
+          gpus_per_worker: float = 0.0) -> Any:
+    """One placement group of `workers` bundles (`bundle`: CPUs, and GPUs on GPU workers; PACK:
+    as few nodes as fit), ready within `timeout_s`, or a ConfigError naming the config keys
     (`shape` says how `workers` was computed) and what the cluster has."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -82,7 +88,12 @@ def place(ray: Any, workers: int, cpus_per_worker: int, shape: str, timeout_s: f
     if need > total:
         raise ConfigError(f"trainer.n_workers_per_node: {shape} = {need} CPUs, but the Ray cluster has "
                           f"{total:g} CPUs on {nodes} node(s) ({free:g} free); {advice}")
-    group = placement_group([{"CPU": cpus_per_worker}] * workers, strategy="PACK")
+    gpus = ray.cluster_resources().get("GPU", 0.0)
+    if workers * gpus_per_worker > gpus:
+        raise ConfigError(f"placement.gpus_per_worker: {gpus_per_worker:g} GPUs × {workers} workers = "
+                          f"{workers * gpus_per_worker:g} GPUs, but the Ray cluster has {gpus:g}; lower "
+                          "placement.gpus_per_worker (0.5: two workers per GPU) or trainer.n_workers_per_node")
+    group = placement_group([bundle(cpus_per_worker, gpus_per_worker)] * workers, strategy="PACK")
     try:
         ray.get(group.ready(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:

@@ -37,6 +37,9 @@ or token-id lists (used as they are)."""
 
 FINISH_REASONS = ("stop", "length")
 
+SEED_MODES = ("batch", "row")
+"""The values of `SamplingParams.seed_mode` (config key `rollout.seed_mode`)."""
+
 TokenCallback = Callable[[list[int], list[int]], None]
 """`on_tokens(rows, token_ids)`, which `generate` calls after each decode step: the rows
 (indices into the call's output rows, grouped by prompt) that got a token in that step,
@@ -73,6 +76,15 @@ class SamplingParams:
     global RNG, so `torch.manual_seed` still makes a run repeatable."""
     logprobs: bool = True
     """Return `Completions.logprobs` (see the module docstring for their definition)."""
+    seed_mode: str = "batch"
+    """How a call's randomness is drawn (`Draws`). "batch": one random stream for the call
+    (Exp(1) noise for all its rows every step), so a row's samples depend on the rows it is
+    generated with. "row": row i's draw at position t is a function of (seed, first_row + i, t)
+    alone, so a batch generated in slices (each given the index of its first row) samples the
+    tokens of the whole batch, given the same logits: what lets generation split over workers."""
+    first_row: int = 0
+    """seed_mode "row": the index, in the whole batch, of this call's first output row (a slice
+    of rows [k, k + N) passes k). Must be 0 with seed_mode "batch"."""
 
     def __post_init__(self) -> None:
         # Accept lists from configs and callers; store tuples so params stay hashable.
@@ -86,6 +98,8 @@ class SamplingParams:
             "top_k": self.top_k >= 0,
             "min_p": 0 <= self.min_p <= 1,
             "max_new_tokens": self.max_new_tokens >= 1,
+            "seed_mode": self.seed_mode in SEED_MODES,
+            "first_row": self.first_row >= 0 and (self.seed_mode == "row" or self.first_row == 0),
         }
         for name, ok in checks.items():
             if not ok:
@@ -240,18 +254,22 @@ def filter_logits(
 
 
 def sample_next(
-    logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor | None = None
+    logits: torch.Tensor,
+    params: SamplingParams,
+    noise: torch.Tensor | None = None,
+    uniform: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick the next token of every row and its logprob.
 
-    logits (N, V) (any float dtype; computed in float32); noise (N, V) i.i.d. Exp(1)
-    draws, required unless greedy. Returns tokens (N,) long and logp (N,) float32 =
-    log softmax(logits / T)[token] (T = 1 when greedy; unfiltered, see module docstring).
+    logits (N, V) (any float dtype; computed in float32); unless greedy, either noise
+    (N, V) i.i.d. Exp(1) draws or uniform (N,) U[0, 1) draws (one per row). Returns
+    tokens (N,) long and logp (N,) float32 = log softmax(logits / T)[token] (T = 1 when
+    greedy; unfiltered, see module docstring).
 
-    Sampling is the exponential race argmax_v p_v / E_v with E_v ~ Exp(1), which picks
-    v with probability p_v (the trick vLLM uses). The caller draws the noise, so the
-    sample of a row depends only on its own noise row, not on which other rows share
-    the batch.
+    With noise, sampling is the exponential race argmax_v p_v / E_v with E_v ~ Exp(1),
+    which picks v with probability p_v (the trick vLLM uses). With uniform, it is the
+    inverse CDF (`inverse_cdf`). Either way the caller draws the randomness, so the sample
+    of a row depends only on its own logits and draws, not on which rows share the batch.
     """
     z = logits.float()
     if params.temperature > 0:
@@ -260,12 +278,87 @@ def sample_next(
     if params.greedy:
         tokens = z.argmax(-1)
     else:
-        if noise is None:
-            raise ValueError("sample_next needs Exp(1) noise when temperature > 0")
         probs = filter_logits(z, params.top_k, params.top_p, params.min_p).softmax(-1)
-        # A zero noise draw (probability ~2^-24 per element) must not make 0/0.
-        tokens = (probs / noise.clamp_min(1e-20)).argmax(-1)
+        if uniform is not None:
+            tokens = inverse_cdf(probs, uniform)
+        elif noise is not None:
+            # A zero noise draw (probability ~2^-24 per element) must not make 0/0.
+            tokens = (probs / noise.clamp_min(1e-20)).argmax(-1)
+        else:
+            raise ValueError("sample_next needs Exp(1) noise or uniform draws when temperature > 0")
     return tokens, logp_all.gather(-1, tokens[:, None])[:, 0]
+
+
+def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """The token whose CDF interval holds each row's draw: probs (N, V) (rows sum to ~1),
+    uniform (N,) in [0, 1) -> (N,) long, the first v with C_v > u·C_V, where
+    C_v = Σ_{w ≤ v} p_w (in float64), so v is picked with probability p_v / C_V and a token
+    of probability 0 never is (its interval is empty; the rounding case u·C_V = C_V takes
+    the last token of positive probability)."""
+    cdf = probs.double().cumsum(-1)  # (N, V)
+    target = (uniform.to(cdf.device, torch.float64) * cdf[:, -1])[:, None]
+    tokens = torch.searchsorted(cdf, target, right=True)[:, 0]
+    last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).long().argmax(-1)  # last positive probability
+    return torch.minimum(tokens, last)
+
+
+# Row mode's draws: a counter-based hash (MurmurHash3's 32-bit finaliser, a bijection of
+# [0, 2^32)) chained over the words of (seed, row, position), in exact int64 arithmetic: each
+# multiplier is taken as c - 2^32, so |h·c| < 2^63 never overflows, and `& _M32` is mod 2^32.
+_M32 = 0xFFFFFFFF
+_FMIX = (0x85EBCA6B - 2**32, 0xC2B2AE35 - 2**32)
+
+
+def _fmix32(h: torch.Tensor | int) -> torch.Tensor | int:
+    h = h ^ (h >> 16)
+    h = (h * _FMIX[0]) & _M32
+    h = h ^ (h >> 13)
+    h = (h * _FMIX[1]) & _M32
+    return h ^ (h >> 16)
+
+
+def row_uniforms(seed: int, rows: torch.Tensor, position: int) -> torch.Tensor:
+    """(R,) float64 U[0, 1) draws, one per row: a function of (seed, rows[i], position) alone
+    (so of no other row, nor of the device). rows (R,) long, 0 <= row < 2^32; seed any int
+    (taken mod 2^64). 53 bits from two chained hashes h(seed, row, position, stream)."""
+    seed %= 2**64
+    h = _fmix32(_fmix32(seed & _M32) ^ (seed >> 32))  # a Python int: the seed's words
+    h = _fmix32((rows.long() & _M32) ^ h)
+    h = _fmix32(h ^ (int(position) & _M32))
+    hi, lo = _fmix32(h ^ 0x68E31DA4), _fmix32(h ^ 0x1B56C4E9)
+    return ((hi << 21) + (lo >> 11)).double() * 2.0**-53
+
+
+class Draws:
+    """The random draws of one engine call (`SamplingParams.seed_mode`).
+
+    batch: one torch.Generator seeded with the call's seed on `device`; every step draws
+    Exp(1) noise for all `width` rows of the group being decoded (so a row's draw does not
+    depend on which rows are still running), each row reading its own. row: one uniform per
+    row and step from `row_uniforms(seed, params.first_row + first + row, step)`, nothing
+    drawn for finished rows. Greedy draws nothing."""
+
+    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu"):
+        self.params, self.seed = params, resolve_seed(params.seed)
+        self.gen = None
+        if params.seed_mode == "batch" and not params.greedy:
+            self.gen = torch.Generator(device).manual_seed(self.seed)
+
+    def sample(
+        self, logits: torch.Tensor, rows: torch.Tensor | list[int], width: int, step: int, first: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`sample_next` of logits (R, V), the rows `rows` (R, increasing) of a group of `width`
+        rows decoded together whose first is row `first` of the call; step: the rows' token
+        index (the same for all of them)."""
+        p = self.params
+        if p.greedy:
+            return sample_next(logits, p)
+        if self.gen is None:
+            idx = torch.as_tensor(rows, dtype=torch.long) + (p.first_row + first)
+            return sample_next(logits, p, uniform=row_uniforms(self.seed, idx, step))
+        noise = torch.empty(width, logits.shape[-1], device=self.gen.device).exponential_(generator=self.gen)
+        noise = noise if len(rows) == width else noise[rows]
+        return sample_next(logits, p, noise=noise.to(logits.device))
 
 
 # ---------------------------------------------------------------- stop handling

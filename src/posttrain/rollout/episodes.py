@@ -8,9 +8,10 @@ An episode row is one growing token sequence:
     prompt | model turn 1 | env answer 1 | model turn 2 | env answer 2 | ... | model turn k
 
 The loop (`run_episodes`), one iteration per sampled token:
-  1. sample the next token of every running row from its logits (`base.sample_next`, with
-     Exp(1) noise drawn for all N rows from one CPU generator, so a row's sample does not
-     depend on which rows are still running, nor on the engine);
+  1. sample the next token of every running row from its logits (`base.Draws`: in batch
+     mode Exp(1) noise drawn for all N rows from one CPU generator, so a row's sample does
+     not depend on which rows are still running, nor on the engine; in row mode a draw of
+     (seed, first_row + row, step) alone, so episodes played in slices are the batch's);
   2. a row's model turn ends on a stop token (EOS), on a stop string (the tool-call end,
      `SamplingParams.stop`), after `SamplingParams.max_new_tokens` tokens in the turn, or
      when its trajectory reaches `max_total_tokens`;
@@ -52,7 +53,7 @@ from typing import Any, Protocol
 
 import torch
 
-from posttrain.rollout.base import SamplingParams, StopStrings, resolve_seed, sample_next
+from posttrain.rollout.base import Draws, SamplingParams, StopStrings
 
 
 @dataclass(frozen=True)
@@ -187,17 +188,14 @@ def run_episodes(
     """Play `params.n` episodes of every prompt (module docstring); rows grouped by prompt."""
     start = time.perf_counter()
     n, rows = params.n, [_Row() for _ in range(len(prompt_ids) * params.n)]
-    gen = torch.Generator().manual_seed(resolve_seed(params.seed))
+    draws = Draws(params)  # batch mode: one CPU generator, whatever the engine's device
     stop_ids = set(params.resolved_stop_token_ids(tokenizer))
     stops = StopStrings(tokenizer, params.stop)
     held = list(range(len(rows)))  # output row of each batch row
     logits = model.start(prompt_ids, n)
     steps = forwards = 0
     while held:
-        noise = None
-        if not params.greedy:  # all N rows every step: a row's draw ignores the others
-            noise = torch.empty(len(rows), logits.shape[-1]).exponential_(generator=gen)[held]
-        tok, logp = sample_next(logits, params, None if noise is None else noise.to(logits.device))
+        tok, logp = draws.sample(logits, held, len(rows), steps)  # a row's draw ignores the others
         ended = {}  # output row -> why its model turn ended
         for r, t, lp in zip(held, tok.tolist(), logp.tolist()):
             row = rows[r]

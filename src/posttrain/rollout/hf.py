@@ -22,6 +22,11 @@ W generated width, V vocab.
 - `seed` seeds torch's global RNG inside `torch.random.fork_rng`: `generate`
   samples with torch.multinomial on the global generator, and the caller's RNG
   state is restored afterwards.
+- `seed_mode="row"` (`SamplingParams`): `generate` runs greedy over the scores of
+  `_RowSampler`, a logits processor that picks each row's token as the other engines'
+  row mode does (`base.sample_next` on `row_uniforms(seed, first_row + row, step)`) and
+  leaves it the only finite score, so the tokens are the native engine's for the same
+  logits, and a batch generated in slices is the whole batch's.
 """
 
 from __future__ import annotations
@@ -31,7 +36,13 @@ import time
 
 import torch
 from torch import nn
-from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 from posttrain.algos import token_logprobs
 from posttrain.data.collate import left_pad, pad_id_of
@@ -46,6 +57,8 @@ from posttrain.rollout.base import (
     encode_prompts,
     eval_inference,
     resolve_seed,
+    row_uniforms,
+    sample_next,
 )
 from posttrain.rollout.episodes import Episodes, MultiTurnLimits, TurnHandler, run_episodes
 
@@ -89,16 +102,20 @@ class HFEngine:
         ids, mask = left_pad(rows, pad_id, device)  # (N, P)
         stop_ids = params.resolved_stop_token_ids(self.tokenizer)
         criteria = _StopCriteria(ids.shape[1], stop_ids, StopStrings(self.tokenizer, params.stop), on_tokens)
+        seed = resolve_seed(params.seed)
+        row_mode = params.seed_mode == "row" and not params.greedy
+        processors = LogitsProcessorList([_RowSampler(params, seed, ids.shape[1])] if row_mode else [])
         was_training = self.model.training
         self.model.eval()
         start = time.perf_counter()
         try:
-            with torch.inference_mode(), _seeded(resolve_seed(params.seed), device):
+            with torch.inference_mode(), _seeded(seed, device):
                 out = self.model.generate(
                     input_ids=ids,
                     attention_mask=mask,
-                    generation_config=_generation_config(params, stop_ids, pad_id),
+                    generation_config=_generation_config(params, stop_ids, pad_id, greedy=row_mode),
                     stopping_criteria=StoppingCriteriaList([criteria]),
+                    logits_processor=processors,
                 )
             responses = out[:, ids.shape[1] :].cpu()  # (N, W)
             lengths, stopped = criteria.finish(responses.shape[1])
@@ -226,9 +243,27 @@ class _StopCriteria(StoppingCriteria):
         return torch.tensor(lengths, dtype=torch.long), torch.tensor(stopped, dtype=torch.bool)
 
 
-def _generation_config(params: SamplingParams, stop_ids, pad_id: int) -> GenerationConfig:
+class _RowSampler(LogitsProcessor):
+    """Row mode (module docstring): scores (N, V) of the rows of a `generate` call whose
+    prompts are `prompt_width` wide -> scores that are 0 on each row's sampled token and -inf
+    elsewhere, for greedy decoding to pick it."""
+
+    def __init__(self, params: SamplingParams, seed: int, prompt_width: int):
+        self.params, self.seed, self.prompt_width = params, seed, prompt_width
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        step = input_ids.shape[1] - self.prompt_width  # index of the token being sampled
+        rows = torch.arange(len(scores), device=scores.device) + self.params.first_row
+        tokens, _ = sample_next(scores, self.params, uniform=row_uniforms(self.seed, rows, step))
+        return torch.full_like(scores, float("-inf")).scatter_(1, tokens[:, None], 0.0)
+
+
+def _generation_config(params: SamplingParams, stop_ids, pad_id: int, greedy: bool = False) -> GenerationConfig:
+    """transformers' settings for `params`; greedy: argmax decoding whatever the temperature
+    (row mode samples in its logits processor)."""
     sampling = {}
-    if not params.greedy:
+    greedy = greedy or params.greedy
+    if not greedy:
         sampling = dict(
             temperature=params.temperature,
             top_k=params.top_k,
@@ -237,7 +272,7 @@ def _generation_config(params: SamplingParams, stop_ids, pad_id: int) -> Generat
         )
     return GenerationConfig(
         max_new_tokens=params.max_new_tokens,
-        do_sample=not params.greedy,
+        do_sample=not greedy,
         num_beams=1,
         # Stopped rows are padded from here on; [] disables the checkpoint's eos.
         eos_token_id=list(stop_ids),

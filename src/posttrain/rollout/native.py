@@ -29,12 +29,15 @@ One `generate` chunk:
 `on_tokens` (see `base.TokenCallback`) hears every step's tokens of the rows still
 alive, numbered as the output rows, as soon as they are sampled.
 
-Sampling noise is drawn for all R rows of the chunk every step from one
-torch.Generator seeded per call, and each row reads its own noise row, so a row's
-sample does not depend on compaction (tests check outputs are identical with and
-without it). They are the draws torch.multinomial makes, so on the CPU the native
-and hf engines sample the same tokens for the same seed (a test pins this). Greedy
-decoding matches transformers' `generate` token for token.
+Sampling (`base.Draws`, `SamplingParams.seed_mode`): in "batch" mode (the default) noise
+is drawn for all R rows of the chunk every step from one torch.Generator seeded per
+call, and each row reads its own noise row, so a row's sample does not depend on
+compaction (tests check outputs are identical with and without it). They are the draws
+torch.multinomial makes, so on the CPU the native and hf engines sample the same tokens
+for the same seed (a test pins this). In "row" mode row i's draw at step t is
+`row_uniforms(seed, first_row + i, t)`: a batch generated in slices samples the whole
+batch's tokens (and the hf engine's, for the same logits). Greedy decoding matches
+transformers' `generate` token for token.
 
 Models: a BuiltinLM (also peft-wrapped), or a transformers LlamaForCausalLM whose
 features BuiltinLM implements, which is viewed as a BuiltinLM sharing the same
@@ -56,6 +59,7 @@ from posttrain.models import llama_checkpoint as ckpt
 from posttrain.models.layers import grouped_attention
 from posttrain.rollout.base import (
     Completions,
+    Draws,
     Prompts,
     SamplingParams,
     StopStrings,
@@ -63,8 +67,6 @@ from posttrain.rollout.base import (
     build_completions,
     encode_prompts,
     eval_inference,
-    resolve_seed,
-    sample_next,
 )
 from posttrain.rollout.episodes import Episodes, MultiTurnLimits, TurnHandler, run_episodes
 
@@ -145,7 +147,7 @@ class NativeEngine:
         prompt_ids = encode_prompts(self.tokenizer, prompts)
         pad_id = pad_id_of(self.tokenizer)
         per_chunk = max(1, (self.max_batch_size or len(prompt_ids) * params.n) // params.n)
-        gen = torch.Generator(self.model.device).manual_seed(resolve_seed(params.seed))
+        draws = Draws(params, self.model.device)
         was_training = self.model.training
         self.model.eval()
         start = time.perf_counter()
@@ -156,7 +158,7 @@ class NativeEngine:
                 for first in range(0, len(prompt_ids), per_chunk):
                     chunk = prompt_ids[first : first + per_chunk]
                     part = self._generate_chunk(
-                        chunk, params, gen, pad_id, weights, on_tokens, first * params.n
+                        chunk, params, draws, pad_id, weights, on_tokens, first * params.n
                     )
                     steps += part.pop("steps")
                     compactions += part.pop("compactions")
@@ -222,7 +224,7 @@ class NativeEngine:
         self,
         prompt_ids: list[list[int]],
         params: SamplingParams,
-        gen: torch.Generator,
+        draws: Draws,
         pad_id: int,
         weights: DecodeWeights | None,
         on_tokens: TokenCallback | None = None,
@@ -249,13 +251,8 @@ class NativeEngine:
         alive = torch.ones(rows, dtype=torch.bool, device=device)  # per batch row
         step = compactions = 0
         for step in range(max_new):
-            noise = None
-            if not params.greedy:  # drawn for all rows: a row's sample ignores compaction
-                noise = torch.empty(rows, logits.shape[-1], device=device).exponential_(
-                    generator=gen
-                )
-                noise = noise if len(row_ids) == rows else noise[row_ids]
-            tok, logp = sample_next(logits, params, noise)  # (R_cur,)
+            # batch mode draws for all rows: a row's sample ignores compaction
+            tok, logp = draws.sample(logits, row_ids, rows, step, row_offset)  # (R_cur,)
             tokens[row_ids, step] = torch.where(alive, tok, pad_id)
             logprobs[row_ids, step] = torch.where(alive, logp, 0.0)
             lengths[row_ids] += alive

@@ -25,8 +25,11 @@ Notation: B prompts, n samples per prompt, N = B·n rows. Written against vLLM 0
   A peft model is merged for the copy and unmerged after.
 - Rows: every prompt is sent n times as separate requests, so outputs arrive
   grouped by prompt. With `SamplingParams.seed` each request gets the seed
-  seed + row (reproducible); without it vLLM's own RNG is used (per-request
-  generators cost vLLM a kernel launch per row and step).
+  seed + row (reproducible; `request_seed`); without it vLLM's own RNG is used
+  (per-request generators cost vLLM a kernel launch per row and step). With
+  `seed_mode="row"` the seed is a hash of (seed, first_row + row, turn): slices of a
+  batch (Ray's split rollout) draw the whole batch's streams. vLLM's per-request
+  generators are its own: its tokens are not the native engine's in either mode.
 - Stop tokens: vLLM's implicit eos is switched off (`ignore_eos`) and
   `stop_token_ids` is passed explicitly, so stopping means what it means in the
   other engines (also `stop_token_ids=()`: never stop).
@@ -75,6 +78,7 @@ from posttrain.rollout.base import (
     build_completions,
     encode_prompts,
     replay_tokens,
+    row_uniforms,
 )
 from posttrain.rollout.episodes import (
     Episodes,
@@ -128,11 +132,18 @@ def engine_kwargs(model_path: str, dtype: str, gpu_memory_utilization: float, se
             "enable_prefix_caching": True, **extra}
 
 
-def request_seed(seed: int | None, row: int, turn: int = 0, rows: int = 0) -> int | None:
-    """The seed of one vLLM request: seed + row for a single-turn call; for turn k of an
-    episode over `rows` rows, seed + row + k·rows, so that no two requests of a call share a
-    random stream (a row's turns reusing one would draw the same noise). None = vLLM's RNG."""
-    return None if seed is None else seed + row + turn * rows
+def request_seed(seed: int | None, row: int, turn: int = 0, rows: int = 0, mode: str = "batch") -> int | None:
+    """The seed of one vLLM request. mode "batch": seed + row for a single-turn call; for turn
+    k of an episode over `rows` rows, seed + row + k·rows, so that no two requests of a call
+    share a random stream (a row's turns reusing one would draw the same noise). mode "row"
+    (`SamplingParams.seed_mode`; `row` is then the row's index in the whole batch): a 53-bit
+    hash of (seed, row, turn), which needs no row count, so a batch sampled in slices draws
+    the whole batch's streams. None = vLLM's RNG."""
+    if seed is None:
+        return None
+    if mode == "batch":
+        return seed + row + turn * rows
+    return int(row_uniforms(seed, torch.tensor([row]), turn)[0] * 2**53)
 
 
 def sampled_logprobs(token_ids: Sequence[int], step_logprobs) -> list[float]:
@@ -295,7 +306,7 @@ class VLLMEngine:
         stop_ids = list(params.resolved_stop_token_ids(self.tokenizer))
         rows = [p for p in prompt_ids for _ in range(params.n)]
         requests = [{"prompt_token_ids": p} for p in rows]
-        sampling = [self._sampling_params(params, stop_ids, request_seed(params.seed, row)) for row in range(len(rows))]
+        sampling = [self._sampling_params(params, stop_ids, self._seed(params, row)) for row in range(len(rows))]
         start = time.perf_counter()
         outputs = self.llm.generate(requests, sampling, use_tqdm=False)
         seconds = time.perf_counter() - start
@@ -341,7 +352,7 @@ class VLLMEngine:
 
         def sample(requests: list[TurnRequest]) -> list[ModelTurn]:
             sampling = [
-                self._sampling_params(turn_params, stop_ids, request_seed(params.seed, q.row, q.turn, rows), q.max_tokens)
+                self._sampling_params(turn_params, stop_ids, self._seed(params, q.row, q.turn, rows), q.max_tokens)
                 for q in requests
             ]
             outputs = self.llm.generate([{"prompt_token_ids": q.ids} for q in requests], sampling, use_tqdm=False)
@@ -365,6 +376,11 @@ class VLLMEngine:
                 stacklevel=3,
             )
         self.resume()
+
+    @staticmethod
+    def _seed(params: SamplingParams, row: int, turn: int = 0, rows: int = 0) -> int | None:
+        """`request_seed` of the call's row `row` (row mode: its index in the whole batch)."""
+        return request_seed(params.seed, params.first_row + row, turn, rows, params.seed_mode)
 
     def _sampling_params(self, params: SamplingParams, stop_ids: list[int], seed: int | None,
                          max_tokens: int | None = None):

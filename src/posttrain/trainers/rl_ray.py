@@ -9,6 +9,12 @@ with the local roles' methods, which dispatch to the group (`distributed.groups`
     rollout.generate(prompts, seed)   RANK_ZERO   worker 0 samples the whole batch (or plays
                                                   every episode, rollout.env), so the tokens
                                                   are the local backend's, exactly
+                                      DP_SPLIT    rollout.seed_mode=row (rollout.dispatch):
+                                                  worker r samples a contiguous slice of the
+                                                  prompts, each row drawing by its index in
+                                                  the batch, so the tokens are the local
+                                                  backend's (same seed_mode); the slices are
+                                                  concatenated in order, uids given here
     actor.compute_logprobs(batch)     DP_COMPUTE  token-balanced parts, gathered to (B, Tr)
     ref.compute_logprobs(batch)       DP_COMPUTE
     critic.compute_values(batch)      DP_COMPUTE
@@ -35,9 +41,17 @@ A restored checkpoint reaches the workers when the driver sets `actor.steps` and
 mirrors), and `ref.synced` (`RunModels.load_reference`, after loading a synced reference):
 the mirror's weights (and optimizer, schedule) are pushed to every worker.
 
+The vllm engine (rollout.engine=vllm, GPU workers: placement.gpus_per_worker): each worker
+builds its own `VLLMEngine` over its actor's policy, last (`build_rollout`, after the actor,
+reference and critic took their GPU memory), and runs it in the worker's process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0). `rollout.offload` puts every engine to sleep (level 1)
+before the update; `rollout.sync_from` wakes each and loads its own actor's new weights in
+place through vLLM's `load_weights` (`VLLMEngine.sync_weights`: `collective_rpc`, tensors by
+reference in process), then drops its prefix cache: the local engine's path, per worker.
+
 Not on this backend: a critic on the policy's backbone (critic.share_backbone: the value
 head and the policy would train in one loss and one optimizer, a layout the workers' separate
-roles do not have) and the vllm engine (config checks, `RLConfig._validate_ray`). An
+roles do not have; config checks, `RLConfig._validate_ray`). An
 environment or tool loaded from a file (`file.py:Class`) reaches the workers by value
 (`rewards.registry.pickle_file_modules_by_value`); one given in Python must be importable by
 the workers, or defined in the driver's script (cloudpickle sends `__main__`'s by value).
@@ -81,6 +95,12 @@ class Colocated:
 
     def generate(self, prompts: RLBatch, seed: int, params: SamplingParams | None) -> RLBatch:
         return self.rollout.generate(prompts, seed, params)
+
+    def generate_slice(self, prompts: RLBatch | None, first: int, seed: int,
+                       params: SamplingParams | None) -> RLBatch | None:
+        """Responses to a slice of a batch whose first prompt is the batch's `first` (None: no
+        prompts for this worker)."""
+        return None if prompts is None else self.rollout.generate(prompts, seed, params, first)
 
     def actor_logprobs(self, batch: RLBatch) -> torch.Tensor:
         return self.actor.compute_logprobs(batch)
@@ -254,17 +274,29 @@ class EngineInfo:
 
 
 class RayRollout:
-    """The rollout role over the group: generation (single-turn or episodes) on worker 0,
-    sync on every worker. `env_factory` and `limits` are the workers' (evaluation reads them)."""
+    """The rollout role over the group: generation (single-turn or episodes) on worker 0, or
+    split over the workers (`split`: rollout.dispatch, with rollout.seed_mode=row), sync on
+    every worker. `env_factory` and `limits` are the workers' (evaluation reads them)."""
 
     def __init__(self, group: Any, params: SamplingParams, kind: str, env_factory: Any = None,
-                 limits: MultiTurnLimits | None = None):
+                 limits: MultiTurnLimits | None = None, split: bool = False):
+        if split and params.seed_mode != "row":
+            raise ValueError("a split rollout needs SamplingParams.seed_mode='row' (rollout.seed_mode=row)")
         self.group, self.params, self.engine = group, params, EngineInfo(kind)
-        self.env_factory, self.limits = env_factory, limits or MultiTurnLimits()
+        self.env_factory, self.limits, self.split = env_factory, limits or MultiTurnLimits(), split
+        self._next_uid = 0
 
     def generate(self, prompts: RLBatch, seed: int, params: SamplingParams | None = None) -> RLBatch:
+        """`Rollout.generate` over the group; the uids are counted here, as one `Rollout` counts
+        them (the workers' own counters see their slices only)."""
         prompts.require("prompt_ids", "prompt_mask", "prompts", role="rollout.generate")
-        return self.group.rank_zero("generate", prompts, seed, params)
+        uid = torch.arange(self._next_uid, self._next_uid + len(prompts))
+        self._next_uid += len(prompts)
+        if self.split:
+            out = join_slices(self.group.dp_split("generate_slice", prompts, seed, params))
+        else:
+            out = self.group.rank_zero("generate", prompts, seed, params)
+        return out.replace(uid=uid.repeat_interleave(len(out) // len(prompts)))
 
     def offload(self) -> None:
         self.group.one_to_all("offload")
@@ -274,6 +306,17 @@ class RayRollout:
         of the actor is not read (that would fetch worker 0's weights every step): the
         workers hold the same weights."""
         self.group.one_to_all("sync_weights")
+
+
+def join_slices(slices: list[RLBatch]) -> RLBatch:
+    """The generated slices of one batch as one batch, rows in order; episodes' metrics merged
+    as over several rounds (`envs.merge_episode_metrics`: means weighted by rows)."""
+    from posttrain.envs import merge_episode_metrics
+
+    out = RLBatch.concat(slices)
+    if "episode_metrics" in out.meta:
+        out.meta["episode_metrics"] = merge_episode_metrics([(len(b), b.meta["episode_metrics"]) for b in slices])
+    return out
 
 
 class RayReference:
@@ -339,7 +382,7 @@ def build_ray_roles(cfg: RLConfig, tokenizer: Any, policy: torch.nn.Module, rewa
 
         pickle_file_modules_by_value(import_ray().cloudpickle)  # before the arguments are pickled
         spec = GroupSpec(t.nnodes, t.n_workers_per_node, cfg.placement.cpus_per_worker, cfg.ray.address,
-                         t.collective_timeout_s)
+                         t.collective_timeout_s, gpus_per_worker=cfg.placement.gpus_per_worker)
         group = RayWorkerGroup(spec, Colocated, *args)
     else:
         group = make_group(Colocated, *args)
@@ -349,5 +392,6 @@ def build_ray_roles(cfg: RLConfig, tokenizer: Any, policy: torch.nn.Module, rewa
     ref = RayReference(group, is_peft(policy), policy) if cfg.algorithm.kl.enabled else None
     kind = engine_kind_for(policy) if cfg.rollout.engine == "auto" else cfg.rollout.engine
     limits = MultiTurnLimits.from_config(cfg.rollout.multi_turn)
-    rollout = RayRollout(group, SamplingParams.from_config(cfg.rollout), kind, env_factory, limits)
+    rollout = RayRollout(group, SamplingParams.from_config(cfg.rollout), kind, env_factory, limits,
+                         split=cfg.rollout.split)
     return Roles(actor, rollout, reward, ref, critic, group)

@@ -59,15 +59,19 @@ class Rollout:
         self.env_factory, self.limits = env_factory, limits or MultiTurnLimits()
         self._next_uid = 0
 
-    def generate(self, prompts: RLBatch, seed: int, params: SamplingParams | None = None) -> RLBatch:
+    def generate(self, prompts: RLBatch, seed: int, params: SamplingParams | None = None,
+                 first: int = 0) -> RLBatch:
         """Responses to every prompt; rows [k·n, (k+1)·n) answer prompt k.
 
         `seed` makes the samples a function of (weights, prompts, seed). `params`
-        replaces the rollout's sampling settings for this call (evaluation). Needs
-        `prompt_ids`, `prompt_mask` and `prompts`."""
+        replaces the rollout's sampling settings for this call (evaluation). `first`: the
+        index of `prompts`' first prompt in a batch generated in slices (Ray's split
+        rollout; it needs seed_mode "row", whose rows then draw as the whole batch's rows
+        first·n, ...). Needs `prompt_ids`, `prompt_mask` and `prompts`."""
         prompts.require("prompt_ids", "prompt_mask", "prompts", role="rollout.generate")
-        params = dataclasses.replace(params or self.params, seed=seed)
+        params = params or self.params
         n = params.n
+        params = dataclasses.replace(params, seed=seed, first_row=first * n)
         uid = torch.arange(self._next_uid, self._next_uid + len(prompts))
         self._next_uid += len(prompts)
         if self.env_factory is not None:
