@@ -11,6 +11,7 @@ import copy
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -28,7 +29,7 @@ from posttrain.data.tasks import make_task
 from posttrain.distributed.groups import GroupSpec, LocalWorkerGroup, RayWorkerGroup
 from posttrain.distributed.ray_session import RaySession
 from posttrain.models import BuiltinLM
-from posttrain.trainers.rl_ray import build_ray_roles
+from posttrain.trainers.rl_ray import WorkerFailure, build_ray_roles
 
 ROOT = Path(__file__).resolve().parents[2]
 WORDS = "a b c d e f g h".split()
@@ -350,3 +351,81 @@ def test_cli_grpo_on_ray_runs_end_to_end_like_local_and_leaves_no_process(tmp_pa
     assert listing == {p.relative_to(tmp_path / "local").as_posix() for p in (tmp_path / "local").rglob("*")}
     assert (tmp_path / "ray" / "final" / "config.json").is_file() and "eval/accuracy" in ray_lines[-1]
     assert sorted(p.name for p in (tmp_path / "ray" / "checkpoints").iterdir()) == ["step-1", "step-2"]
+
+
+# ---------------------------------------------------------------------------- a worker dies
+
+
+def test_worker_failure_keys_are_refused_off_ray_naming_them(tmp_path):
+    for key, value in (("trainer.on_worker_failure", "restart"), ("trainer.max_restarts", 3)):
+        with pytest.raises(ConfigError, match=rf"{key}: applies to Ray workers only: set trainer.backend=ray"):
+            grpo_config(tmp_path, **{key: value})
+    with pytest.raises(ConfigError, match="trainer.max_restarts: must be >= 0"):
+        grpo_config(tmp_path, **{"trainer.backend": "ray", "trainer.max_restarts": -1})
+
+
+def test_a_killed_worker_restarts_from_the_last_checkpoint_and_ends_as_an_uninterrupted_run(ray_session, tmp_path):
+    """Worker 1 is SIGKILLed at step 3 (after the step-2 checkpoint), just before the update,
+    whose collective worker 0 then waits in: the group fails at once, new workers resume from
+    step-2, and the run ends with the weights of an uninterrupted one (the local backend's,
+    which 2 workers match exactly: `test_two_workers_give_the_local_update`). No worker of
+    either set outlives the run."""
+    model = tiny_model_f64()
+    over = {"trainer.max_steps": 4, "trainer.save_steps": 2}
+    local = train_grpo(model, config(tmp_path / "local", "on-policy token-mean", **over))
+    trainer, seen = None, {"calls": 0, "pids": set()}
+
+    def kill_at_step_3(prompts, completions, completion_ids, **columns):
+        seen["calls"] += 1
+        seen["pids"] |= set(trainer.roles.group.pids)
+        if seen["calls"] == 3:
+            os.kill(trainer.roles.group.pids[1], signal.SIGKILL)
+        return starts_with_a(prompts, completions, completion_ids)
+
+    cfg = config(tmp_path / "ray", "on-policy token-mean", **over, **{
+        "trainer.backend": "ray", "trainer.n_workers_per_node": 2, "trainer.on_worker_failure": "restart"})
+    trainer = GRPOTrainer(copy.deepcopy(model), reward_funcs=[kill_at_step_3], args=cfg, train_dataset=PROMPTS,
+                          processing_class=word_tokenizer())
+    trainer.train()
+    assert seen["calls"] == 5  # steps 1, 2, 3 (killed), then 3 and 4 again
+    seen["pids"] |= set(trainer.roles.group.pids)
+    assert len(seen["pids"]) == 4 and not wait_gone(seen["pids"]), "a worker outlived the run"
+    for k, v in local["actor"].items():
+        assert float((v - trainer.model.state_dict()[k]).abs().max()) <= 1e-10, k
+    metrics = lines(tmp_path / "ray")
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert [m["worker_restarts"] for m in metrics] == [0, 0, 1, 1]
+
+
+def test_a_worker_killed_mid_save_stops_the_run_in_seconds_naming_it_and_the_last_checkpoint(ray_session, tmp_path):
+    """on_worker_failure=stop (the default): worker 0 is SIGKILLed while the step-2 checkpoint
+    is being written (the driver reads the critic's state from it); the run stops within
+    seconds although a collective may wait 300 s, names the worker and step-1, leaves no
+    step-2 (sealed or not), and no worker process."""
+    model = tiny_model_f64()
+    cfg = config(tmp_path, "ppo", **{"trainer.backend": "ray", "trainer.n_workers_per_node": 2,
+                                     "trainer.save_steps": 1, "trainer.collective_timeout_s": 300})
+    trainer = PPOTrainer(copy.deepcopy(model), reward_funcs=[starts_with_a], args=cfg, train_dataset=PROMPTS,
+                         processing_class=word_tokenizer())
+    group, killed = trainer.roles.group, {}
+    run_one = group._run_one
+
+    def kill_mid_save(rank, method, args):
+        if trainer.at_step == 2 and method == "state" and args[:2] == ("critic", "model") and not killed:
+            killed["at"], killed["pid"] = time.perf_counter(), group.pids[0]
+            os.kill(group.pids[0], signal.SIGKILL)
+        return run_one(rank, method, args)
+
+    group._run_one = kill_mid_save
+    pids = set(group.pids)
+    with pytest.raises(WorkerFailure) as err:
+        trainer.train()
+    assert time.perf_counter() - killed["at"] < 30
+    step1 = tmp_path / "checkpoints" / "step-1"
+    message = str(err.value)
+    for part in (f"rank 0 (pid {killed['pid']}) of 2 (holding actor, rollout, reference, critic) died",
+                 "at step 2", f"The last complete checkpoint is {step1}", "trainer.on_worker_failure=restart"):
+        assert part in message, (part, message)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-1"]
+    assert (step1 / "COMPLETE").is_file()
+    assert not wait_gone(pids), "a worker outlived the failed run"
