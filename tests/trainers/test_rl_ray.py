@@ -365,36 +365,38 @@ def test_worker_failure_keys_are_refused_off_ray_naming_them(tmp_path):
 
 
 def test_a_killed_worker_restarts_from_the_last_checkpoint_and_ends_as_an_uninterrupted_run(ray_session, tmp_path):
-    """Worker 1 is SIGKILLed at step 3 (after the step-2 checkpoint), just before the update,
-    whose collective worker 0 then waits in: the group fails at once, new workers resume from
-    step-2, and the run ends with the weights of an uninterrupted one (the local backend's,
-    which 2 workers match exactly: `test_two_workers_give_the_local_update`). No worker of
-    either set outlives the run."""
+    """Worker 1 is SIGKILLed at step 1 (no checkpoint yet: the run starts over) and at step 3
+    (after the step-2 checkpoint: it resumes from it), each time just before the update,
+    whose collective worker 0 then waits in: the group fails at once, new workers go on, and
+    the run ends with the weights of an uninterrupted one (the local backend's, which 2
+    workers match exactly: `test_two_workers_give_the_local_update`). No worker of the three
+    sets outlives the run."""
     model = tiny_model_f64()
-    over = {"trainer.max_steps": 4, "trainer.save_steps": 2}
+    over = {"trainer.save_steps": 2}
     local = train_grpo(model, config(tmp_path / "local", "on-policy token-mean", **over))
     trainer, seen = None, {"calls": 0, "pids": set()}
 
-    def kill_at_step_3(prompts, completions, completion_ids, **columns):
+    def kill_at_steps_1_and_3(prompts, completions, completion_ids, **columns):
         seen["calls"] += 1
         seen["pids"] |= set(trainer.roles.group.pids)
-        if seen["calls"] == 3:
+        if seen["calls"] in (1, 4):
             os.kill(trainer.roles.group.pids[1], signal.SIGKILL)
         return starts_with_a(prompts, completions, completion_ids)
 
     cfg = config(tmp_path / "ray", "on-policy token-mean", **over, **{
-        "trainer.backend": "ray", "trainer.n_workers_per_node": 2, "trainer.on_worker_failure": "restart"})
-    trainer = GRPOTrainer(copy.deepcopy(model), reward_funcs=[kill_at_step_3], args=cfg, train_dataset=PROMPTS,
-                          processing_class=word_tokenizer())
+        "trainer.backend": "ray", "trainer.n_workers_per_node": 2, "trainer.on_worker_failure": "restart",
+        "trainer.max_restarts": 2})
+    trainer = GRPOTrainer(copy.deepcopy(model), reward_funcs=[kill_at_steps_1_and_3], args=cfg,
+                          train_dataset=PROMPTS, processing_class=word_tokenizer())
     trainer.train()
-    assert seen["calls"] == 5  # steps 1, 2, 3 (killed), then 3 and 4 again
+    assert seen["calls"] == 5  # step 1 (killed), steps 1, 2, 3 (killed), step 3
     seen["pids"] |= set(trainer.roles.group.pids)
-    assert len(seen["pids"]) == 4 and not wait_gone(seen["pids"]), "a worker outlived the run"
+    assert len(seen["pids"]) == 6 and not wait_gone(seen["pids"]), "a worker outlived the run"
     for k, v in local["actor"].items():
         assert float((v - trainer.model.state_dict()[k]).abs().max()) <= 1e-10, k
     metrics = lines(tmp_path / "ray")
-    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
-    assert [m["worker_restarts"] for m in metrics] == [0, 0, 1, 1]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert [m["worker_restarts"] for m in metrics] == [1, 1, 2]
 
 
 def test_a_worker_killed_mid_save_stops_the_run_in_seconds_naming_it_and_the_last_checkpoint(ray_session, tmp_path):

@@ -409,8 +409,8 @@ def run_restarting(trainer: Any, run_once: Callable[[RLConfig], Any]) -> Any:
                 raise WorkerFailure(failure_message(died, step, last, t, done)) from died
             trainer.worker_restarts = done + 1
             where = f"from {last}" if last is not None else "from the start (no complete checkpoint yet)"
-            log.warning("%s%s. trainer.on_worker_failure=restart: restart %d of %d, new workers, resuming %s",
-                        died, f" at step {step}" if step else "", done + 1, t.max_restarts, where)
+            log.warning("at step %s, %s. trainer.on_worker_failure=restart: restart %d of %d, new workers, resuming %s",
+                        step, str(died).rstrip("."), done + 1, t.max_restarts, where)
             restart_workers(trainer.roles)
             trainer.load_state(copy.deepcopy(initial))
             config = restart_config(cfg, last)
@@ -428,16 +428,17 @@ def restart_config(cfg: RLConfig, last: Path | None) -> RLConfig:
 
 def failure_message(died: WorkerDied, step: int | None, last: Path | None, t: Any, restarts: int) -> str:
     """What died, where the run stands, and what to do."""
-    at = f" at step {step}" if step else ""
+    at = f" at step {step}," if step else ""
     spent = f" after {restarts} restart{'s' * (restarts != 1)} (trainer.max_restarts={t.max_restarts})" if restarts else ""
     if last is not None:
-        where = f"The last complete checkpoint is {last}; rerun the same command to resume from it (trainer.resume=auto)"
+        rerun = "rerun the same command" if t.resume == "auto" else f"rerun with trainer.resume={last}"
+        where = f"The last complete checkpoint is {last}; {rerun} to resume from it"
     else:
         again = "starts over" if t.resume in ("auto", "never") else f"starts again from trainer.resume={t.resume}"
         where = (f"No complete checkpoint was written in {t.output_dir} (trainer.save_steps={t.save_steps}); a rerun "
                  f"{again}")
     advice = ("set trainer.on_worker_failure=restart to have the run start new workers and go on by itself"
               if t.on_worker_failure == "stop" else "raise trainer.max_restarts to let it restart more often")
-    return (f"trainer.backend=ray: {died}{at}; the run stopped{spent} and its workers were killed. {where}, or "
+    return (f"trainer.backend=ray:{at} {str(died).rstrip('.')}. The run stopped{spent} and its workers were killed. {where}, or "
             f"{advice}. A worker killed for memory (out of memory, the OOM killer) needs a smaller "
             "actor.micro_batch_size or rollout.max_batch_size, or more memory per worker.")
