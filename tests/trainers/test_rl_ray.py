@@ -431,3 +431,42 @@ def test_a_worker_killed_mid_save_stops_the_run_in_seconds_naming_it_and_the_las
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-1"]
     assert (step1 / "COMPLETE").is_file()
     assert not wait_gone(pids), "a worker outlived the failed run"
+
+
+KILL_AT_STEP_2 = """
+import gc, json, os, signal
+from pathlib import Path
+
+calls = [0]
+
+
+def kill_at_step_2(prompts, completions, completion_ids, **columns):
+    calls[0] += 1
+    if calls[0] == 2:  # the driver's worker group, found without a hook in posttrain
+        group = next(o for o in gc.get_objects() if type(o).__name__ == "RayWorkerGroup")
+        Path(__file__).with_name("pids.json").write_text(json.dumps(group.pids))
+        os.kill(group.pids[1], signal.SIGKILL)
+    return [0.0] * len(completions)
+"""
+
+
+@pytest.mark.slow
+def test_cli_run_whose_worker_dies_stops_naming_it_and_leaves_no_ray_process(tmp_path):
+    """The CLI run starts its own Ray: after a worker is SIGKILLed at step 2 it exits 1 with the
+    error, and neither its raylet nor any worker process (killed or surviving) is left."""
+    pytest.importorskip("ray")
+    data = tmp_path / "data"
+    make_task("arithmetic", data, n_train=16, n_test=4, seed=0, difficulty="easy")
+    (tmp_path / "killer.py").write_text(KILL_AT_STEP_2)
+    before = raylets()
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    args = [*cli_args(data, tmp_path / "ray", "ray"), f"reward.functions=[{tmp_path / 'killer.py'}:kill_at_step_2]",
+            "reward.weights=null", "trainer.eval_steps=0", "trainer.collective_timeout_s=300"]
+    proc = subprocess.run([sys.executable, "-m", "posttrain", *args], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    pids = json.loads((tmp_path / "pids.json").read_text())
+    assert f"posttrain grpo: stopped: trainer.backend=ray: at step 2, Ray worker rank 1 (pid {pids[1]}) of 2" in proc.stderr
+    assert f"The last complete checkpoint is {tmp_path / 'ray' / 'checkpoints' / 'step-1'}" in proc.stderr
+    assert not wait_gone(raylets() - before), "the failed run left a raylet behind"
+    assert not wait_gone(set(pids)), "a worker outlived the failed run"

@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from posttrain.checkpoint import find_latest_checkpoint
+from posttrain.config import RunStopped
 from posttrain.config.rl import RLConfig
 from posttrain.distributed.dispatch import shard_rows
 from posttrain.distributed.groups import GroupSpec, RayWorkerGroup, WorkerDied
@@ -372,9 +373,10 @@ def build_ray_roles(cfg: RLConfig, tokenizer: Any, policy: torch.nn.Module, rewa
 # ---------------------------------------------------------------------------- worker failures
 
 
-class WorkerFailure(RuntimeError):
+class WorkerFailure(RunStopped):
     """A Ray run stopped because a worker died (trainer.on_worker_failure=stop, or its
-    trainer.max_restarts were spent); the workers are gone, the last complete checkpoint kept."""
+    trainer.max_restarts were spent); the workers are gone, the last complete checkpoint kept
+    (the CLI prints it as `posttrain grpo: stopped: ...` and exits 1)."""
 
 
 def restart_workers(roles: Roles) -> None:
