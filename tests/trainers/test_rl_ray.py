@@ -23,6 +23,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from posttrain import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
+from posttrain.checkpoint import RESUME_MAY_CHANGE
 from posttrain.cli import main
 from posttrain.config import ConfigError, build_config
 from posttrain.data.tasks import make_task
@@ -362,6 +363,7 @@ def test_worker_failure_keys_are_refused_off_ray_naming_them(tmp_path):
             grpo_config(tmp_path, **{key: value})
     with pytest.raises(ConfigError, match="trainer.max_restarts: must be >= 0"):
         grpo_config(tmp_path, **{"trainer.backend": "ray", "trainer.max_restarts": -1})
+    assert {"trainer.on_worker_failure", "trainer.max_restarts"} <= set(RESUME_MAY_CHANGE)  # no change to the math
 
 
 def test_a_killed_worker_restarts_from_the_last_checkpoint_and_ends_as_an_uninterrupted_run(ray_session, tmp_path):

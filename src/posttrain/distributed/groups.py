@@ -99,7 +99,7 @@ class GroupSpec:
     address: str | None  # ray.address
     collective_timeout_s: float = 600.0  # trainer.collective_timeout_s
     placement_timeout_s: float = 10.0
-    roles: str = "workers"
+    roles: str = ""
     """What each worker holds, for error messages (e.g. "actor, rollout, reference")."""
     restartable: bool = False
     """Keep the start's arguments in Ray's object store for `restart()` (trainer.on_worker_failure=restart)."""
@@ -113,14 +113,22 @@ DEATH_GRACE_S = 0.5
 """After a first worker death, how long to wait for the call's other workers to report theirs
 (several workers killed together are named together); a peer's broken collective fails within
 ~0.5 s, and one still blocked is killed with the group."""
+ECHO_GRACE_S = 10.0
+"""After a worker's exception, how long to wait for a peer's death to be reported: a SIGKILLed
+worker's sockets close at once, so its peers' gloo collectives may fail before Ray reports the
+death (~0.05 s idle, longer on a loaded machine). A worker's own exception is raised this much
+later when its peers wait for it in a collective."""
 
 
 @dataclass(frozen=True)
 class DeadWorker:
+    """A worker whose process is gone."""
+
     rank: int
     pid: int | None
+    """Its process (None: it died before it reported it)."""
     cause: str
-    """The Ray error's first line (ActorDiedError: ...)."""
+    """Ray's error, shortened (`_reason`)."""
 
 
 class WorkerDied(RuntimeError):
@@ -129,9 +137,9 @@ class WorkerDied(RuntimeError):
     def __init__(self, dead: list[DeadWorker], world_size: int, roles: str, method: str):
         self.dead, self.world_size, self.roles, self.method = dead, world_size, roles, method
         who = "; ".join(f"rank {d.rank} (pid {d.pid})" for d in dead)
-        cause = dead[0].cause
-        super().__init__(f"Ray worker{'s' if len(dead) > 1 else ''} {who} of {world_size} (holding {roles}) died "
-                         f"during `{method}`: {cause}")
+        holding = f" (holding {roles})" if roles else ""
+        super().__init__(f"Ray worker{'s' if len(dead) > 1 else ''} {who} of {world_size}{holding} died during "
+                         f"`{method}`: {dead[0].cause}")
 
 
 def _deaths(ray: Any) -> tuple[type[BaseException], ...]:
@@ -140,7 +148,8 @@ def _deaths(ray: Any) -> tuple[type[BaseException], ...]:
     return e.RayActorError, e.WorkerCrashedError, e.OutOfMemoryError, e.NodeDiedError
 
 
-def _first_line(err: BaseException) -> str:
+def _reason(err: BaseException) -> str:
+    """"ActorDiedError: <the line saying how the worker exited>", without Ray's list of usual causes."""
     text = str(err).strip()
     lines = [x.strip() for x in text.splitlines() if x.strip()]
     reason = next((x for x in lines if "exit" in x.lower() or "killed" in x.lower()), lines[0] if lines else "")
@@ -270,18 +279,19 @@ class RayWorkerGroup(_Dispatch):
             try:
                 results[rank] = ray.get(done[0])
             except deaths as err:
-                self._died(method, [DeadWorker(rank, self.pids[rank], _first_line(err)), *self._more_dead(pending)])
+                self._died(method, [DeadWorker(rank, self.pids[rank], _reason(err)),
+                                    *self._more_dead(pending, DEATH_GRACE_S)])
             except ray.exceptions.RayTaskError:
-                if dead := self._more_dead(pending):
+                if dead := self._more_dead(pending, ECHO_GRACE_S):
                     self._died(method, dead)
                 raise
         return results
 
-    def _more_dead(self, pending: dict[Any, int]) -> list[DeadWorker]:
-        """The workers among `pending` whose call ends in a death within DEATH_GRACE_S."""
+    def _more_dead(self, pending: dict[Any, int], grace_s: float) -> list[DeadWorker]:
+        """The workers among `pending` whose call ends in a death within `grace_s`."""
         ray, dead = self.session.ray, []
         deaths = _deaths(ray)
-        deadline = time.monotonic() + DEATH_GRACE_S
+        deadline = time.monotonic() + grace_s
         while pending and (left := deadline - time.monotonic()) > 0:
             done, _ = ray.wait(list(pending), num_returns=1, timeout=left)
             if not done:
@@ -290,7 +300,8 @@ class RayWorkerGroup(_Dispatch):
             try:
                 ray.get(done[0])
             except deaths as err:
-                dead.append(DeadWorker(rank, self.pids[rank], _first_line(err)))
+                dead.append(DeadWorker(rank, self.pids[rank], _reason(err)))
+                deadline = min(deadline, time.monotonic() + DEATH_GRACE_S)  # then only others dying with it
             except ray.exceptions.RayTaskError:
                 pass  # a survivor whose collective broke
         return dead

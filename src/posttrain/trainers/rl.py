@@ -187,7 +187,8 @@ class RLTrainer:
         return self.roles.actor.model
 
     def train(self) -> FitResult:
-        """Run the RL loop (`trainers/loop.run`): trainer.max_steps steps of `rl_step`."""
+        """Run the RL loop (`trainers/loop.run`): trainer.max_steps steps of `rl_step`; on Ray, a
+        worker death stops the run or restarts its workers (`rl_ray.run_restarting`)."""
         log.info("%s", self.setup_line())
         try:
             if self.args.trainer.backend == "ray":  # a worker death stops or restarts the run

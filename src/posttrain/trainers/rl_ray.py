@@ -35,6 +35,10 @@ A restored checkpoint reaches the workers when the driver sets `actor.steps` and
 mirrors), and `ref.synced` (`RunModels.load_reference`, after loading a synced reference):
 the mirror's weights (and optimizer, schedule) are pushed to every worker.
 
+A worker that dies stops the run within seconds (`WorkerFailure`, naming it and the last
+complete checkpoint), or with trainer.on_worker_failure=restart starts new workers and
+resumes from that checkpoint (`run_restarting`, around the loop; the driver is unchanged).
+
 Not on this backend: a critic on the policy's backbone (critic.share_backbone: the value
 head and the policy would train in one loss and one optimizer, a layout the workers' separate
 roles do not have) and the vllm engine (config checks, `RLConfig._validate_ray`). An
@@ -404,7 +408,7 @@ def run_restarting(trainer: Any, run_once: Callable[[RLConfig], Any]) -> Any:
         try:
             return run_once(config)
         except WorkerDied as died:
-            step = getattr(trainer, "at_step", None)
+            step = trainer.at_step
             last = find_latest_checkpoint(t.output_dir)
             done = trainer.worker_restarts or 0
             if not restarting or done >= t.max_restarts:
