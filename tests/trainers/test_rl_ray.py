@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from posttrain import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
+from posttrain.checkpoint import RESUME_MAY_CHANGE
 from posttrain.cli import main
 from posttrain.config import ConfigError, build_config
 from posttrain.data.tasks import make_task
@@ -31,7 +33,7 @@ from posttrain.distributed.groups import GroupSpec, LocalWorkerGroup, RayWorkerG
 from posttrain.distributed.ray_session import RaySession
 from posttrain.models import BuiltinLM
 from posttrain.trainers.rl_build import build_rollout
-from posttrain.trainers.rl_ray import Colocated, RayRollout, build_ray_roles
+from posttrain.trainers.rl_ray import Colocated, RayRollout, WorkerFailure, build_ray_roles
 from posttrain.workers import RLBatch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -416,3 +418,123 @@ def test_cli_grpo_on_ray_runs_end_to_end_like_local_and_leaves_no_process(tmp_pa
     assert listing == {p.relative_to(tmp_path / "local").as_posix() for p in (tmp_path / "local").rglob("*")}
     assert (tmp_path / "ray" / "final" / "config.json").is_file() and "eval/accuracy" in ray_lines[-1]
     assert sorted(p.name for p in (tmp_path / "ray" / "checkpoints").iterdir()) == ["step-1", "step-2"]
+
+
+# ---------------------------------------------------------------------------- a worker dies
+
+
+def test_worker_failure_keys_are_refused_off_ray_naming_them(tmp_path):
+    for key, value in (("trainer.on_worker_failure", "restart"), ("trainer.max_restarts", 3)):
+        with pytest.raises(ConfigError, match=rf"{key}: applies to Ray workers only: set trainer.backend=ray"):
+            grpo_config(tmp_path, **{key: value})
+    with pytest.raises(ConfigError, match="trainer.max_restarts: must be >= 0"):
+        grpo_config(tmp_path, **{"trainer.backend": "ray", "trainer.max_restarts": -1})
+    assert {"trainer.on_worker_failure", "trainer.max_restarts"} <= set(RESUME_MAY_CHANGE)  # no change to the math
+
+
+def test_a_killed_worker_restarts_from_the_last_checkpoint_and_ends_as_an_uninterrupted_run(ray_session, tmp_path):
+    """Worker 1 is SIGKILLed at step 1 (no checkpoint yet: the run starts over) and at step 3
+    (after the step-2 checkpoint: it resumes from it), each time just before the update,
+    whose collective worker 0 then waits in: the group fails at once, new workers go on, and
+    the run ends with the weights of an uninterrupted one (the local backend's, which 2
+    workers match exactly: `test_two_workers_give_the_local_update`). No worker of the three
+    sets outlives the run."""
+    model = tiny_model_f64()
+    over = {"trainer.save_steps": 2}
+    local = train_grpo(model, config(tmp_path / "local", "on-policy token-mean", **over))
+    trainer, seen = None, {"calls": 0, "pids": set()}
+
+    def kill_at_steps_1_and_3(prompts, completions, completion_ids, **columns):
+        seen["calls"] += 1
+        seen["pids"] |= set(trainer.roles.group.pids)
+        if seen["calls"] in (1, 4):
+            os.kill(trainer.roles.group.pids[1], signal.SIGKILL)
+        return starts_with_a(prompts, completions, completion_ids)
+
+    cfg = config(tmp_path / "ray", "on-policy token-mean", **over, **{
+        "trainer.backend": "ray", "trainer.n_workers_per_node": 2, "trainer.on_worker_failure": "restart",
+        "trainer.max_restarts": 2})
+    trainer = GRPOTrainer(copy.deepcopy(model), reward_funcs=[kill_at_steps_1_and_3], args=cfg,
+                          train_dataset=PROMPTS, processing_class=word_tokenizer())
+    trainer.train()
+    assert seen["calls"] == 5  # step 1 (killed), steps 1, 2, 3 (killed), step 3
+    seen["pids"] |= set(trainer.roles.group.pids)
+    assert len(seen["pids"]) == 6 and not wait_gone(seen["pids"]), "a worker outlived the run"
+    for k, v in local["actor"].items():
+        assert float((v - trainer.model.state_dict()[k]).abs().max()) <= 1e-10, k
+    metrics = lines(tmp_path / "ray")
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert [m["worker_restarts"] for m in metrics] == [1, 1, 2]
+
+
+def test_a_worker_killed_mid_save_stops_the_run_in_seconds_naming_it_and_the_last_checkpoint(ray_session, tmp_path):
+    """on_worker_failure=stop (the default): worker 0 is SIGKILLed while the step-2 checkpoint
+    is being written (the driver reads the critic's state from it); the run stops within
+    seconds although a collective may wait 300 s, names the worker and step-1, leaves no
+    step-2 (sealed or not), and no worker process."""
+    model = tiny_model_f64()
+    cfg = config(tmp_path, "ppo", **{"trainer.backend": "ray", "trainer.n_workers_per_node": 2,
+                                     "trainer.save_steps": 1, "trainer.collective_timeout_s": 300})
+    trainer = PPOTrainer(copy.deepcopy(model), reward_funcs=[starts_with_a], args=cfg, train_dataset=PROMPTS,
+                         processing_class=word_tokenizer())
+    group, killed = trainer.roles.group, {}
+    run_one = group._run_one
+
+    def kill_mid_save(rank, method, args):
+        if trainer.at_step == 2 and method == "state" and args[:2] == ("critic", "model") and not killed:
+            killed["at"], killed["pid"] = time.perf_counter(), group.pids[0]
+            os.kill(group.pids[0], signal.SIGKILL)
+        return run_one(rank, method, args)
+
+    group._run_one = kill_mid_save
+    pids = set(group.pids)
+    with pytest.raises(WorkerFailure) as err:
+        trainer.train()
+    assert time.perf_counter() - killed["at"] < 30
+    step1 = tmp_path / "checkpoints" / "step-1"
+    message = str(err.value)
+    for part in (f"rank 0 (pid {killed['pid']}) of 2 (holding actor, rollout, reference, critic) died",
+                 "at step 2", f"The last complete checkpoint is {step1}", "trainer.on_worker_failure=restart"):
+        assert part in message, (part, message)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-1"]
+    assert (step1 / "COMPLETE").is_file()
+    assert not wait_gone(pids), "a worker outlived the failed run"
+
+
+KILL_AT_STEP_2 = """
+import gc, json, os, signal
+from pathlib import Path
+
+calls = [0]
+
+
+def kill_at_step_2(prompts, completions, completion_ids, **columns):
+    calls[0] += 1
+    if calls[0] == 2:  # the driver's worker group, found without a hook in posttrain
+        group = next(o for o in gc.get_objects() if type(o).__name__ == "RayWorkerGroup")
+        Path(__file__).with_name("pids.json").write_text(json.dumps(group.pids))
+        os.kill(group.pids[1], signal.SIGKILL)
+    return [0.0] * len(completions)
+"""
+
+
+@pytest.mark.slow
+def test_cli_run_whose_worker_dies_stops_naming_it_and_leaves_no_ray_process(tmp_path):
+    """The CLI run starts its own Ray: after a worker is SIGKILLed at step 2 it exits 1 with the
+    error, and neither its raylet nor any worker process (killed or surviving) is left."""
+    pytest.importorskip("ray")
+    data = tmp_path / "data"
+    make_task("arithmetic", data, n_train=16, n_test=4, seed=0, difficulty="easy")
+    (tmp_path / "killer.py").write_text(KILL_AT_STEP_2)
+    before = raylets()
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    args = [*cli_args(data, tmp_path / "ray", "ray"), f"reward.functions=[{tmp_path / 'killer.py'}:kill_at_step_2]",
+            "reward.weights=null", "trainer.eval_steps=0", "trainer.collective_timeout_s=300"]
+    proc = subprocess.run([sys.executable, "-m", "posttrain", *args], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    pids = json.loads((tmp_path / "pids.json").read_text())
+    assert f"posttrain grpo: stopped: trainer.backend=ray: at step 2, Ray worker rank 1 (pid {pids[1]}) of 2" in proc.stderr
+    assert f"The last complete checkpoint is {tmp_path / 'ray' / 'checkpoints' / 'step-1'}" in proc.stderr
+    assert not wait_gone(raylets() - before), "the failed run left a raylet behind"
+    assert not wait_gone(set(pids)), "a worker outlived the failed run"

@@ -450,13 +450,30 @@ class RLTrainerConfig(TrainerConfig):
     """Worker processes per node (trainer.backend=ray; veRL's n_gpus_per_node: on a CPU a
     worker is a process with placement.cpus_per_worker threads)."""
     collective_timeout_s: float = 600.0
-    """How long a torch.distributed collective between the workers may wait (trainer.backend=ray)."""
+    """How long a torch.distributed collective between the workers may wait (trainer.backend=ray).
+    A worker that dies is detected within seconds whatever this says (trainer.on_worker_failure)."""
+    on_worker_failure: Literal["stop", "restart"] = "stop"
+    """What a run does when a Ray worker dies (killed, out of memory, its node lost; detected
+    within seconds; trainer.backend=ray). `stop`: the workers are killed and the run stops
+    with an error naming the dead worker (rank, pid, roles) and the last complete checkpoint,
+    from which a rerun resumes. `restart`: new workers are started and the run goes on from
+    the last complete checkpoint (or from the start when there is none), up to
+    trainer.max_restarts times; the metric `worker_restarts` counts them."""
+    max_restarts: int = 1
+    """How many times one run restarts its workers (trainer.on_worker_failure=restart) before
+    it stops as `stop` would."""
 
     def validate(self) -> None:
         super().validate()
         check(self.nnodes >= 1, "trainer.nnodes", f"must be >= 1, got {self.nnodes}")
         check(self.n_workers_per_node >= 1, "trainer.n_workers_per_node", f"must be >= 1, got {self.n_workers_per_node}")
         check(self.collective_timeout_s > 0, "trainer.collective_timeout_s", "must be > 0 seconds")
+        check(self.max_restarts >= 0, "trainer.max_restarts", f"must be >= 0, got {self.max_restarts}")
+        for key, value, default in (("on_worker_failure", self.on_worker_failure, "stop"),
+                                    ("max_restarts", self.max_restarts, 1)):
+            check(self.backend == "ray" or value == default, f"trainer.{key}",
+                  f"applies to Ray workers only: set trainer.backend=ray, or drop trainer.{key} (a local run "
+                  "is one process: rerun it to resume from its last checkpoint)")
 
     @property
     def world_size(self) -> int:

@@ -17,6 +17,14 @@ A `RayWorkerGroup` worker is a Ray actor in one bundle of one placement group (o
 per worker, `ray_session.place`; GPU workers reserve `gpus_per_worker` GPUs, which Ray shows
 them as cuda:0, and join over NCCL when each has a whole GPU), with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
 MASTER_PORT in its environment before it joins the group, torch threads set to its CPUs.
+
+A worker that dies (killed, out of memory, its node lost) fails the call in flight within
+seconds, not at the collective timeout: the results are awaited one at a time
+(`ray.wait`), so a dead worker's ActorDiedError (Ray reports it within ~0.05 s) is seen
+while its peers still wait in a gloo collective; the group then kills every worker (a
+survivor blocked in a collective cannot be reached otherwise) and raises `WorkerDied`
+naming the dead ranks, pids and roles. `restart()` starts a new set of workers from the
+arguments of the first start.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import atexit
 import os
 import socket
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -102,6 +111,10 @@ class GroupSpec:
     collective_timeout_s: float = 600.0  # trainer.collective_timeout_s
     placement_timeout_s: float = 10.0
     gpus_per_worker: float = 0.0  # placement.gpus_per_worker
+    roles: str = ""
+    """What each worker holds, for error messages (e.g. "actor, rollout, reference")."""
+    restartable: bool = False
+    """Keep the start's arguments in Ray's object store for `restart()` (trainer.on_worker_failure=restart)."""
 
     @property
     def world_size(self) -> int:
@@ -113,6 +126,54 @@ def collective_backend(gpus_per_worker: float, cuda: bool) -> str:
     there), else gloo (CPU workers; workers sharing a GPU, where NCCL refuses two ranks on one
     device: gloo all-reduces CUDA tensors too)."""
     return "nccl" if cuda and gpus_per_worker >= 1 else "gloo"
+
+
+DEATH_GRACE_S = 0.5
+"""After a first worker death, how long to wait for the call's other workers to report theirs
+(several workers killed together are named together); a peer's broken collective fails within
+~0.5 s, and one still blocked is killed with the group."""
+ECHO_GRACE_S = 10.0
+"""After a worker's exception, how long to wait for a peer's death to be reported: a SIGKILLed
+worker's sockets close at once, so its peers' gloo collectives may fail before Ray reports the
+death (~0.05 s idle, longer on a loaded machine). A worker's own exception is raised this much
+later when its peers wait for it in a collective."""
+
+
+@dataclass(frozen=True)
+class DeadWorker:
+    """A worker whose process is gone."""
+
+    rank: int
+    pid: int | None
+    """Its process (None: it died before it reported it)."""
+    cause: str
+    """Ray's error, shortened (`_reason`)."""
+
+
+class WorkerDied(RuntimeError):
+    """A worker of a `RayWorkerGroup` died during `method`; the group's workers are killed."""
+
+    def __init__(self, dead: list[DeadWorker], world_size: int, roles: str, method: str):
+        self.dead, self.world_size, self.roles, self.method = dead, world_size, roles, method
+        who = "; ".join(f"rank {d.rank} (pid {d.pid})" for d in dead)
+        holding = f" (holding {roles})" if roles else ""
+        super().__init__(f"Ray worker{'s' if len(dead) > 1 else ''} {who} of {world_size}{holding} died during "
+                         f"`{method}`: {dead[0].cause}")
+
+
+def _deaths(ray: Any) -> tuple[type[BaseException], ...]:
+    """Ray's errors for a worker process that is gone (killed, out of memory, its node lost)."""
+    e = ray.exceptions
+    return e.RayActorError, e.WorkerCrashedError, e.OutOfMemoryError, e.NodeDiedError
+
+
+def _reason(err: BaseException) -> str:
+    """"ActorDiedError: <the line saying how the worker exited>", without Ray's list of usual causes."""
+    text = str(err).strip()
+    lines = [x.strip() for x in text.splitlines() if x.strip()]
+    reason = next((x for x in lines if "exit" in x.lower() or "killed" in x.lower()), lines[0] if lines else "")
+    reason = reason.split(" Some common causes")[0].split(" There are some potential root causes")[0]
+    return f"{type(err).__name__}: {reason[:240]}"
 
 
 class _Worker:
@@ -164,23 +225,40 @@ class RayWorkerGroup(_Dispatch):
     it also runs at interpreter exit."""
 
     def __init__(self, spec: GroupSpec, factory: Factory, *args: Any):
-        from posttrain.distributed.ray_session import RaySession, place
+        from posttrain.distributed.ray_session import RaySession
 
-        self.spec, self.world_size = spec, spec.world_size
+        self.spec, self.world_size, self.factory = spec, spec.world_size, factory
         self.session = RaySession(spec.address)
         self.actors: list[Any] = []
-        self.group = None
+        self.pids: list[int | None] = []
+        self.group, self._args = None, None
         atexit.register(self.close)
         try:
-            self._start(place, factory, args)
+            refs = [self.session.ray.put(a) for a in args]
+            self._args = refs if spec.restartable else None
+            self._start(refs)
         except BaseException:
             self.close()
             raise
 
-    def _start(self, place: Callable[..., Any], factory: Factory, args: tuple) -> None:
+    def restart(self) -> None:
+        """Kill the workers (dead or alive), free their placement group, and start new ones
+        from the first start's arguments (`GroupSpec.restartable`)."""
+        if self._args is None:
+            raise RuntimeError("this worker group was not made restartable (GroupSpec.restartable)")
+        self._stop_workers()
+        try:
+            self._start(self._args)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, refs: list[Any]) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        ray, s = self.session.ray, self.spec
+        from posttrain.distributed.ray_session import place
+
+        ray, s, factory = self.session.ray, self.spec, self.factory
         shape = (f"placement.cpus_per_worker={s.cpus_per_worker} × trainer.n_workers_per_node="
                  f"{s.workers_per_node} × trainer.nnodes={s.nnodes}")
         self.group = place(ray, self.world_size, s.cpus_per_worker, shape, s.placement_timeout_s, s.gpus_per_worker)
@@ -191,21 +269,72 @@ class RayWorkerGroup(_Dispatch):
                 placement_group=self.group, placement_group_bundle_index=i)).remote(s.cpus_per_worker)
             for i in range(self.world_size)
         ]
-        addr, port = ray.get(self.actors[0].master_address.remote())
-        refs = [ray.put(a) for a in args]
-        self.pids = ray.get([a.setup.remote(rank, self.world_size, rank % s.workers_per_node, addr, port,
-                                            s.collective_timeout_s, s.gpus_per_worker, factory, *refs)
-                             for rank, a in enumerate(self.actors)])
+        self.pids = [None] * self.world_size
+        addr, port = self._gather("master_address", {0: self.actors[0].master_address.remote()})[0]
+        pids = self._gather("setup", {rank: a.setup.remote(rank, self.world_size, rank % s.workers_per_node, addr,
+                                                            port, s.collective_timeout_s, s.gpus_per_worker,
+                                                            factory, *refs)
+                                      for rank, a in enumerate(self.actors)})
+        self.pids = [pids[r] for r in range(self.world_size)]
 
     def _run(self, method: str, args_per_rank: Sequence[tuple]) -> list[Any]:
-        ray = self.session.ray
-        return ray.get([a.call.remote(method, *args) for a, args in zip(self.actors, args_per_rank, strict=True)])
+        calls = {r: a.call.remote(method, *args) for r, (a, args) in enumerate(zip(self.actors, args_per_rank,
+                                                                                  strict=True))}
+        results = self._gather(method, calls)
+        return [results[r] for r in range(self.world_size)]
 
     def _run_one(self, rank: int, method: str, args: tuple) -> Any:
-        return self.session.ray.get(self.actors[rank].call.remote(method, *args))
+        return self._gather(method, {rank: self.actors[rank].call.remote(method, *args)})[rank]
 
-    def close(self) -> None:
-        """Idempotent."""
+    def _gather(self, method: str, calls: dict[int, Any]) -> dict[int, Any]:
+        """{rank: result} of the calls in flight, taken as they finish, so the first worker
+        death is seen at once (`ray.get` of the list would wait on a live worker blocked in a
+        collective with the dead one). A death raises `WorkerDied` once the group is killed;
+        a worker's own exception is raised as Ray raises it, unless a peer died meanwhile
+        (its broken collective is then only the echo of that death)."""
+        ray = self.session.ray
+        deaths = _deaths(ray)
+        pending = {ref: rank for rank, ref in calls.items()}
+        results: dict[int, Any] = {}
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            rank = pending.pop(done[0])
+            try:
+                results[rank] = ray.get(done[0])
+            except deaths as err:
+                self._died(method, [DeadWorker(rank, self.pids[rank], _reason(err)),
+                                    *self._more_dead(pending, DEATH_GRACE_S)])
+            except ray.exceptions.RayTaskError:
+                if dead := self._more_dead(pending, ECHO_GRACE_S):
+                    self._died(method, dead)
+                raise
+        return results
+
+    def _more_dead(self, pending: dict[Any, int], grace_s: float) -> list[DeadWorker]:
+        """The workers among `pending` whose call ends in a death within `grace_s`."""
+        ray, dead = self.session.ray, []
+        deaths = _deaths(ray)
+        deadline = time.monotonic() + grace_s
+        while pending and (left := deadline - time.monotonic()) > 0:
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=left)
+            if not done:
+                break
+            rank = pending.pop(done[0])
+            try:
+                ray.get(done[0])
+            except deaths as err:
+                dead.append(DeadWorker(rank, self.pids[rank], _reason(err)))
+                deadline = min(deadline, time.monotonic() + DEATH_GRACE_S)  # then only others dying with it
+            except ray.exceptions.RayTaskError:
+                pass  # a survivor whose collective broke
+        return dead
+
+    def _died(self, method: str, dead: list[DeadWorker]) -> None:
+        self._stop_workers()  # survivors may wait in a collective for trainer.collective_timeout_s
+        raise WorkerDied(sorted(dead, key=lambda d: d.rank), self.world_size, self.spec.roles, method)
+
+    def _stop_workers(self) -> None:
+        """Kill every worker (a busy one too) and free the placement group; Ray stays up."""
         ray = self.session.ray
         if ray.is_initialized():
             for a in self.actors:
@@ -215,5 +344,10 @@ class RayWorkerGroup(_Dispatch):
 
                 remove_placement_group(self.group)
         self.actors, self.group = [], None
+
+    def close(self) -> None:
+        """Idempotent."""
+        self._stop_workers()
+        self._args = None
         self.session.close()
         atexit.unregister(self.close)

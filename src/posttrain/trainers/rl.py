@@ -179,19 +179,29 @@ class RLTrainer:
         self.last_batch: RLBatch | None = None  # the latest training batch (its rows go to samples.jsonl)
         self.desc, self.start_metrics = "rl", self.data_stats
         self.has_eval, self.reference = self.eval_examples is not None, self.roles.ref
+        self.at_step = 0  # the step running (a worker failure names it)
+        self.worker_restarts: int | None = None  # trainer.on_worker_failure=restart: the metric worker_restarts
 
     @property
     def model(self) -> torch.nn.Module:
         return self.roles.actor.model
 
     def train(self) -> FitResult:
-        """Run the RL loop (`trainers/loop.run`): trainer.max_steps steps of `rl_step`."""
-        a = self.args
+        """Run the RL loop (`trainers/loop.run`): trainer.max_steps steps of `rl_step`; on Ray, a
+        worker death stops the run or restarts its workers (`rl_ray.run_restarting`)."""
         log.info("%s", self.setup_line())
         try:
-            return run(self, a, RefSync(a.algorithm.ref_sync_steps, a.algorithm.ref_sync_alpha))
+            if self.args.trainer.backend == "ray":  # a worker death stops or restarts the run
+                from posttrain.trainers.rl_ray import run_restarting
+
+                return run_restarting(self, self._run)
+            return self._run(self.args)
         finally:
             self.roles.close()  # trainer.backend=ray: the workers (and a Ray the run started) stop
+
+    def _run(self, config: RLConfig) -> FitResult:
+        a = config.algorithm
+        return run(self, config, RefSync(a.ref_sync_steps, a.ref_sync_alpha))
 
     def setup_line(self) -> str:
         """What is trained, on what, with what (as `posttrain sft` logs it)."""
@@ -206,7 +216,10 @@ class RLTrainer:
                 f"{self.roles.rollout.engine.kind}, on {params[0].device}, {params[0].dtype}")
 
     def step(self, step: int) -> StepOutput:
+        self.at_step = step
         metrics, self.last_batch = rl_step(self, step)
+        if self.worker_restarts is not None:
+            metrics["worker_restarts"] = float(self.worker_restarts)
         nonfinite = metrics.get("actor/nonfinite_steps", 0.0) + metrics.get("critic/nonfinite_steps", 0.0) > 0
         return StepOutput(metrics, nonfinite, progress={
             "reward": metrics["reward/mean"], "acc": metrics["accuracy"], "kl": metrics["kl"]})
@@ -258,6 +271,13 @@ class RLTrainer:
         return {"prompts": self.stream.state_dict(), "kl_coef": self.kl_ctrl.value,
                 "rollout_logp_ok": self.rollout_logp_ok}
 
+    def load_state(self, state: dict[str, Any]) -> None:
+        """The driver's state (`state()`): prompt stream position, KL coefficient, engine check."""
+        self.stream.load_state_dict(state["prompts"])
+        self.kl_ctrl.value = float(state["kl_coef"])
+        self.rollout_logp_ok = state["rollout_logp_ok"]
+        self.last_batch = None
+
     def save(self, run_dir: Path, step: int, metrics: dict[str, float], keep: int, run: RunRecord) -> Path:
         r = self.roles
         ref = r.ref.saved_model() if r.ref is not None else None
@@ -272,9 +292,7 @@ class RLTrainer:
             RunModels.load_critic(path, r.critic)
         if r.ref is not None:
             RunModels.load_reference(path, r.ref)
-        self.stream.load_state_dict(state["data_state"]["prompts"])
-        self.kl_ctrl.value = float(state["data_state"]["kl_coef"])
-        self.rollout_logp_ok = state["data_state"]["rollout_logp_ok"]
+        self.load_state(state["data_state"])
         r.actor.steps = max(0, state["step"] - self.args.critic.warmup_steps)
         r.rollout.sync_from(r.actor)
         return state["step"]

@@ -49,6 +49,10 @@ before the update; `rollout.sync_from` wakes each and loads its own actor's new 
 place through vLLM's `load_weights` (`VLLMEngine.sync_weights`: `collective_rpc`, tensors by
 reference in process), then drops its prefix cache: the local engine's path, per worker.
 
+A worker that dies stops the run within seconds (`WorkerFailure`, naming it and the last
+complete checkpoint), or with trainer.on_worker_failure=restart starts new workers and
+resumes from that checkpoint (`run_restarting`, around the loop; the driver is unchanged).
+
 Not on this backend: a critic on the policy's backbone (critic.share_backbone: the value
 head and the policy would train in one loss and one optimizer, a layout the workers' separate
 roles do not have; config checks, `RLConfig._validate_ray`). An
@@ -60,14 +64,20 @@ the workers, or defined in the driver's script (cloudpickle sends `__main__`'s b
 from __future__ import annotations
 
 import copy
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from posttrain.checkpoint import find_latest_checkpoint
+from posttrain.config import RunStopped
 from posttrain.config.rl import RLConfig
 from posttrain.distributed.dispatch import shard_rows
-from posttrain.distributed.groups import GroupSpec, RayWorkerGroup
+from posttrain.distributed.groups import GroupSpec, RayWorkerGroup, WorkerDied
+from posttrain.logging import get_logger
 from posttrain.models.heads import ScalarHeadModel
 from posttrain.models.lora import is_peft
 from posttrain.rollout import MultiTurnLimits, SamplingParams
@@ -75,6 +85,8 @@ from posttrain.trainers.rl_build import Roles, build_reference, build_rollout
 from posttrain.workers import Actor, Critic, Reward, RLBatch
 from posttrain.workers.actor import shuffled_mini_batches
 from posttrain.workers.forward import FORWARD_FIELDS
+
+log = get_logger(__name__)
 
 
 class Colocated:
@@ -180,6 +192,10 @@ class _Mirrored:
 
     def _updated(self) -> None:
         self._stale = {"model", "optimizer"}
+
+    def forget(self) -> None:
+        """New workers (`restart_workers`): the mirror is read from worker 0 again."""
+        self._updated()
 
     def _fetch(self, part: str) -> None:
         if part not in self._stale:
@@ -361,6 +377,10 @@ class RayReference:
             self.group.one_to_all("load_state", "ref", {"model": sd})
         self._synced = value
 
+    def forget(self) -> None:
+        """New workers (`restart_workers`) hold the initial reference: so does the mirror, once read."""
+        self._synced, self._stale = False, True
+
     def saved_model(self) -> torch.nn.Module | None:
         """The module a checkpoint holds once synced (None: rebuilt from the initial policy)."""
         return self.model if self._synced else None
@@ -381,8 +401,10 @@ def build_ray_roles(cfg: RLConfig, tokenizer: Any, policy: torch.nn.Module, rewa
         from posttrain.rewards.registry import pickle_file_modules_by_value
 
         pickle_file_modules_by_value(import_ray().cloudpickle)  # before the arguments are pickled
+        held = ["actor", "rollout"] + ["reference"] * cfg.algorithm.kl.enabled + ["critic"] * (value_model is not None)
         spec = GroupSpec(t.nnodes, t.n_workers_per_node, cfg.placement.cpus_per_worker, cfg.ray.address,
-                         t.collective_timeout_s, gpus_per_worker=cfg.placement.gpus_per_worker)
+                         t.collective_timeout_s, gpus_per_worker=cfg.placement.gpus_per_worker,
+                         roles=", ".join(held), restartable=t.on_worker_failure == "restart")
         group = RayWorkerGroup(spec, Colocated, *args)
     else:
         group = make_group(Colocated, *args)
@@ -395,3 +417,79 @@ def build_ray_roles(cfg: RLConfig, tokenizer: Any, policy: torch.nn.Module, rewa
     rollout = RayRollout(group, SamplingParams.from_config(cfg.rollout), kind, env_factory, limits,
                          split=cfg.rollout.split)
     return Roles(actor, rollout, reward, ref, critic, group)
+
+
+# ---------------------------------------------------------------------------- worker failures
+
+
+class WorkerFailure(RunStopped):
+    """A Ray run stopped because a worker died (trainer.on_worker_failure=stop, or its
+    trainer.max_restarts were spent); the workers are gone, the last complete checkpoint kept
+    (the CLI prints it as `posttrain grpo: stopped: ...` and exits 1)."""
+
+
+def restart_workers(roles: Roles) -> None:
+    """New workers, built from the run's initial weights as at its start; the driver-side
+    roles read their mirrors from them again (a restore then loads a checkpoint into both)."""
+    roles.group.restart()
+    for role in (roles.actor, roles.critic, roles.ref):
+        if role is not None:
+            role.forget()
+
+
+def run_restarting(trainer: Any, run_once: Callable[[RLConfig], Any]) -> Any:
+    """`run_once(config)` (the loop), again after a worker death while
+    trainer.on_worker_failure=restart allows: new workers (`restart_workers`), the driver's
+    state back to the start (`trainer.load_state`), then the loop's own resume from the
+    newest complete checkpoint of the run directory (`restart_config`). Otherwise, and once
+    trainer.max_restarts are spent, `WorkerFailure` names the dead worker and the checkpoint
+    to resume from."""
+    cfg, t = trainer.args, trainer.args.trainer
+    initial = copy.deepcopy(trainer.state())
+    restarting = t.on_worker_failure == "restart"
+    trainer.worker_restarts = 0 if restarting else None
+    config = cfg
+    while True:
+        try:
+            return run_once(config)
+        except WorkerDied as died:
+            step = trainer.at_step
+            last = find_latest_checkpoint(t.output_dir)
+            done = trainer.worker_restarts or 0
+            if not restarting or done >= t.max_restarts:
+                raise WorkerFailure(failure_message(died, step, last, t, done)) from died
+            trainer.worker_restarts = done + 1
+            where = f"from {last}" if last is not None else "from the start (no complete checkpoint yet)"
+            log.warning("at step %s, %s. trainer.on_worker_failure=restart: restart %d of %d, new workers, resuming %s",
+                        step, str(died).rstrip("."), done + 1, t.max_restarts, where)
+            restart_workers(trainer.roles)
+            trainer.load_state(copy.deepcopy(initial))
+            config = restart_config(cfg, last)
+
+
+def restart_config(cfg: RLConfig, last: Path | None) -> RLConfig:
+    """The config of a restart: resume from `last`, this run's newest complete checkpoint; with
+    none, start as the run did (trainer.resume as set), replacing the outputs the failed
+    attempt wrote (config.yaml, metrics.jsonl: this run's own)."""
+    t = cfg.trainer
+    trainer = (dataclasses.replace(t, resume=str(last)) if last is not None
+               else dataclasses.replace(t, overwrite=t.overwrite or t.resume != "auto"))
+    return dataclasses.replace(cfg, trainer=trainer)
+
+
+def failure_message(died: WorkerDied, step: int | None, last: Path | None, t: Any, restarts: int) -> str:
+    """What died, where the run stands, and what to do."""
+    at = f" at step {step}," if step else ""
+    spent = f" after {restarts} restart{'s' * (restarts != 1)} (trainer.max_restarts={t.max_restarts})" if restarts else ""
+    if last is not None:
+        rerun = "rerun the same command" if t.resume == "auto" else f"rerun with trainer.resume={last}"
+        where = f"The last complete checkpoint is {last}; {rerun} to resume from it"
+    else:
+        again = "starts over" if t.resume in ("auto", "never") else f"starts again from trainer.resume={t.resume}"
+        where = (f"No complete checkpoint was written in {t.output_dir} (trainer.save_steps={t.save_steps}); a rerun "
+                 f"{again}")
+    advice = ("set trainer.on_worker_failure=restart to have the run start new workers and go on by itself"
+              if t.on_worker_failure == "stop" else "raise trainer.max_restarts to let it restart more often")
+    return (f"trainer.backend=ray:{at} {str(died).rstrip('.')}. The run stopped{spent} and its workers were killed. {where}, or "
+            f"{advice}. A worker killed for memory (out of memory, the OOM killer) needs a smaller "
+            "actor.micro_batch_size or rollout.max_batch_size, or more memory per worker.")
