@@ -403,12 +403,16 @@ def test_cli_grpo_on_ray_runs_end_to_end_like_local_and_leaves_no_process(tmp_pa
     pytest.importorskip("ray")
     data = tmp_path / "data"
     make_task("arithmetic", data, n_train=16, n_test=4, seed=0, difficulty="easy")
-    before = raylets()
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "posttrain", *cli_args(data, tmp_path / "ray", "ray")],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert not wait_gone(raylets() - before), "the run left a raylet behind"
+    proc = subprocess.Popen([sys.executable, "-m", "posttrain", *cli_args(data, tmp_path / "ray", "ray")],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    # its own raylet: the Ray it started lives in /tmp/ptray-<its pid>-* (ray_session)
+    assert not wait_gone(raylets(f"/tmp/ptray-{proc.pid}-")), "the run left a raylet behind"
     torch.manual_seed(0)
     assert main(cli_args(data, tmp_path / "local", "local")) == 0
     ray_lines, local_lines = lines(tmp_path / "ray"), lines(tmp_path / "local")

@@ -42,7 +42,8 @@ class RaySession:
         if ray.is_initialized():
             return
         if address is None:
-            self.temp_dir = tempfile.mkdtemp(prefix="ptray-", dir="/tmp" if os.path.isdir("/tmp") else None)
+            # the pid names the process that started it (a test finds its own raylet by it)
+            self.temp_dir = tempfile.mkdtemp(prefix=f"ptray-{os.getpid()}-", dir="/tmp" if os.path.isdir("/tmp") else None)
             ray.init(address="local", num_cpus=os.cpu_count() or 1, _node_ip_address="127.0.0.1",
                      include_dashboard=False, log_to_driver=False, logging_level="WARNING",
                      _temp_dir=self.temp_dir)
