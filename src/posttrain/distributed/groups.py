@@ -250,7 +250,7 @@ class RayWorkerGroup(_Dispatch):
         try:
             self._start(self._args)
         except BaseException:
-            self.close()
+            self._stop_workers()  # `close()` (the run's `finally`) stops the rest
             raise
 
     def _start(self, refs: list[Any]) -> None:

@@ -448,9 +448,12 @@ def run_restarting(trainer: Any, run_once: Callable[[RLConfig], Any]) -> Any:
     initial = copy.deepcopy(trainer.state())
     restarting = t.on_worker_failure == "restart"
     trainer.worker_restarts = 0 if restarting else None
-    config = cfg
+    config, restart = cfg, False
     while True:
         try:
+            if restart:  # a worker dying while the new ones start counts as another death
+                restart_workers(trainer.roles)
+                trainer.load_state(copy.deepcopy(initial))
             return run_once(config)
         except WorkerDied as died:
             step = trainer.at_step
@@ -462,9 +465,7 @@ def run_restarting(trainer: Any, run_once: Callable[[RLConfig], Any]) -> Any:
             where = f"from {last}" if last is not None else "from the start (no complete checkpoint yet)"
             log.warning("at step %s, %s. trainer.on_worker_failure=restart: restart %d of %d, new workers, resuming %s",
                         step, str(died).rstrip("."), done + 1, t.max_restarts, where)
-            restart_workers(trainer.roles)
-            trainer.load_state(copy.deepcopy(initial))
-            config = restart_config(cfg, last)
+            config, restart = restart_config(cfg, last), True
 
 
 def restart_config(cfg: RLConfig, last: Path | None) -> RLConfig:
