@@ -64,7 +64,7 @@ def wait_gone(pids: set[int], seconds: float = 15.0) -> set[int]:
 @pytest.fixture(scope="module")
 def ray_session():
     pytest.importorskip("ray")
-    session = RaySession(None)
+    session = RaySession(None, num_cpus=4)  # 4 logical CPUs on CI's 2 cores: room for 3 pools
     marker = session.temp_dir
     try:
         yield session
@@ -137,16 +137,18 @@ def config(run_dir, name, **overrides):
     return grpo_config(run_dir, **{**SETTINGS[name], **overrides})
 
 
-def train(model, cfg, local_group=False, rows=PROMPTS, tokenizer=None, **kwargs):
+def train(model, cfg, local_group=False, rows=PROMPTS, tokenizer=None, pools=None, **kwargs):
     """Train a copy of `model`; local_group: on the driver-side Ray roles over a
-    `LocalWorkerGroup` (no Ray). Returns {role: state dict} of the actor (and critic)."""
+    `LocalWorkerGroup` per pool (no Ray), the pools of `pools` (a trainer.backend=ray config;
+    default `cfg`'s). Returns {role: state dict} of the actor (and critic)."""
     trainer_cls = PPOTrainer if isinstance(cfg, PPOConfig) else GRPOTrainer
     trainer = trainer_cls(copy.deepcopy(model), args=cfg, train_dataset=rows,
                           processing_class=tokenizer or word_tokenizer(), **kwargs)
     if local_group:
         r = trainer.roles
         value = r.critic.model if r.critic is not None else None
-        trainer.roles = build_ray_roles(cfg, trainer.tokenizer, r.actor.model, r.reward, value, r.rollout.env_factory,
+        trainer.roles = build_ray_roles(pools or cfg, trainer.tokenizer, r.actor.model, r.reward, value,
+                                        r.rollout.env_factory,
                                         make_group=lambda f, *args: LocalWorkerGroup(f, *copy.deepcopy(args)))
         trainer.reference = trainer.roles.ref
     trainer.train()
@@ -315,10 +317,53 @@ def test_two_workers_give_the_local_update_over_episodes(ray_session, guesser, t
 
 def test_an_impossible_placement_fails_in_seconds_naming_the_key(ray_session):
     start = time.perf_counter()
-    with pytest.raises(ConfigError, match=r"trainer.n_workers_per_node: .* 64 CPUs, but the Ray cluster has \d+ CPUs"):
+    with pytest.raises(ConfigError, match=r"trainer.n_workers_per_node, placement.cpus_per_worker: .* 64 CPUs, "
+                                          r"but the Ray cluster has 4 CPUs on 1 node\(s\) \(4 free\)"):
         RayWorkerGroup(GroupSpec(1, 64, 1, None), dict)
     assert time.perf_counter() - start < 10
     assert ray_session.ray.is_initialized()  # a joined session is left running
+
+
+POOLS = {"placement.critic.enable_resource_pool": "true", "placement.rollout.enable_resource_pool": "true"}
+
+
+def test_impossible_pools_fail_in_seconds_over_the_sum_of_their_bundles(ray_session, tmp_path):
+    """3 pools of 2 + 1 + 1 workers fit 4 CPUs one by one, not together: the error names every
+    pool's keys before any worker starts. Pools that fit the cluster but not its free CPUs
+    time out, and leave no placement group behind."""
+    from posttrain.distributed.ray_session import Bundles, place
+
+    cfg = config(tmp_path, "ppo", **{"trainer.backend": "ray", "trainer.n_workers_per_node": 2, **POOLS,
+                                     "placement.critic.n_workers_per_node": 2})
+    start = time.perf_counter()
+    with pytest.raises(ConfigError, match=r"trainer.n_workers_per_node, placement.cpus_per_worker, "
+                       r"placement.critic.n_workers_per_node, placement.rollout.n_workers_per_node: .*"
+                       r"placement.critic.n_workers_per_node=2 × placement.critic.nnodes=1 .* = 5 CPUs, "
+                       r"but the Ray cluster has 4 CPUs on 1 node\(s\) \(4 free\)"):
+        build_ray_roles(cfg, word_tokenizer(), tiny_model_f64(), None, tiny_model_f64())
+    ray = ray_session.ray
+    held = place(ray, [Bundles(3, 1, "3 held", ("held",))], 5)  # 3 of the 4 CPUs taken
+    try:
+        with pytest.raises(ConfigError, match=r"a, b: 1 \+ 1 = 2 CPUs could not be placed within 1 s; the Ray "
+                           r"cluster has 4 CPUs on 1 node\(s\), \d free"):
+            place(ray, [Bundles(1, 1, "1", ("a",)), Bundles(1, 1, "1", ("b",))], 1)
+    finally:
+        ray.util.remove_placement_group(held[0])
+    assert time.perf_counter() - start < 15
+    states = [g["state"] for g in ray.util.placement_group_table().values()]
+    assert "PENDING" not in states and states.count("CREATED") == 0, states
+
+
+def test_critic_and_rollout_on_pools_of_their_own_give_the_local_update(ray_session, tmp_path):
+    """PPO on 2 actor workers, 1 critic worker (its own gloo group) and 1 rollout worker
+    (its own policy copy, loading actor rank 0's weights after each update): the local run's
+    actor and critic within 1e-10 after 3 steps, so the rollout sampled the local tokens."""
+    model = tiny_model_f64()
+    runs = {backend: train_grpo(model, config(tmp_path / backend, "ppo", **{
+        "trainer.backend": backend, "trainer.n_workers_per_node": 2, **(POOLS if backend == "ray" else {})}))
+        for backend in ("local", "ray")}
+    assert set(runs["ray"]) == {"actor", "critic"}
+    assert_same_run(tmp_path / "local", tmp_path / "ray", runs["local"], runs["ray"], "ppo", 1e-10)
 
 
 def cli_args(data, run, backend):

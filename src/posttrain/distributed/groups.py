@@ -4,6 +4,7 @@ name in veRL's dispatch modes (`dispatch`).
     group = RayWorkerGroup(GroupSpec(...), factory, *args)   # or LocalWorkerGroup(factory, *args)
     group.one_to_all("sync_weights")          # ONE_TO_ALL: [result of worker r for r < W]
     group.rank_zero("generate", prompts, s)   # RANK_ZERO: worker 0's result
+    group.rank_zero_ref("policy_weights")     # RANK_ZERO, the result left in Ray's object store
     group.dp_compute("logprobs", batch)       # DP_COMPUTE: pad, balance, split, run, gather
     group.per_rank("update", [args_0, ...])   # worker r gets args_r
 
@@ -12,8 +13,8 @@ object (the colocated roles: `trainers/rl_ray.py`); `collective` is a `Collectiv
 workers' gloo group that averages gradients (None in a local group). This layer knows no
 role: the factory comes from above.
 
-A `RayWorkerGroup` worker is a Ray actor in one bundle of one placement group (one bundle
-per worker, `ray_session.place`), with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+A `RayWorkerGroup` worker is a Ray actor in one bundle of its pool's placement group (one
+bundle per worker, `ray_session.place`; `distributed.pools` places several pools at once), with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
 MASTER_PORT in its environment before it joins the group, torch threads set to its CPUs.
 """
 
@@ -55,6 +56,12 @@ class _Dispatch(ABC):
     def rank_zero(self, method: str, *args: Any) -> Any:
         return self._run_one(0, method, args)
 
+    @abstractmethod
+    def rank_zero_ref(self, method: str, *args: Any) -> Any:
+        """Worker 0's result as a handle another group's call takes as an argument (Ray: an
+        ObjectRef, the result stored once in the object store and read by each receiving
+        worker without passing through the driver; a local group: the result itself)."""
+
     def dp_compute(self, method: str, batch: Any, *args: Any) -> Any:
         """`method(part, *args)` on each worker's balanced part of `batch`, gathered back in
         row order (`dispatch.shard_rows`, `dispatch.gather_rows`)."""
@@ -76,13 +83,18 @@ class LocalWorkerGroup(_Dispatch):
     def _run_one(self, rank: int, method: str, args: tuple) -> Any:
         return getattr(self.worker, method)(*args)
 
+    def rank_zero_ref(self, method: str, *args: Any) -> Any:
+        return self._run_one(0, method, args)
+
     def close(self) -> None:
         self.worker = None
 
 
 @dataclass(frozen=True)
 class GroupSpec:
-    """Where a Ray group's workers go (config keys in brackets)."""
+    """Where a Ray group's workers go (config keys in brackets; `section`.nnodes and
+    `section`.n_workers_per_node size the pool: `trainer` for global_pool, `placement.critic`,
+    `placement.rollout` for a role's own pool)."""
 
     nnodes: int  # trainer.nnodes
     workers_per_node: int  # trainer.n_workers_per_node
@@ -90,10 +102,21 @@ class GroupSpec:
     address: str | None  # ray.address
     collective_timeout_s: float = 600.0  # trainer.collective_timeout_s
     placement_timeout_s: float = 10.0
+    section: str = "trainer"
+    cpus_key: str = "placement.cpus_per_worker"
 
     @property
     def world_size(self) -> int:
         return self.nnodes * self.workers_per_node
+
+    def bundles(self) -> Any:
+        """The pool's placement-group request (`ray_session.Bundles`), naming its config keys."""
+        from posttrain.distributed.ray_session import Bundles
+
+        workers = f"{self.section}.n_workers_per_node"
+        shape = (f"{self.cpus_key}={self.cpus_per_worker} × {workers}={self.workers_per_node} × "
+                 f"{self.section}.nnodes={self.nnodes}")
+        return Bundles(self.world_size, self.cpus_per_worker, shape, (workers, self.cpus_key))
 
 
 class _Worker:
@@ -138,20 +161,24 @@ class _Worker:
 class RayWorkerGroup(_Dispatch):
     """`spec.world_size` Ray actors in one placement group, joined in one gloo group, each
     holding `factory(rank, W, collective, *args)`; the arguments are put in Ray's object
-    store once. Placement fails in seconds with a ConfigError (`ray_session.place`).
-    `close()` kills the workers, frees the placement group and stops a Ray it started;
-    it also runs at interpreter exit."""
+    store once. Placement fails in seconds with a ConfigError (`ray_session.place`), or
+    `placement` is a placement group already made for this group (`distributed.pools`),
+    which it then owns. `ready=False` leaves the workers joining: `wait_ready()` waits
+    (several groups start at once). `close()` kills the workers, frees the placement group
+    and stops a Ray it started; it also runs at interpreter exit."""
 
-    def __init__(self, spec: GroupSpec, factory: Factory, *args: Any):
+    def __init__(self, spec: GroupSpec, factory: Factory, *args: Any, placement: Any = None, ready: bool = True):
         from posttrain.distributed.ray_session import RaySession, place
 
         self.spec, self.world_size = spec, spec.world_size
         self.session = RaySession(spec.address)
         self.actors: list[Any] = []
-        self.group = None
+        self.group = placement
         atexit.register(self.close)
         try:
             self._start(place, factory, args)
+            if ready:
+                self.wait_ready()
         except BaseException:
             self.close()
             raise
@@ -160,9 +187,8 @@ class RayWorkerGroup(_Dispatch):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         ray, s = self.session.ray, self.spec
-        shape = (f"placement.cpus_per_worker={s.cpus_per_worker} × trainer.n_workers_per_node="
-                 f"{s.workers_per_node} × trainer.nnodes={s.nnodes}")
-        self.group = place(ray, self.world_size, s.cpus_per_worker, shape, s.placement_timeout_s)
+        if self.group is None:
+            self.group = place(ray, [s.bundles()], s.placement_timeout_s)[0]
         worker = ray.remote(_Worker)
         self.actors = [
             worker.options(num_cpus=s.cpus_per_worker, scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -171,9 +197,12 @@ class RayWorkerGroup(_Dispatch):
         ]
         addr, port = ray.get(self.actors[0].master_address.remote())
         refs = [ray.put(a) for a in args]
-        self.pids = ray.get([a.setup.remote(rank, self.world_size, rank % s.workers_per_node, addr, port,
-                                            s.collective_timeout_s, factory, *refs)
-                             for rank, a in enumerate(self.actors)])
+        self._joining = [a.setup.remote(rank, self.world_size, rank % s.workers_per_node, addr, port,
+                                        s.collective_timeout_s, factory, *refs) for rank, a in enumerate(self.actors)]
+
+    def wait_ready(self) -> None:
+        """Wait until every worker joined the group and built its object."""
+        self.pids = self.session.ray.get(self._joining)
 
     def _run(self, method: str, args_per_rank: Sequence[tuple]) -> list[Any]:
         ray = self.session.ray
@@ -181,6 +210,9 @@ class RayWorkerGroup(_Dispatch):
 
     def _run_one(self, rank: int, method: str, args: tuple) -> Any:
         return self.session.ray.get(self.actors[rank].call.remote(method, *args))
+
+    def rank_zero_ref(self, method: str, *args: Any) -> Any:
+        return self.actors[0].call.remote(method, *args)
 
     def close(self) -> None:
         """Idempotent."""

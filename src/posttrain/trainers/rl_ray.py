@@ -53,7 +53,7 @@ import torch
 
 from posttrain.config.rl import RLConfig
 from posttrain.distributed.dispatch import shard_rows
-from posttrain.distributed.groups import GroupSpec, RayWorkerGroup
+from posttrain.distributed.groups import GroupSpec
 from posttrain.models.heads import ScalarHeadModel
 from posttrain.models.lora import is_peft
 from posttrain.rollout import MultiTurnLimits, SamplingParams
@@ -62,22 +62,30 @@ from posttrain.workers import Actor, Critic, Reward, RLBatch
 from posttrain.workers.actor import shuffled_mini_batches
 from posttrain.workers.forward import FORWARD_FIELDS
 
+ALL_ROLES = ("actor", "rollout", "critic")
+
 
 class Colocated:
-    """A worker's roles: actor + reference + critic + rollout (built in the worker's process
-    by `RayWorkerGroup`; `policy` and `value_model` arrive as the driver's initial weights,
-    `env_factory` as the episodes' environment factory, None for single-turn rollouts)."""
+    """A worker's roles, those of its pool (`roles`; all of them colocated by default):
+    actor + reference, critic, rollout (built in the worker's process by `RayWorkerGroup`;
+    `policy` and `value_model` arrive as the driver's initial weights, None where the pool
+    does not hold their role, `env_factory` as the episodes' environment factory, None for
+    single-turn rollouts). The rollout's engine runs over the actor's policy when both are
+    here, else over this worker's own copy of it (`load_weights`)."""
 
     def __init__(self, rank: int, world_size: int, collective: Any, cfg: RLConfig, tokenizer: Any,
-                 policy: torch.nn.Module, value_model: ScalarHeadModel | None = None, env_factory: Any = None):
-        self.rank = rank
-        self.ref = build_reference(cfg, policy)  # before training: a copy of the initial policy
-        self.actor = Actor(policy, cfg, cfg.trainer.max_steps - cfg.critic.warmup_steps, collective=collective,
-                           episodes=env_factory is not None)
-        self.critic = None
-        if value_model is not None:
+                 policy: torch.nn.Module | None, value_model: ScalarHeadModel | None = None, env_factory: Any = None,
+                 roles: tuple[str, ...] = ALL_ROLES):
+        self.rank, self.policy = rank, policy
+        self.ref = self.actor = self.critic = self.rollout = None
+        if "actor" in roles:
+            self.ref = build_reference(cfg, policy)  # before training: a copy of the initial policy
+            self.actor = Actor(policy, cfg, cfg.trainer.max_steps - cfg.critic.warmup_steps, collective=collective,
+                               episodes=env_factory is not None)
+        if "critic" in roles and value_model is not None:
             self.critic = Critic(value_model, cfg, cfg.trainer.max_steps, collective=collective)
-        self.rollout = build_rollout(cfg, policy, tokenizer, env_factory)
+        if "rollout" in roles:
+            self.rollout = build_rollout(cfg, policy, tokenizer, env_factory)
 
     def generate(self, prompts: RLBatch, seed: int, params: SamplingParams | None) -> RLBatch:
         return self.rollout.generate(prompts, seed, params)
@@ -105,6 +113,15 @@ class Colocated:
 
     def sync_weights(self) -> None:
         self.rollout.sync_weights(self.actor.model)
+
+    def policy_weights(self) -> dict[str, torch.Tensor]:
+        """The actor's weights, on the CPU, for a rollout pool (`RayRollout.sync_from`)."""
+        return {k: v.detach().cpu() for k, v in self.actor.model.state_dict().items()}
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """A rollout pool's worker: its policy copy takes the actor's weights, its engine samples from them."""
+        self.policy.load_state_dict(state)
+        self.rollout.sync_weights(self.policy)
 
     def lr(self) -> float:
         return self.actor.lr
@@ -136,7 +153,7 @@ class Colocated:
         r.optimizer.load_state_dict(state["optimizer"])
         r.scheduler.load_state_dict(state["scheduler"])
         r.steps = state["steps"]
-        if role == "actor":
+        if role == "actor" and self.rollout is not None:
             self.rollout.sync_weights(r.model)
 
 
@@ -255,25 +272,36 @@ class EngineInfo:
 
 class RayRollout:
     """The rollout role over the group: generation (single-turn or episodes) on worker 0,
-    sync on every worker. `env_factory` and `limits` are the workers' (evaluation reads them)."""
+    sync on every worker. `env_factory` and `limits` are the workers' (evaluation reads them).
+    `own_pool`: the group is a pool of its own (placement.rollout), whose engines run over
+    copies of the policy, not over the actor's."""
 
     def __init__(self, group: Any, params: SamplingParams, kind: str, env_factory: Any = None,
-                 limits: MultiTurnLimits | None = None):
+                 limits: MultiTurnLimits | None = None, own_pool: bool = False):
         self.group, self.params, self.engine = group, params, EngineInfo(kind)
         self.env_factory, self.limits = env_factory, limits or MultiTurnLimits()
+        self.own_pool = own_pool
 
     def generate(self, prompts: RLBatch, seed: int, params: SamplingParams | None = None) -> RLBatch:
         prompts.require("prompt_ids", "prompt_mask", "prompts", role="rollout.generate")
         return self.group.rank_zero("generate", prompts, seed, params)
 
     def offload(self) -> None:
-        self.group.one_to_all("offload")
+        """Colocated: every engine gives its memory to the update. A pool of its own has
+        nothing to give (the update runs elsewhere)."""
+        if not self.own_pool:
+            self.group.one_to_all("offload")
 
     def sync_from(self, actor: Any) -> None:
-        """Each worker's engine takes its own actor's weights, in place. The driver's mirror
-        of the actor is not read (that would fetch worker 0's weights every step): the
-        workers hold the same weights."""
-        self.group.one_to_all("sync_weights")
+        """Colocated: each worker's engine takes its own actor's weights, in place. The
+        driver's mirror of the actor is not read (that would fetch worker 0's weights every
+        step): the workers hold the same weights. A pool of its own: the actor's worker 0
+        gives its weights once (one state dict in Ray's object store, not through the
+        driver) and every rollout worker loads them."""
+        if not self.own_pool:
+            self.group.one_to_all("sync_weights")
+            return
+        self.group.one_to_all("load_weights", actor.group.rank_zero_ref("policy_weights"))
 
 
 class RayReference:
@@ -323,31 +351,53 @@ class RayReference:
         return self.model if self._synced else None
 
 
+def pool_factories(cfg: RLConfig, tokenizer: Any, policy: torch.nn.Module, value_model: ScalarHeadModel | None,
+                   env_factory: Any, mapping: dict[str, str]) -> dict[str, tuple]:
+    """Each pool's `Colocated` arguments (pool name → args): the roles mapped to it, and only
+    the models they need (a critic pool gets no policy; a pool without the critic, no value
+    model)."""
+    out = {}
+    for pool in dict.fromkeys(mapping.values()):
+        roles = tuple(r for r in ALL_ROLES if mapping.get(r) == pool)
+        needs_policy = "actor" in roles or "rollout" in roles
+        out[pool] = (cfg, tokenizer, policy if needs_policy else None, value_model if "critic" in roles else None,
+                     env_factory if needs_policy else None, roles)
+    return out
+
+
 def build_ray_roles(cfg: RLConfig, tokenizer: Any, policy: torch.nn.Module, reward: Reward,
                     value_model: ScalarHeadModel | None = None, env_factory: Any = None,
                     make_group: Any = None) -> Roles:
-    """Start the workers (each builds `Colocated` from the initial `policy`, `value_model`
-    and `env_factory`) and the driver-side roles over them; the reward stays here.
-    `make_group(Colocated, *args)` replaces the Ray group (e.g. a `LocalWorkerGroup`)."""
+    """Start the workers of every resource pool (`RLConfig.resource_pools`: each worker
+    builds `Colocated` over its pool's roles from the initial `policy`, `value_model` and
+    `env_factory`) and the driver-side roles over them; the reward stays here.
+    `make_group(Colocated, *args)` replaces each pool's Ray group (e.g. a `LocalWorkerGroup`)."""
+    from posttrain.distributed.pools import WorkerPools
     from posttrain.rollout import engine_kind_for
 
     t = cfg.trainer
-    args = (cfg, tokenizer, policy, value_model, env_factory)
+    specs, mapping = cfg.resource_pools()
+    args = pool_factories(cfg, tokenizer, policy, value_model, env_factory, mapping)
     if make_group is None:
+        from posttrain.distributed.pools import start_ray_pools
         from posttrain.distributed.ray_session import import_ray
         from posttrain.rewards.registry import pickle_file_modules_by_value
 
         pickle_file_modules_by_value(import_ray().cloudpickle)  # before the arguments are pickled
-        spec = GroupSpec(t.nnodes, t.n_workers_per_node, cfg.placement.cpus_per_worker, cfg.ray.address,
-                         t.collective_timeout_s)
-        group = RayWorkerGroup(spec, Colocated, *args)
+        pools = start_ray_pools({name: (GroupSpec(p.nnodes, p.n_workers_per_node, p.cpus_per_worker, cfg.ray.address,
+                                                  t.collective_timeout_s, section=p.section, cpus_key=p.cpus_key),
+                                        Colocated, args[name]) for name, p in specs.items()})
     else:
-        group = make_group(Colocated, *args)
+        pools = WorkerPools({name: make_group(Colocated, *a) for name, a in args.items()})
     episodes = env_factory is not None
-    actor = RayActor(group, Actor(policy, cfg, t.max_steps - cfg.critic.warmup_steps, episodes=episodes))
-    critic = RayCritic(group, Critic(value_model, cfg, t.max_steps)) if value_model is not None else None
-    ref = RayReference(group, is_peft(policy), policy) if cfg.algorithm.kl.enabled else None
+    actor = RayActor(pools[mapping["actor"]], Actor(policy, cfg, t.max_steps - cfg.critic.warmup_steps,
+                                                    episodes=episodes))
+    critic = None
+    if value_model is not None:
+        critic = RayCritic(pools[mapping["critic"]], Critic(value_model, cfg, t.max_steps))
+    ref = RayReference(pools[mapping["actor"]], is_peft(policy), policy) if cfg.algorithm.kl.enabled else None
     kind = engine_kind_for(policy) if cfg.rollout.engine == "auto" else cfg.rollout.engine
     limits = MultiTurnLimits.from_config(cfg.rollout.multi_turn)
-    rollout = RayRollout(group, SamplingParams.from_config(cfg.rollout), kind, env_factory, limits)
-    return Roles(actor, rollout, reward, ref, critic, group)
+    rollout = RayRollout(pools[mapping["rollout"]], SamplingParams.from_config(cfg.rollout), kind, env_factory, limits,
+                         own_pool=mapping["rollout"] != mapping["actor"])
+    return Roles(actor, rollout, reward, ref, critic, pools)
