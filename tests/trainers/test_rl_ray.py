@@ -395,3 +395,34 @@ def test_cli_grpo_on_ray_runs_end_to_end_like_local_and_leaves_no_process(tmp_pa
     assert listing == {p.relative_to(tmp_path / "local").as_posix() for p in (tmp_path / "local").rglob("*")}
     assert (tmp_path / "ray" / "final" / "config.json").is_file() and "eval/accuracy" in ray_lines[-1]
     assert sorted(p.name for p in (tmp_path / "ray" / "checkpoints").iterdir()) == ["step-1", "step-2"]
+
+
+@pytest.mark.slow
+def test_a_critic_pool_of_two_workers_gives_the_local_update(ray_session, tmp_path):
+    """2 actor workers (rollout colocated) + 2 critic workers in their own gloo group."""
+    model = tiny_model_f64()
+    pool = {"placement.critic.enable_resource_pool": "true", "placement.critic.n_workers_per_node": 2}
+    runs = {backend: train_grpo(model, config(tmp_path / backend, "ppo", **{
+        "trainer.backend": backend, "trainer.n_workers_per_node": 2, **(pool if backend == "ray" else {})}))
+        for backend in ("local", "ray")}
+    assert_same_run(tmp_path / "local", tmp_path / "ray", runs["local"], runs["ray"], "ppo", 1e-10)
+
+
+@pytest.mark.slow
+def test_episodes_on_a_rollout_pool_of_two_workers_give_the_local_update(ray_session, guesser, tmp_path):
+    """GuessNumber episodes from a file, played on the rollout pool's worker 0 over its own
+    copy of the policy (synced from actor rank 0 after each update): the local trajectories."""
+    model, tok = guesser
+    (tmp_path / "my_game.py").write_text(FILE_GAME)
+    env = f"{tmp_path / 'my_game.py'}:EveryTurnCounts"
+    pool = {"placement.rollout.enable_resource_pool": "true", "placement.rollout.n_workers_per_node": 2}
+    runs = {backend: train(model, episode_config(tmp_path / backend, env, **{
+        "trainer.backend": backend, "trainer.n_workers_per_node": 2, **(pool if backend == "ray" else {})}),
+        rows=GUESS_ROWS, tokenizer=tok) for backend in ("local", "ray")}
+    for k, v in runs["local"]["actor"].items():
+        assert float((v - runs["ray"]["actor"][k]).abs().max()) <= 1e-10, k
+    local, ray = lines(tmp_path / "local"), lines(tmp_path / "ray")
+    assert max(m["turns/max"] for m in local) > 1
+    for a, b in zip(local, ray, strict=True):
+        for key in ("turns/mean", "env/reward/mean", "reward/mean", "response_length/mean", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], abs=1e-9), (a["step"], key)
