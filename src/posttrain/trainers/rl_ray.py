@@ -1,9 +1,13 @@
-"""The RL roles on Ray workers (trainer.backend=ray): veRL's hybrid engine.
+"""The RL roles on Ray workers (trainer.backend=ray): veRL's hybrid engine and resource pools.
 
-Each worker process holds a `Colocated`: its own actor (policy, AdamW, schedule), its
-reference, its critic (PPO: a separate value model with its own AdamW) and its rollout
+By default each worker process holds a `Colocated`: its own actor (policy, AdamW, schedule),
+its reference, its critic (PPO: a separate value model with its own AdamW) and its rollout
 engine, the engine over the actor's policy module, so it reads the actor's weights in place
-and a weight sync copies nothing. The driver (`trainers/rl.py`, unchanged) calls objects
+and a weight sync copies nothing. `RLConfig.resource_pools` may map the critic or the
+rollout to a pool of its own (placement.critic / placement.rollout): that pool's workers
+hold only that role (a critic pool: its own gloo group; a rollout pool: engines over their
+own policy copy, which `rollout.sync_from` fills from the actor's worker 0, once through
+Ray's object store, after each update). The reference stays with the actor. The driver (`trainers/rl.py`, unchanged) calls objects
 with the local roles' methods, which dispatch to the group (`distributed.groups`; W workers):
 
     rollout.generate(prompts, seed)   RANK_ZERO   worker 0 samples the whole batch (or plays
@@ -19,7 +23,8 @@ with the local roles' methods, which dispatch to the group (`distributed.groups`
                                                   weight Σw, the gradients and the metrics, so
                                                   each optimizer step is the whole mini-batch's
     ref.sync(policy, alpha)           ONE_TO_ALL  every reference moves towards its own actor
-    rollout.offload / sync_from       ONE_TO_ALL  every engine takes its own actor's weights
+    rollout.offload / sync_from       ONE_TO_ALL  every engine takes its own actor's weights (a
+                                                  rollout pool: actor worker 0's, `load_weights`)
     actor/critic .model/.optimizer/.scheduler     the driver's mirror of worker 0's state (all
     ref.model                                     workers hold the same), fetched when read
                                                   after an update or a sync: checkpoints,
