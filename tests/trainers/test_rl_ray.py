@@ -135,6 +135,10 @@ PPO_COMPARED = ("value_loss", "values/mean", "returns/mean", "critic/grad_norm")
 so merging its metrics over another grouping of rows rounds differently (~1e-9 here)."""
 
 
+POOLS = {"placement.critic.enable_resource_pool": "true", "placement.rollout.enable_resource_pool": "true"}
+"""The critic and the rollout on pools of their own (1 worker each)."""
+
+
 def config(run_dir, name, **overrides):
     return grpo_config(run_dir, **{**SETTINGS[name], **overrides})
 
@@ -215,11 +219,16 @@ def test_two_workers_give_the_local_update(ray_session, tmp_path, name):
     assert_same_run(tmp_path / "local", tmp_path / "ray", runs["local"], runs["ray"], name, 1e-10)
 
 
-def test_a_ray_run_resumes_exactly_from_its_checkpoint(ray_session, tmp_path):
+@pytest.mark.parametrize("pools", [
+    pytest.param({}, id="colocated"),
+    pytest.param(POOLS, id="critic and rollout pools", marks=pytest.mark.slow),
+])
+def test_a_ray_run_resumes_exactly_from_its_checkpoint(ray_session, tmp_path, pools):
     """The restore loads the driver's mirrors, which go to every worker (`RayActor.steps`):
-    a PPO run's critic, its AdamW moments and its schedule included."""
+    a PPO run's critic, its AdamW moments and its schedule included; a rollout pool loads the
+    restored actor's weights (`RayRollout.sync_from`)."""
     model = tiny_model_f64()
-    over = {"trainer.backend": "ray", "trainer.n_workers_per_node": 2, "trainer.save_steps": 1}
+    over = {"trainer.backend": "ray", "trainer.n_workers_per_node": 2, "trainer.save_steps": 1, **pools}
     full = train_grpo(model, config(tmp_path / "full", "ppo", **over))
     run = tmp_path / "cut"
     shutil.copytree(tmp_path / "full", run)
@@ -320,13 +329,11 @@ def test_two_workers_give_the_local_update_over_episodes(ray_session, guesser, t
 def test_an_impossible_placement_fails_in_seconds_naming_the_key(ray_session):
     start = time.perf_counter()
     with pytest.raises(ConfigError, match=r"trainer.n_workers_per_node, placement.cpus_per_worker: .* 64 CPUs, "
-                                          r"but the Ray cluster has 4 CPUs on 1 node\(s\) \(4 free\)"):
+                                          r"but the Ray cluster has 4 CPUs on 1 node\(s\) \(\d free\)"):
         RayWorkerGroup(GroupSpec(1, 64, 1, None), dict)
     assert time.perf_counter() - start < 10
     assert ray_session.ray.is_initialized()  # a joined session is left running
 
-
-POOLS = {"placement.critic.enable_resource_pool": "true", "placement.rollout.enable_resource_pool": "true"}
 
 
 def test_impossible_pools_fail_in_seconds_over_the_sum_of_their_bundles(ray_session, tmp_path):
@@ -341,7 +348,7 @@ def test_impossible_pools_fail_in_seconds_over_the_sum_of_their_bundles(ray_sess
     with pytest.raises(ConfigError, match=r"trainer.n_workers_per_node, placement.cpus_per_worker, "
                        r"placement.critic.n_workers_per_node, placement.rollout.n_workers_per_node: .*"
                        r"placement.critic.n_workers_per_node=2 × placement.critic.nnodes=1 .* = 5 CPUs, "
-                       r"but the Ray cluster has 4 CPUs on 1 node\(s\) \(4 free\)"):
+                       r"but the Ray cluster has 4 CPUs on 1 node\(s\) \(\d free\)"):
         build_ray_roles(cfg, word_tokenizer(), tiny_model_f64(), None, tiny_model_f64())
     ray = ray_session.ray
     held = place(ray, [Bundles(3, 1, "3 held", ("held",))], 5)  # 3 of the 4 CPUs taken
