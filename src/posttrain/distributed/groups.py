@@ -14,8 +14,9 @@ workers' gloo group that averages gradients (None in a local group). This layer 
 role: the factory comes from above.
 
 A `RayWorkerGroup` worker is a Ray actor in one bundle of its pool's placement group (one
-bundle per worker, `ray_session.place`; `distributed.pools` places several pools at once), with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
-MASTER_PORT in its environment before it joins the group, torch threads set to its CPUs.
+bundle per worker, `ray_session.place`; `distributed.pools` places several pools at once),
+with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT in its environment before it
+joins the group, torch threads set to its CPUs.
 """
 
 from __future__ import annotations
