@@ -160,6 +160,42 @@ def test_gpu_workers_reserve_gpus_and_join_over_nccl_only_with_a_gpu_each():
         grpo("trainer.backend=ray", "placement.gpus_per_worker=-1")
 
 
+def test_resource_pools_and_their_refusals_name_the_key():
+    """veRL's resource_pool_spec + mapping from placement.*: colocated by default, the critic
+    and the rollout on pools of their own on request; impossible layouts refused at config time."""
+    pools, mapping = build_config(PPOConfig, None, ["trainer.backend=ray", "trainer.n_workers_per_node=2"]
+                                  ).resource_pools()
+    assert mapping == {"actor": "global_pool", "rollout": "global_pool", "critic": "global_pool"}
+    assert list(pools) == ["global_pool"] and pools["global_pool"].world_size == 2
+    cfg = build_config(PPOConfig, None, [
+        "trainer.backend=ray", "placement.critic.enable_resource_pool=true",
+        "placement.critic.n_workers_per_node=3", "placement.critic.cpus_per_worker=2",
+        "placement.rollout.enable_resource_pool=true", "placement.rollout.nnodes=2", "placement.cpus_per_worker=3"])
+    pools, mapping = cfg.resource_pools()
+    assert mapping == {"actor": "global_pool", "rollout": "rollout_pool", "critic": "critic_pool"}
+    critic, rollout = pools["critic_pool"], pools["rollout_pool"]
+    assert (critic.world_size, critic.cpus_per_worker, critic.section, critic.cpus_key) == (
+        3, 2, "placement.critic", "placement.critic.cpus_per_worker")
+    assert (rollout.world_size, rollout.cpus_per_worker, rollout.cpus_key) == (2, 3, "placement.cpus_per_worker")
+    assert grpo("trainer.backend=ray", "placement.rollout.enable_resource_pool=true").resource_pools()[1] == {
+        "actor": "global_pool", "rollout": "rollout_pool"}
+    refused = {
+        "placement.critic.enable_resource_pool: algorithm.adv_estimator=grpo trains no critic": (
+            GRPOConfig, ["trainer.backend=ray", "placement.critic.enable_resource_pool=true"]),
+        "placement.rollout.enable_resource_pool: resource pools are Ray's": (
+            GRPOConfig, ["placement.rollout.enable_resource_pool=true"]),
+        "placement.critic.n_workers_per_node: every worker needs a row": (  # 32 rows per mini-batch, 33 critic workers
+            PPOConfig, ["trainer.backend=ray", "placement.critic.enable_resource_pool=true",
+                        "placement.critic.n_workers_per_node=33"]),
+        "placement.rollout.nnodes: must be >= 1": (GRPOConfig, ["placement.rollout.nnodes=0"]),
+        "placement.critic.cpus_per_worker: must be >= 1 or null": (PPOConfig, ["placement.critic.cpus_per_worker=0"]),
+    }
+    for message, (cls, overrides) in refused.items():
+        base = ["data.train_batch_size=2", "rollout.n=2", "actor.micro_batch_size=2"] if cls is GRPOConfig else []
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+            build_config(cls, None, [*base, *overrides])
+
+
 def test_the_local_backend_never_imports_ray():
     code = ("import sys; import posttrain, posttrain.trainers.rl, posttrain.distributed; "
             "from posttrain.config import build_config; from posttrain.config.rl import GRPOConfig; "

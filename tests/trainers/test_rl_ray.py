@@ -1,8 +1,10 @@
 """trainer.backend=ray on CPU: 2 workers give the local backend's update exactly (GRPO; PPO's
 actor and critic; a reference synced every 2 steps; GuessNumber episodes played on worker 0;
 generation split over the workers with rollout.seed_mode=row, single-turn and episodes),
-a run resumes exactly (a PPO run's critic too), the CLI runs end to end with the local run's
-directory and metrics, an impossible placement fails in seconds, and no Ray process outlives a run.
+a run resumes exactly (a PPO run's critic too), the critic and the rollout on resource pools of
+their own give the local update too, the CLI runs end to end with the local run's directory and
+metrics, an impossible placement (of one pool or of several together) fails in seconds, a
+killed worker stops the run in seconds or restarts it exactly, and no Ray process outlives a run.
 
 The driver-side roles are first checked without Ray, over a `LocalWorkerGroup`. Ray runs on 127.0.0.1 in a short temp dir; the tests that share a session get it from one
 module fixture, whose finalizer shuts it down and checks that its raylet is gone.
@@ -70,7 +72,7 @@ def wait_gone(pids: set[int], seconds: float = 15.0) -> set[int]:
 @pytest.fixture(scope="module")
 def ray_session():
     pytest.importorskip("ray")
-    session = RaySession(None)
+    session = RaySession(None, num_cpus=4)  # 4 logical CPUs on CI's 2 cores: room for 3 pools
     marker = session.temp_dir
     try:
         yield session
@@ -140,20 +142,26 @@ PPO_COMPARED = ("value_loss", "values/mean", "returns/mean", "critic/grad_norm")
 so merging its metrics over another grouping of rows rounds differently (~1e-9 here)."""
 
 
+POOLS = {"placement.critic.enable_resource_pool": "true", "placement.rollout.enable_resource_pool": "true"}
+"""The critic and the rollout on pools of their own (1 worker each)."""
+
+
 def config(run_dir, name, **overrides):
     return grpo_config(run_dir, **{**SETTINGS[name], **overrides})
 
 
-def train(model, cfg, local_group=False, rows=PROMPTS, tokenizer=None, **kwargs):
+def train(model, cfg, local_group=False, rows=PROMPTS, tokenizer=None, pools=None, **kwargs):
     """Train a copy of `model`; local_group: on the driver-side Ray roles over a
-    `LocalWorkerGroup` (no Ray). Returns {role: state dict} of the actor (and critic)."""
+    `LocalWorkerGroup` per pool (no Ray), the pools of `pools` (a trainer.backend=ray config;
+    default `cfg`'s). Returns {role: state dict} of the actor (and critic)."""
     trainer_cls = PPOTrainer if isinstance(cfg, PPOConfig) else GRPOTrainer
     trainer = trainer_cls(copy.deepcopy(model), args=cfg, train_dataset=rows,
                           processing_class=tokenizer or word_tokenizer(), **kwargs)
     if local_group:
         r = trainer.roles
         value = r.critic.model if r.critic is not None else None
-        trainer.roles = build_ray_roles(cfg, trainer.tokenizer, r.actor.model, r.reward, value, r.rollout.env_factory,
+        trainer.roles = build_ray_roles(pools or cfg, trainer.tokenizer, r.actor.model, r.reward, value,
+                                        r.rollout.env_factory,
                                         make_group=lambda f, *args: LocalWorkerGroup(f, *copy.deepcopy(args)))
         trainer.reference = trainer.roles.ref
     trainer.train()
@@ -251,11 +259,16 @@ def test_two_workers_give_the_local_update(ray_session, tmp_path, name):
     assert_same_run(tmp_path / "local", tmp_path / "ray", runs["local"], runs["ray"], name, 1e-10)
 
 
-def test_a_ray_run_resumes_exactly_from_its_checkpoint(ray_session, tmp_path):
+@pytest.mark.parametrize("pools", [
+    pytest.param({}, id="colocated"),
+    pytest.param(POOLS, id="critic and rollout pools", marks=pytest.mark.slow),
+])
+def test_a_ray_run_resumes_exactly_from_its_checkpoint(ray_session, tmp_path, pools):
     """The restore loads the driver's mirrors, which go to every worker (`RayActor.steps`):
-    a PPO run's critic, its AdamW moments and its schedule included."""
+    a PPO run's critic, its AdamW moments and its schedule included; a rollout pool loads the
+    restored actor's weights (`RayRollout.sync_from`)."""
     model = tiny_model_f64()
-    over = {"trainer.backend": "ray", "trainer.n_workers_per_node": 2, "trainer.save_steps": 1}
+    over = {"trainer.backend": "ray", "trainer.n_workers_per_node": 2, "trainer.save_steps": 1, **pools}
     full = train_grpo(model, config(tmp_path / "full", "ppo", **over))
     run = tmp_path / "cut"
     shutil.copytree(tmp_path / "full", run)
@@ -383,10 +396,51 @@ def test_vllm_engines_on_gpu_workers_sample_like_the_local_engine_and_take_the_n
 
 def test_an_impossible_placement_fails_in_seconds_naming_the_key(ray_session):
     start = time.perf_counter()
-    with pytest.raises(ConfigError, match=r"trainer.n_workers_per_node: .* 64 CPUs, but the Ray cluster has \d+ CPUs"):
+    with pytest.raises(ConfigError, match=r"trainer.n_workers_per_node, placement.cpus_per_worker: .* 64 CPUs, "
+                                          r"but the Ray cluster has 4 CPUs on 1 node\(s\) \(\d free\)"):
         RayWorkerGroup(GroupSpec(1, 64, 1, None), dict)
     assert time.perf_counter() - start < 10
     assert ray_session.ray.is_initialized()  # a joined session is left running
+
+
+
+def test_impossible_pools_fail_in_seconds_over_the_sum_of_their_bundles(ray_session, tmp_path):
+    """3 pools of 2 + 1 + 1 workers fit 4 CPUs one by one, not together: the error names every
+    pool's keys before any worker starts. Pools that fit the cluster but not its free CPUs
+    time out, and leave no placement group behind."""
+    from posttrain.distributed.ray_session import Bundles, place
+
+    cfg = config(tmp_path, "ppo", **{"trainer.backend": "ray", "trainer.n_workers_per_node": 2, **POOLS,
+                                     "placement.critic.n_workers_per_node": 2})
+    start = time.perf_counter()
+    with pytest.raises(ConfigError, match=r"trainer.n_workers_per_node, placement.cpus_per_worker, "
+                       r"placement.critic.n_workers_per_node, placement.rollout.n_workers_per_node: .*"
+                       r"placement.critic.n_workers_per_node=2 × placement.critic.nnodes=1 .* = 5 CPUs, "
+                       r"but the Ray cluster has 4 CPUs on 1 node\(s\) \(\d free\)"):
+        build_ray_roles(cfg, word_tokenizer(), tiny_model_f64(), None, tiny_model_f64())
+    ray = ray_session.ray
+    held = place(ray, [Bundles(3, 1, "3 held", ("held",))], 5)  # 3 of the 4 CPUs taken
+    try:
+        with pytest.raises(ConfigError, match=r"a, b: 1 \+ 1 = 2 CPUs could not be placed within 1 s; the Ray "
+                           r"cluster has 4 CPUs on 1 node\(s\), \d free"):
+            place(ray, [Bundles(1, 1, "1", ("a",)), Bundles(1, 1, "1", ("b",))], 1)
+    finally:
+        ray.util.remove_placement_group(held[0])
+    assert time.perf_counter() - start < 15
+    states = [g["state"] for g in ray.util.placement_group_table().values()]
+    assert "PENDING" not in states and states.count("CREATED") == 0, states
+
+
+def test_critic_and_rollout_on_pools_of_their_own_give_the_local_update(ray_session, tmp_path):
+    """PPO on 2 actor workers, 1 critic worker (its own gloo group) and 1 rollout worker
+    (its own policy copy, loading actor rank 0's weights after each update): the local run's
+    actor and critic within 1e-10 after 3 steps, so the rollout sampled the local tokens."""
+    model = tiny_model_f64()
+    runs = {backend: train_grpo(model, config(tmp_path / backend, "ppo", **{
+        "trainer.backend": backend, "trainer.n_workers_per_node": 2, **(POOLS if backend == "ray" else {})}))
+        for backend in ("local", "ray")}
+    assert set(runs["ray"]) == {"actor", "critic"}
+    assert_same_run(tmp_path / "local", tmp_path / "ray", runs["local"], runs["ray"], "ppo", 1e-10)
 
 
 def cli_args(data, run, backend):
@@ -424,6 +478,37 @@ def test_cli_grpo_on_ray_runs_end_to_end_like_local_and_leaves_no_process(tmp_pa
     assert sorted(p.name for p in (tmp_path / "ray" / "checkpoints").iterdir()) == ["step-1", "step-2"]
 
 
+@pytest.mark.slow
+def test_a_critic_pool_of_two_workers_gives_the_local_update(ray_session, tmp_path):
+    """2 actor workers (rollout colocated) + 2 critic workers in their own gloo group."""
+    model = tiny_model_f64()
+    pool = {"placement.critic.enable_resource_pool": "true", "placement.critic.n_workers_per_node": 2}
+    runs = {backend: train_grpo(model, config(tmp_path / backend, "ppo", **{
+        "trainer.backend": backend, "trainer.n_workers_per_node": 2, **(pool if backend == "ray" else {})}))
+        for backend in ("local", "ray")}
+    assert_same_run(tmp_path / "local", tmp_path / "ray", runs["local"], runs["ray"], "ppo", 1e-10)
+
+
+@pytest.mark.slow
+def test_episodes_on_a_rollout_pool_of_two_workers_give_the_local_update(ray_session, guesser, tmp_path):
+    """GuessNumber episodes from a file, played on the rollout pool's worker 0 over its own
+    copy of the policy (synced from actor rank 0 after each update): the local trajectories."""
+    model, tok = guesser
+    (tmp_path / "my_game.py").write_text(FILE_GAME)
+    env = f"{tmp_path / 'my_game.py'}:EveryTurnCounts"
+    pool = {"placement.rollout.enable_resource_pool": "true", "placement.rollout.n_workers_per_node": 2}
+    runs = {backend: train(model, episode_config(tmp_path / backend, env, **{
+        "trainer.backend": backend, "trainer.n_workers_per_node": 2, **(pool if backend == "ray" else {})}),
+        rows=GUESS_ROWS, tokenizer=tok) for backend in ("local", "ray")}
+    for k, v in runs["local"]["actor"].items():
+        assert float((v - runs["ray"]["actor"][k]).abs().max()) <= 1e-10, k
+    local, ray = lines(tmp_path / "local"), lines(tmp_path / "ray")
+    assert max(m["turns/max"] for m in local) > 1
+    for a, b in zip(local, ray, strict=True):
+        for key in ("turns/mean", "env/reward/mean", "reward/mean", "response_length/mean", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], abs=1e-9), (a["step"], key)
+
+
 # ---------------------------------------------------------------------------- a worker dies
 
 
@@ -450,9 +535,9 @@ def test_a_killed_worker_restarts_from_the_last_checkpoint_and_ends_as_an_uninte
 
     def kill_at_steps_1_and_3(prompts, completions, completion_ids, **columns):
         seen["calls"] += 1
-        seen["pids"] |= set(trainer.roles.group.pids)
+        seen["pids"] |= set(trainer.roles.group["global_pool"].pids)
         if seen["calls"] in (1, 4):
-            os.kill(trainer.roles.group.pids[1], signal.SIGKILL)
+            os.kill(trainer.roles.group["global_pool"].pids[1], signal.SIGKILL)
         return starts_with_a(prompts, completions, completion_ids)
 
     cfg = config(tmp_path / "ray", "on-policy token-mean", **over, **{
@@ -462,7 +547,7 @@ def test_a_killed_worker_restarts_from_the_last_checkpoint_and_ends_as_an_uninte
                           train_dataset=PROMPTS, processing_class=word_tokenizer())
     trainer.train()
     assert seen["calls"] == 5  # step 1 (killed), steps 1, 2, 3 (killed), step 3
-    seen["pids"] |= set(trainer.roles.group.pids)
+    seen["pids"] |= set(trainer.roles.group["global_pool"].pids)
     assert len(seen["pids"]) == 6 and not wait_gone(seen["pids"]), "a worker outlived the run"
     for k, v in local["actor"].items():
         assert float((v - trainer.model.state_dict()[k]).abs().max()) <= 1e-10, k
@@ -481,7 +566,7 @@ def test_a_worker_killed_mid_save_stops_the_run_in_seconds_naming_it_and_the_las
                                      "trainer.save_steps": 1, "trainer.collective_timeout_s": 300})
     trainer = PPOTrainer(copy.deepcopy(model), reward_funcs=[starts_with_a], args=cfg, train_dataset=PROMPTS,
                          processing_class=word_tokenizer())
-    group, killed = trainer.roles.group, {}
+    group, killed = trainer.roles.group["global_pool"], {}
     run_one = group._run_one
 
     def kill_mid_save(rank, method, args):

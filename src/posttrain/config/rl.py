@@ -436,14 +436,16 @@ class RLTrainerConfig(TrainerConfig):
     backend: Literal["local", "ray"] = "local"
     """Where the roles run. `local`: every role in this process (Ray is never imported).
     `ray`: actor, rollout, reference and critic colocated in one Ray actor per worker (veRL's
-    hybrid engine), trainer.nnodes × trainer.n_workers_per_node workers joined in one gloo
+    hybrid engine; placement.critic / placement.rollout give the critic or the rollout workers
+    of their own), trainer.nnodes × trainer.n_workers_per_node workers joined in one gloo
     torch.distributed group; the actor's and critic's updates, the log-prob and value passes
     are data-parallel over them, and give the update of the local backend (exact: loss
     normalised by the all-reduced global weight). The driver, the reward and the prompt
     stream stay in this process. Generation (multi-turn episodes included) runs on worker 0
-    (the local backend's tokens, exactly), or split over the workers with rollout.seed_mode=row
-    (rollout.dispatch; the local backend's tokens with the same seed_mode). The vllm engine
-    needs GPU workers (placement.gpus_per_worker). Not with critic.share_backbone. Ray starts locally on 127.0.0.1 unless ray.address says otherwise."""
+    of the rollout's pool (the local backend's tokens, exactly), or split over that pool's
+    workers with rollout.seed_mode=row (rollout.dispatch; the local backend's tokens with the
+    same seed_mode). The vllm engine needs GPU workers (placement.gpus_per_worker). Not with
+    critic.share_backbone. Ray starts locally on 127.0.0.1 unless ray.address says otherwise."""
     nnodes: int = 1
     """Nodes of the Ray cluster the workers span (trainer.backend=ray)."""
     n_workers_per_node: int = 1
@@ -482,8 +484,51 @@ class RLTrainerConfig(TrainerConfig):
 
 
 @dataclass
+class PoolConfig:
+    """A resource pool of a role's own (trainer.backend=ray), in the words of veRL's
+    `reward_model.enable_resource_pool` / `nnodes` / `n_gpus_per_node`."""
+
+    enable_resource_pool: bool = False
+    """true: the role runs on workers of its own, one placement group of its own; false: on
+    the actor's workers (global_pool), colocated with it in one process per worker."""
+    nnodes: int = 1
+    """Nodes this pool's workers span."""
+    n_workers_per_node: int = 1
+    """Workers per node in this pool (on a CPU, processes of cpus_per_worker threads)."""
+    cpus_per_worker: int | None = None
+    """CPU cores reserved for each of this pool's workers, and its torch threads (null:
+    placement.cpus_per_worker)."""
+
+
+GLOBAL_POOL = "global_pool"
+"""The actor's pool (veRL's name): trainer.nnodes × trainer.n_workers_per_node workers."""
+
+
+@dataclass(frozen=True)
+class ResourcePool:
+    """One pool of `RLConfig.resource_pools`: veRL's resource_pool_spec entry
+    [n_workers_per_node] × nnodes, each worker's CPUs, and the config keys that set them."""
+
+    nnodes: int
+    n_workers_per_node: int
+    cpus_per_worker: int
+    section: str
+    """Where nnodes and n_workers_per_node are set: `trainer` or `placement.<role>`."""
+    cpus_key: str
+    """The key cpus_per_worker comes from."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.n_workers_per_node
+
+
+@dataclass
 class PlacementConfig:
-    """Resources of each worker (trainer.backend=ray): one placement-group bundle per worker."""
+    """Where the roles run (trainer.backend=ray): resource pools, one placement-group bundle
+    {"CPU": cpus_per_worker} per worker. By default every role shares global_pool: actor,
+    reference, rollout and critic in one process per worker (veRL's hybrid engine). The
+    critic and the rollout may each get a pool of their own; the reference always stays
+    with the actor (it reads the actor's batches and, with LoRA, the actor's own model)."""
 
     cpus_per_worker: int = 1
     """CPU cores reserved for each worker, and its torch threads."""
@@ -493,9 +538,27 @@ class PlacementConfig:
     a 1-GPU machine): workers share a GPU, joined over gloo (NCCL refuses two ranks on one
     device). The roles' models stay on the device model.device gives them (cuda for a GPU run)."""
 
+    critic: PoolConfig = field(default_factory=PoolConfig)
+    """The critic's pool (PPO): with enable_resource_pool=true the value model and its AdamW
+    live on workers of their own, one data-parallel gloo group (critic_pool)."""
+    rollout: PoolConfig = field(default_factory=PoolConfig)
+    """The rollout's pool: with enable_resource_pool=true the generation engines live on
+    workers of their own (rollout_pool), each over a copy of the policy that loads the
+    actor's weights after every update (rank 0 sends them once through Ray's object store)."""
+
     def validate(self) -> None:
         check(self.cpus_per_worker >= 1, "placement.cpus_per_worker", f"must be >= 1, got {self.cpus_per_worker}")
         check(self.gpus_per_worker >= 0, "placement.gpus_per_worker", f"must be >= 0, got {self.gpus_per_worker}")
+        for role in ("critic", "rollout"):
+            p, key = getattr(self, role), f"placement.{role}"
+            check(p.nnodes >= 1, f"{key}.nnodes", f"must be >= 1, got {p.nnodes}")
+            check(p.n_workers_per_node >= 1, f"{key}.n_workers_per_node", f"must be >= 1, got {p.n_workers_per_node}")
+            check(p.cpus_per_worker is None or p.cpus_per_worker >= 1, f"{key}.cpus_per_worker",
+                  f"must be >= 1 or null (placement.cpus_per_worker), got {p.cpus_per_worker}")
+
+    def own_pools(self) -> list[str]:
+        """The roles with a pool of their own (critic, rollout)."""
+        return [role for role in ("critic", "rollout") if getattr(self, role).enable_resource_pool]
 
 
 @dataclass
@@ -553,7 +616,7 @@ class RLConfig:
     eval: RLEvalConfig = field(default_factory=RLEvalConfig)
     """Held-out evaluation."""
     placement: PlacementConfig = field(default_factory=PlacementConfig)
-    """Resources of each worker (trainer.backend=ray)."""
+    """Resource pools: which roles share workers, and each worker's CPUs (trainer.backend=ray)."""
     ray: RayConfig = field(default_factory=RayConfig)
     """The Ray cluster (trainer.backend=ray)."""
 
@@ -577,6 +640,9 @@ class RLConfig:
         check(self.rollout.dispatch != "split" or self.trainer.backend == "ray", "rollout.dispatch",
               "split generation divides a batch over Ray workers: set trainer.backend=ray, or "
               "rollout.dispatch=auto for one process")
+        for role in self.placement.own_pools():
+            check(self.trainer.backend == "ray", f"placement.{role}.enable_resource_pool",
+                  "resource pools are Ray's: set trainer.backend=ray, or drop the key")
         self.check_overlong()
         if self.rollout.engine == "vllm" and self.eval.task is None:  # eval samples through the engine
             problem = check_vllm_temperature(self.eval.temperature)
@@ -614,8 +680,8 @@ class RLConfig:
 
     def _validate_ray(self, mini_rows: int) -> None:
         """What the Ray backend runs: every algorithm with a separate critic; the vllm engine on
-        GPU workers."""
-        world = self.trainer.world_size
+        GPU workers, colocated; a critic pool only for a run with a critic; every trained
+        pool's worker gets a row of each mini-batch."""
         check(not (self.use_critic and self.critic.share_backbone), "critic.share_backbone",
               "a value head on the policy's backbone trains in the actor's loss and optimizer, which the Ray "
               "workers keep apart from the critic's; set critic.share_backbone=false (a separate critic) or "
@@ -623,9 +689,36 @@ class RLConfig:
         check(self.rollout.engine != "vllm" or self.placement.gpus_per_worker > 0, "placement.gpus_per_worker",
               "rollout.engine=vllm on trainer.backend=ray runs a vLLM engine in every worker, each on its GPU: "
               "set placement.gpus_per_worker (1, or 0.5 for two workers per GPU)")
-        check(mini_rows >= world, "trainer.n_workers_per_node",
-              f"every worker needs a row of each mini-batch: actor.ppo_mini_batch_size·rollout.n={mini_rows} "
-              f"< {world} workers (trainer.nnodes × trainer.n_workers_per_node)")
+        check(self.rollout.engine != "vllm" or not self.placement.rollout.enable_resource_pool,
+              "placement.rollout.enable_resource_pool",
+              "a rollout pool of its own runs the native or hf engine; the vllm engine runs colocated with the actor")
+        check(self.use_critic or not self.placement.critic.enable_resource_pool, "placement.critic.enable_resource_pool",
+              f"algorithm.adv_estimator={self.algorithm.adv_estimator} trains no critic; set it false")
+        pools, mapping = self.resource_pools()
+        for name in {mapping["actor"], mapping.get("critic", mapping["actor"])}:
+            p = pools[name]
+            check(mini_rows >= p.world_size, f"{p.section}.n_workers_per_node",
+                  f"every worker needs a row of each mini-batch: actor.ppo_mini_batch_size·rollout.n={mini_rows} "
+                  f"< {p.world_size} workers ({p.section}.nnodes × {p.section}.n_workers_per_node)")
+
+    def resource_pools(self) -> tuple[dict[str, ResourcePool], dict[str, str]]:
+        """veRL's resource_pool_spec (pool name → its workers) and mapping (role → pool name)
+        for trainer.backend=ray: the actor and its reference on global_pool
+        (trainer.nnodes × trainer.n_workers_per_node), and there too the rollout and the critic
+        (a run with one) unless placement.rollout / placement.critic give them a pool of their
+        own (rollout_pool, critic_pool)."""
+        pl, t = self.placement, self.trainer
+        pools = {GLOBAL_POOL: ResourcePool(t.nnodes, t.n_workers_per_node, pl.cpus_per_worker, "trainer",
+                                           "placement.cpus_per_worker")}
+        roles = ["actor", "rollout"] + (["critic"] if self.use_critic else [])
+        mapping = dict.fromkeys(roles, GLOBAL_POOL)
+        for role in pl.own_pools():
+            p, key = getattr(pl, role), f"placement.{role}"
+            cpus, cpus_key = ((p.cpus_per_worker, f"{key}.cpus_per_worker") if p.cpus_per_worker is not None
+                              else (pl.cpus_per_worker, "placement.cpus_per_worker"))
+            pools[f"{role}_pool"] = ResourcePool(p.nnodes, p.n_workers_per_node, cpus, key, cpus_key)
+            mapping[role] = f"{role}_pool"
+        return pools, mapping
 
     @property
     def mini_batch_prompts(self) -> int:

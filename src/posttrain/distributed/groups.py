@@ -4,6 +4,7 @@ name in veRL's dispatch modes (`dispatch`).
     group = RayWorkerGroup(GroupSpec(...), factory, *args)   # or LocalWorkerGroup(factory, *args)
     group.one_to_all("sync_weights")          # ONE_TO_ALL: [result of worker r for r < W]
     group.rank_zero("generate", prompts, s)   # RANK_ZERO: worker 0's result
+    group.rank_zero_ref("policy_weights")     # RANK_ZERO, the result left in Ray's object store
     group.dp_compute("logprobs", batch)       # DP_COMPUTE: pad, balance, split, run, gather
     group.dp_split("generate", prompts, s)    # DP_SPLIT: contiguous slices, each with its first row
     group.per_rank("update", [args_0, ...])   # worker r gets args_r
@@ -13,9 +14,10 @@ object (the colocated roles: `trainers/rl_ray.py`); `collective` is a `Collectiv
 workers' gloo group that averages gradients (None in a local group). This layer knows no
 role: the factory comes from above.
 
-A `RayWorkerGroup` worker is a Ray actor in one bundle of one placement group (one bundle
-per worker, `ray_session.place`; GPU workers reserve `gpus_per_worker` GPUs, which Ray shows
-them as cuda:0, and join over NCCL when each has a whole GPU), with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+A `RayWorkerGroup` worker is a Ray actor in one bundle of its pool's placement group (one
+bundle per worker, `ray_session.place`; `distributed.pools` places several pools at once;
+GPU workers reserve `gpus_per_worker` GPUs, which Ray shows them as cuda:0, and join over
+NCCL when each has a whole GPU), with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
 MASTER_PORT in its environment before it joins the group, torch threads set to its CPUs.
 
 A worker that dies (killed, out of memory, its node lost) fails the call in flight within
@@ -23,8 +25,8 @@ seconds, not at the collective timeout: the results are awaited one at a time
 (`ray.wait`), so a dead worker's ActorDiedError (Ray reports it within ~0.05 s) is seen
 while its peers still wait in a gloo collective; the group then kills every worker (a
 survivor blocked in a collective cannot be reached otherwise) and raises `WorkerDied`
-naming the dead ranks, pids and roles. `restart()` starts a new set of workers from the
-arguments of the first start.
+naming the dead ranks, pids and roles. `restart()` starts a new set of workers (in a new
+placement group) from the arguments of the first start.
 """
 
 from __future__ import annotations
@@ -66,6 +68,12 @@ class _Dispatch(ABC):
     def rank_zero(self, method: str, *args: Any) -> Any:
         return self._run_one(0, method, args)
 
+    @abstractmethod
+    def rank_zero_ref(self, method: str, *args: Any) -> Any:
+        """Worker 0's result as a handle another group's call takes as an argument (Ray: an
+        ObjectRef, the result stored once in the object store and read by each receiving
+        worker without passing through the driver; a local group: the result itself)."""
+
     def dp_compute(self, method: str, batch: Any, *args: Any) -> Any:
         """`method(part, *args)` on each worker's balanced part of `batch`, gathered back in
         row order (`dispatch.shard_rows`, `dispatch.gather_rows`)."""
@@ -96,13 +104,18 @@ class LocalWorkerGroup(_Dispatch):
     def _run_one(self, rank: int, method: str, args: tuple) -> Any:
         return getattr(self.worker, method)(*args)
 
+    def rank_zero_ref(self, method: str, *args: Any) -> Any:
+        return self._run_one(0, method, args)
+
     def close(self) -> None:
         self.worker = None
 
 
 @dataclass(frozen=True)
 class GroupSpec:
-    """Where a Ray group's workers go (config keys in brackets)."""
+    """Where a Ray group's workers go (config keys in brackets; `section`.nnodes and
+    `section`.n_workers_per_node size the pool: `trainer` for global_pool, `placement.critic`,
+    `placement.rollout` for a role's own pool)."""
 
     nnodes: int  # trainer.nnodes
     workers_per_node: int  # trainer.n_workers_per_node
@@ -115,10 +128,21 @@ class GroupSpec:
     """What each worker holds, for error messages (e.g. "actor, rollout, reference")."""
     restartable: bool = False
     """Keep the start's arguments in Ray's object store for `restart()` (trainer.on_worker_failure=restart)."""
+    section: str = "trainer"
+    cpus_key: str = "placement.cpus_per_worker"
 
     @property
     def world_size(self) -> int:
         return self.nnodes * self.workers_per_node
+
+    def bundles(self) -> Any:
+        """The pool's placement-group request (`ray_session.Bundles`), naming its config keys."""
+        from posttrain.distributed.ray_session import Bundles
+
+        workers = f"{self.section}.n_workers_per_node"
+        shape = (f"{self.cpus_key}={self.cpus_per_worker} × {workers}={self.workers_per_node} × "
+                 f"{self.section}.nnodes={self.nnodes}")
+        return Bundles(self.world_size, self.cpus_per_worker, shape, (workers, self.cpus_key), self.gpus_per_worker)
 
 
 def collective_backend(gpus_per_worker: float, cuda: bool) -> str:
@@ -220,23 +244,28 @@ class _Worker:
 class RayWorkerGroup(_Dispatch):
     """`spec.world_size` Ray actors in one placement group, joined in one gloo group, each
     holding `factory(rank, W, collective, *args)`; the arguments are put in Ray's object
-    store once. Placement fails in seconds with a ConfigError (`ray_session.place`).
-    `close()` kills the workers, frees the placement group and stops a Ray it started;
-    it also runs at interpreter exit."""
+    store once. Placement fails in seconds with a ConfigError (`ray_session.place`), or
+    `placement` is a placement group already made for this group (`distributed.pools`),
+    which it then owns. `ready=False` leaves the workers joining: `wait_ready()` waits
+    (several groups start at once). `close()` kills the workers, frees the placement group
+    and stops a Ray it started; it also runs at interpreter exit."""
 
-    def __init__(self, spec: GroupSpec, factory: Factory, *args: Any):
+    def __init__(self, spec: GroupSpec, factory: Factory, *args: Any, placement: Any = None, ready: bool = True):
         from posttrain.distributed.ray_session import RaySession
 
         self.spec, self.world_size, self.factory = spec, spec.world_size, factory
         self.session = RaySession(spec.address)
         self.actors: list[Any] = []
         self.pids: list[int | None] = []
-        self.group, self._args = None, None
+        self.group, self._args = placement, None
+        self._joining: dict[int, Any] = {}
         atexit.register(self.close)
         try:
             refs = [self.session.ray.put(a) for a in args]
             self._args = refs if spec.restartable else None
             self._start(refs)
+            if ready:
+                self.wait_ready()
         except BaseException:
             self.close()
             raise
@@ -249,6 +278,7 @@ class RayWorkerGroup(_Dispatch):
         self._stop_workers()
         try:
             self._start(self._args)
+            self.wait_ready()
         except BaseException:
             self._stop_workers()  # `close()` (the run's `finally`) stops the rest
             raise
@@ -259,9 +289,8 @@ class RayWorkerGroup(_Dispatch):
         from posttrain.distributed.ray_session import place
 
         ray, s, factory = self.session.ray, self.spec, self.factory
-        shape = (f"placement.cpus_per_worker={s.cpus_per_worker} × trainer.n_workers_per_node="
-                 f"{s.workers_per_node} × trainer.nnodes={s.nnodes}")
-        self.group = place(ray, self.world_size, s.cpus_per_worker, shape, s.placement_timeout_s, s.gpus_per_worker)
+        if self.group is None:  # given by `distributed.pools` at the first start
+            self.group = place(ray, [s.bundles()], s.placement_timeout_s)[0]
         worker = ray.remote(_Worker)
         self.actors = [
             worker.options(num_cpus=s.cpus_per_worker, num_gpus=s.gpus_per_worker,
@@ -271,10 +300,13 @@ class RayWorkerGroup(_Dispatch):
         ]
         self.pids = [None] * self.world_size
         addr, port = self._gather("master_address", {0: self.actors[0].master_address.remote()})[0]
-        pids = self._gather("setup", {rank: a.setup.remote(rank, self.world_size, rank % s.workers_per_node, addr,
-                                                            port, s.collective_timeout_s, s.gpus_per_worker,
-                                                            factory, *refs)
-                                      for rank, a in enumerate(self.actors)})
+        self._joining = {rank: a.setup.remote(rank, self.world_size, rank % s.workers_per_node, addr, port,
+                                              s.collective_timeout_s, s.gpus_per_worker, factory, *refs)
+                         for rank, a in enumerate(self.actors)}
+
+    def wait_ready(self) -> None:
+        """Wait until every worker joined the group and built its object (a death raises `WorkerDied`)."""
+        pids = self._gather("setup", self._joining)
         self.pids = [pids[r] for r in range(self.world_size)]
 
     def _run(self, method: str, args_per_rank: Sequence[tuple]) -> list[Any]:
@@ -332,6 +364,10 @@ class RayWorkerGroup(_Dispatch):
     def _died(self, method: str, dead: list[DeadWorker]) -> None:
         self._stop_workers()  # survivors may wait in a collective for trainer.collective_timeout_s
         raise WorkerDied(sorted(dead, key=lambda d: d.rank), self.world_size, self.spec.roles, method)
+
+    def rank_zero_ref(self, method: str, *args: Any) -> Any:
+        """Worker 0's `method(*args)` as a Ray object reference (left in the object store)."""
+        return self.actors[0].call.remote(method, *args)
 
     def _stop_workers(self) -> None:
         """Kill every worker (a busy one too) and free the placement group; Ray stays up."""

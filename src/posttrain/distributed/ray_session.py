@@ -5,7 +5,8 @@ keeps a locally started Ray on 127.0.0.1 (`_node_ip_address` alone does not),
 RAY_USAGE_STATS_ENABLED=0 and RAY_AUTH_MODE=disabled keep it quiet; Ray's socket paths must
 stay under 107 bytes, so a local session lives in a short `mkdtemp` under /tmp, removed at
 `close`. A placement group that cannot be satisfied waits silently, so `place` checks the
-cluster's CPUs first and then waits for the group a bounded time.
+cluster's CPUs first (over every pool: the sum of their bundles) and then waits for the
+groups a bounded time.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from posttrain.config import ConfigError
@@ -34,9 +37,10 @@ def import_ray() -> Any:
 class RaySession:
     """This process's connection to Ray: joined if already initialised (a test's session),
     else started (address None: a local Ray on 127.0.0.1 with this machine's cores) or joined
-    (`auto`, HOST:PORT). `close` shuts down only what this object started."""
+    (`auto`, HOST:PORT). `close` shuts down only what this object started. `num_cpus`: the
+    CPUs a locally started Ray declares (None: this machine's cores)."""
 
-    def __init__(self, address: str | None):
+    def __init__(self, address: str | None, num_cpus: int | None = None):
         ray = self.ray = import_ray()
         self.started, self.temp_dir = False, None
         if ray.is_initialized():
@@ -44,7 +48,7 @@ class RaySession:
         if address is None:
             # the pid names the process that started it (a test finds its own raylet by it)
             self.temp_dir = tempfile.mkdtemp(prefix=f"ptray-{os.getpid()}-", dir="/tmp" if os.path.isdir("/tmp") else None)
-            ray.init(address="local", num_cpus=os.cpu_count() or 1, _node_ip_address="127.0.0.1",
+            ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1, _node_ip_address="127.0.0.1",
                      include_dashboard=False, log_to_driver=False, logging_level="WARNING",
                      _temp_dir=self.temp_dir)
         else:
@@ -75,33 +79,54 @@ def bundle(cpus: int, gpus: float) -> dict[str, float]:
     return {"CPU": cpus, "GPU": gpus} if gpus > 0 else {"CPU": cpus}
 
 
-def place(ray: Any, workers: int, cpus_per_worker: int, shape: str, timeout_s: float,
-          gpus_per_worker: float = 0.0) -> Any:
-    """One placement group of `workers` bundles (`bundle`: CPUs, and GPUs on GPU workers; PACK:
-    as few nodes as fit), ready within `timeout_s`, or a ConfigError naming the config keys
-    (`shape` says how `workers` was computed) and what the cluster has."""
+@dataclass(frozen=True)
+class Bundles:
+    """One pool's placement group: `workers` bundles of `bundle(cpus_per_worker, gpus_per_worker)`."""
+
+    workers: int
+    cpus_per_worker: int
+    shape: str
+    """How `workers` × `cpus_per_worker` was computed, naming the config keys."""
+    keys: tuple[str, ...]
+    """The config keys that size the pool (an error names them first, and advises lowering them)."""
+    gpus_per_worker: float = 0.0
+    """placement.gpus_per_worker (0: CPU workers)."""
+
+    @property
+    def cpus(self) -> int:
+        return self.workers * self.cpus_per_worker
+
+
+def place(ray: Any, pools: Sequence[Bundles], timeout_s: float) -> list[Any]:
+    """One placement group per pool (PACK: as few nodes as fit), all ready within
+    `timeout_s`, or a ConfigError naming the pools' config keys, how many CPUs (and GPUs) they
+    need together (Σ workers × cpus_per_worker over the pools) and what the cluster has; a
+    failure removes every group it made."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    need = workers * cpus_per_worker
+    keys = list(dict.fromkeys(k for p in pools for k in p.keys))
+    need = sum(p.cpus for p in pools)
+    shape = " + ".join(p.shape for p in pools)
     total, free, nodes = cluster_cpus(ray)
-    advice = ("lower trainer.n_workers_per_node or placement.cpus_per_worker, or add nodes to the "
-              "cluster (ray start --address=HEAD:6379, then ray.address=auto)")
+    advice = (f"lower {' or '.join(keys)}, or add nodes to the cluster (ray start --address=HEAD:6379, "
+              "then ray.address=auto)")
     if need > total:
-        raise ConfigError(f"trainer.n_workers_per_node: {shape} = {need} CPUs, but the Ray cluster has "
+        raise ConfigError(f"{', '.join(keys)}: {shape} = {need} CPUs, but the Ray cluster has "
                           f"{total:g} CPUs on {nodes} node(s) ({free:g} free); {advice}")
-    gpus = ray.cluster_resources().get("GPU", 0.0)
-    if workers * gpus_per_worker > gpus:
-        raise ConfigError(f"placement.gpus_per_worker: {gpus_per_worker:g} GPUs × {workers} workers = "
-                          f"{workers * gpus_per_worker:g} GPUs, but the Ray cluster has {gpus:g}; lower "
-                          "placement.gpus_per_worker (0.5: two workers per GPU) or trainer.n_workers_per_node")
-    group = placement_group([bundle(cpus_per_worker, gpus_per_worker)] * workers, strategy="PACK")
+    gpus, need_gpus = ray.cluster_resources().get("GPU", 0.0), sum(p.workers * p.gpus_per_worker for p in pools)
+    if need_gpus > gpus:
+        raise ConfigError(f"placement.gpus_per_worker: the pools need {need_gpus:g} GPUs, but the Ray cluster has "
+                          f"{gpus:g}; lower placement.gpus_per_worker (0.5: two workers per GPU) or "
+                          "trainer.n_workers_per_node")
+    groups = [placement_group([bundle(p.cpus_per_worker, p.gpus_per_worker)] * p.workers, strategy="PACK")
+              for p in pools]
     try:
-        ray.get(group.ready(), timeout=timeout_s)
+        ray.get([g.ready() for g in groups], timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
-        remove_placement_group(group)
+        for g in groups:
+            remove_placement_group(g)
         total, free, nodes = cluster_cpus(ray)
-        raise ConfigError(f"trainer.n_workers_per_node: {workers} workers of placement.cpus_per_worker="
-                          f"{cpus_per_worker} CPUs could not be placed within {timeout_s:g} s; the Ray cluster "
-                          f"has {total:g} CPUs on {nodes} node(s), {free:g} free (another job holds them, or no "
-                          f"node has {cpus_per_worker} free); {advice}") from None
-    return group
+        raise ConfigError(f"{', '.join(keys)}: {shape} = {need} CPUs could not be placed within {timeout_s:g} s; "
+                          f"the Ray cluster has {total:g} CPUs on {nodes} node(s), {free:g} free (another job "
+                          f"holds them, or no node has a bundle's CPUs free); {advice}") from None
+    return groups

@@ -41,7 +41,8 @@ class Roles:
     ref: Reference | None
     critic: Critic | None
     group: Any = None
-    """The worker group the roles run on (trainer.backend=ray), closed at the end of the run."""
+    """The worker groups the roles run on (trainer.backend=ray: `distributed.pools.WorkerPools`),
+    closed at the end of the run."""
 
     def close(self) -> None:
         """Stop the workers (and a Ray this run started); nothing on the local backend."""

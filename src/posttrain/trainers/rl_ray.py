@@ -1,9 +1,13 @@
-"""The RL roles on Ray workers (trainer.backend=ray): veRL's hybrid engine.
+"""The RL roles on Ray workers (trainer.backend=ray): veRL's hybrid engine and resource pools.
 
-Each worker process holds a `Colocated`: its own actor (policy, AdamW, schedule), its
-reference, its critic (PPO: a separate value model with its own AdamW) and its rollout
+By default each worker process holds a `Colocated`: its own actor (policy, AdamW, schedule),
+its reference, its critic (PPO: a separate value model with its own AdamW) and its rollout
 engine, the engine over the actor's policy module, so it reads the actor's weights in place
-and a weight sync copies nothing. The driver (`trainers/rl.py`, unchanged) calls objects
+and a weight sync copies nothing. `RLConfig.resource_pools` may map the critic or the
+rollout to a pool of its own (placement.critic / placement.rollout): that pool's workers
+hold only that role (a critic pool: its own gloo group; a rollout pool: engines over their
+own policy copy, which `rollout.sync_from` fills from the actor's worker 0, once through
+Ray's object store, after each update). The reference stays with the actor. The driver (`trainers/rl.py`, unchanged) calls objects
 with the local roles' methods, which dispatch to the group (`distributed.groups`; W workers):
 
     rollout.generate(prompts, seed)   RANK_ZERO   worker 0 samples the whole batch (or plays
@@ -25,7 +29,8 @@ with the local roles' methods, which dispatch to the group (`distributed.groups`
                                                   weight Σw, the gradients and the metrics, so
                                                   each optimizer step is the whole mini-batch's
     ref.sync(policy, alpha)           ONE_TO_ALL  every reference moves towards its own actor
-    rollout.offload / sync_from       ONE_TO_ALL  every engine takes its own actor's weights
+    rollout.offload / sync_from       ONE_TO_ALL  every engine takes its own actor's weights (a
+                                                  rollout pool: actor worker 0's, `load_weights`)
     actor/critic .model/.optimizer/.scheduler     the driver's mirror of worker 0's state (all
     ref.model                                     workers hold the same), fetched when read
                                                   after an update or a sync: checkpoints,
@@ -76,7 +81,7 @@ from posttrain.checkpoint import find_latest_checkpoint
 from posttrain.config import RunStopped
 from posttrain.config.rl import RLConfig
 from posttrain.distributed.dispatch import shard_rows
-from posttrain.distributed.groups import GroupSpec, RayWorkerGroup, WorkerDied
+from posttrain.distributed.groups import GroupSpec, WorkerDied
 from posttrain.logging import get_logger
 from posttrain.models.heads import ScalarHeadModel
 from posttrain.models.lora import is_peft
@@ -87,23 +92,30 @@ from posttrain.workers.actor import shuffled_mini_batches
 from posttrain.workers.forward import FORWARD_FIELDS
 
 log = get_logger(__name__)
+ALL_ROLES = ("actor", "rollout", "critic")
 
 
 class Colocated:
-    """A worker's roles: actor + reference + critic + rollout (built in the worker's process
-    by `RayWorkerGroup`; `policy` and `value_model` arrive as the driver's initial weights,
-    `env_factory` as the episodes' environment factory, None for single-turn rollouts)."""
+    """A worker's roles, those of its pool (`roles`; all of them colocated by default):
+    actor + reference, critic, rollout (built in the worker's process by `RayWorkerGroup`;
+    `policy` and `value_model` arrive as the driver's initial weights, None where the pool
+    does not hold their role, `env_factory` as the episodes' environment factory, None for
+    single-turn rollouts). The rollout's engine runs over the actor's policy when both are
+    here, else over this worker's own copy of it (`load_weights`)."""
 
     def __init__(self, rank: int, world_size: int, collective: Any, cfg: RLConfig, tokenizer: Any,
-                 policy: torch.nn.Module, value_model: ScalarHeadModel | None = None, env_factory: Any = None):
-        self.rank = rank
-        self.ref = build_reference(cfg, policy)  # before training: a copy of the initial policy
-        self.actor = Actor(policy, cfg, cfg.trainer.max_steps - cfg.critic.warmup_steps, collective=collective,
-                           episodes=env_factory is not None)
-        self.critic = None
-        if value_model is not None:
+                 policy: torch.nn.Module | None, value_model: ScalarHeadModel | None = None, env_factory: Any = None,
+                 roles: tuple[str, ...] = ALL_ROLES):
+        self.rank, self.policy = rank, policy
+        self.ref = self.actor = self.critic = self.rollout = None
+        if "actor" in roles:
+            self.ref = build_reference(cfg, policy)  # before training: a copy of the initial policy
+            self.actor = Actor(policy, cfg, cfg.trainer.max_steps - cfg.critic.warmup_steps, collective=collective,
+                               episodes=env_factory is not None)
+        if "critic" in roles and value_model is not None:
             self.critic = Critic(value_model, cfg, cfg.trainer.max_steps, collective=collective)
-        self.rollout = build_rollout(cfg, policy, tokenizer, env_factory)
+        if "rollout" in roles:
+            self.rollout = build_rollout(cfg, policy, tokenizer, env_factory)
 
     def generate(self, prompts: RLBatch, seed: int, params: SamplingParams | None) -> RLBatch:
         return self.rollout.generate(prompts, seed, params)
@@ -138,6 +150,15 @@ class Colocated:
     def sync_weights(self) -> None:
         self.rollout.sync_weights(self.actor.model)
 
+    def policy_weights(self) -> dict[str, torch.Tensor]:
+        """The actor's weights, on the CPU, for a rollout pool (`RayRollout.sync_from`)."""
+        return {k: v.detach().cpu() for k, v in self.actor.model.state_dict().items()}
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """A rollout pool's worker: its policy copy takes the actor's weights, its engine samples from them."""
+        self.policy.load_state_dict(state)
+        self.rollout.sync_weights(self.policy)
+
     def lr(self) -> float:
         return self.actor.lr
 
@@ -168,7 +189,7 @@ class Colocated:
         r.optimizer.load_state_dict(state["optimizer"])
         r.scheduler.load_state_dict(state["scheduler"])
         r.steps = state["steps"]
-        if role == "actor":
+        if role == "actor" and self.rollout is not None:
             self.rollout.sync_weights(r.model)
 
 
@@ -292,14 +313,17 @@ class EngineInfo:
 class RayRollout:
     """The rollout role over the group: generation (single-turn or episodes) on worker 0, or
     split over the workers (`split`: rollout.dispatch, with rollout.seed_mode=row), sync on
-    every worker. `env_factory` and `limits` are the workers' (evaluation reads them)."""
+    every worker. `env_factory` and `limits` are the workers' (evaluation reads them).
+    `own_pool`: the group is a pool of its own (placement.rollout), whose engines run over
+    copies of the policy, not over the actor's."""
 
     def __init__(self, group: Any, params: SamplingParams, kind: str, env_factory: Any = None,
-                 limits: MultiTurnLimits | None = None, split: bool = False):
+                 limits: MultiTurnLimits | None = None, split: bool = False, own_pool: bool = False):
         if split and params.seed_mode != "row":
             raise ValueError("a split rollout needs SamplingParams.seed_mode='row' (rollout.seed_mode=row)")
         self.group, self.params, self.engine = group, params, EngineInfo(kind)
         self.env_factory, self.limits, self.split = env_factory, limits or MultiTurnLimits(), split
+        self.own_pool = own_pool
         self._next_uid = 0
 
     def generate(self, prompts: RLBatch, seed: int, params: SamplingParams | None = None) -> RLBatch:
@@ -315,13 +339,21 @@ class RayRollout:
         return out.replace(uid=uid.repeat_interleave(len(out) // len(prompts)))
 
     def offload(self) -> None:
-        self.group.one_to_all("offload")
+        """Colocated: every engine gives its memory to the update. A pool of its own has
+        nothing to give (the update runs elsewhere)."""
+        if not self.own_pool:
+            self.group.one_to_all("offload")
 
     def sync_from(self, actor: Any) -> None:
-        """Each worker's engine takes its own actor's weights, in place. The driver's mirror
-        of the actor is not read (that would fetch worker 0's weights every step): the
-        workers hold the same weights."""
-        self.group.one_to_all("sync_weights")
+        """Colocated: each worker's engine takes its own actor's weights, in place. The
+        driver's mirror of the actor is not read (that would fetch worker 0's weights every
+        step): the workers hold the same weights. A pool of its own: the actor's worker 0
+        gives its weights once (one state dict in Ray's object store, not through the
+        driver) and every rollout worker loads them."""
+        if not self.own_pool:
+            self.group.one_to_all("sync_weights")
+            return
+        self.group.one_to_all("load_weights", actor.group.rank_zero_ref("policy_weights"))
 
 
 def join_slices(slices: list[RLBatch]) -> RLBatch:
@@ -386,37 +418,64 @@ class RayReference:
         return self.model if self._synced else None
 
 
+def pool_factories(cfg: RLConfig, tokenizer: Any, policy: torch.nn.Module, value_model: ScalarHeadModel | None,
+                   env_factory: Any, mapping: dict[str, str]) -> dict[str, tuple]:
+    """Each pool's `Colocated` arguments (pool name → args): the roles mapped to it, and only
+    the models they need (a critic pool gets no policy; a pool without the critic, no value
+    model)."""
+    out = {}
+    for pool in dict.fromkeys(mapping.values()):
+        roles = tuple(r for r in ALL_ROLES if mapping.get(r) == pool)
+        needs_policy = "actor" in roles or "rollout" in roles
+        out[pool] = (cfg, tokenizer, policy if needs_policy else None, value_model if "critic" in roles else None,
+                     env_factory if needs_policy else None, roles)
+    return out
+
+
 def build_ray_roles(cfg: RLConfig, tokenizer: Any, policy: torch.nn.Module, reward: Reward,
                     value_model: ScalarHeadModel | None = None, env_factory: Any = None,
                     make_group: Any = None) -> Roles:
-    """Start the workers (each builds `Colocated` from the initial `policy`, `value_model`
-    and `env_factory`) and the driver-side roles over them; the reward stays here.
-    `make_group(Colocated, *args)` replaces the Ray group (e.g. a `LocalWorkerGroup`)."""
+    """Start the workers of every resource pool (`RLConfig.resource_pools`: each worker
+    builds `Colocated` over its pool's roles from the initial `policy`, `value_model` and
+    `env_factory`) and the driver-side roles over them; the reward stays here.
+    `make_group(Colocated, *args)` replaces each pool's Ray group (e.g. a `LocalWorkerGroup`)."""
+    from posttrain.distributed.pools import WorkerPools
     from posttrain.rollout import engine_kind_for
 
     t = cfg.trainer
-    args = (cfg, tokenizer, policy, value_model, env_factory)
+    specs, mapping = cfg.resource_pools()
+    args = pool_factories(cfg, tokenizer, policy, value_model, env_factory, mapping)
     if make_group is None:
+        from posttrain.distributed.pools import start_ray_pools
         from posttrain.distributed.ray_session import import_ray
         from posttrain.rewards.registry import pickle_file_modules_by_value
 
         pickle_file_modules_by_value(import_ray().cloudpickle)  # before the arguments are pickled
-        held = ["actor", "rollout"] + ["reference"] * cfg.algorithm.kl.enabled + ["critic"] * (value_model is not None)
-        spec = GroupSpec(t.nnodes, t.n_workers_per_node, cfg.placement.cpus_per_worker, cfg.ray.address,
-                         t.collective_timeout_s, gpus_per_worker=cfg.placement.gpus_per_worker,
-                         roles=", ".join(held), restartable=t.on_worker_failure == "restart")
-        group = RayWorkerGroup(spec, Colocated, *args)
+        pools = start_ray_pools({name: (GroupSpec(
+            p.nnodes, p.n_workers_per_node, p.cpus_per_worker, cfg.ray.address, t.collective_timeout_s,
+            gpus_per_worker=cfg.placement.gpus_per_worker, roles=pool_label(cfg, mapping, name),
+            restartable=t.on_worker_failure == "restart", section=p.section, cpus_key=p.cpus_key),
+            Colocated, args[name]) for name, p in specs.items()})
     else:
-        group = make_group(Colocated, *args)
+        pools = WorkerPools({name: make_group(Colocated, *a) for name, a in args.items()})
     episodes = env_factory is not None
-    actor = RayActor(group, Actor(policy, cfg, t.max_steps - cfg.critic.warmup_steps, episodes=episodes))
-    critic = RayCritic(group, Critic(value_model, cfg, t.max_steps)) if value_model is not None else None
-    ref = RayReference(group, is_peft(policy), policy) if cfg.algorithm.kl.enabled else None
+    actor = RayActor(pools[mapping["actor"]], Actor(policy, cfg, t.max_steps - cfg.critic.warmup_steps,
+                                                    episodes=episodes))
+    critic = None
+    if value_model is not None:
+        critic = RayCritic(pools[mapping["critic"]], Critic(value_model, cfg, t.max_steps))
+    ref = RayReference(pools[mapping["actor"]], is_peft(policy), policy) if cfg.algorithm.kl.enabled else None
     kind = engine_kind_for(policy) if cfg.rollout.engine == "auto" else cfg.rollout.engine
     limits = MultiTurnLimits.from_config(cfg.rollout.multi_turn)
-    rollout = RayRollout(group, SamplingParams.from_config(cfg.rollout), kind, env_factory, limits,
-                         split=cfg.rollout.split)
-    return Roles(actor, rollout, reward, ref, critic, group)
+    rollout = RayRollout(pools[mapping["rollout"]], SamplingParams.from_config(cfg.rollout), kind, env_factory, limits,
+                         split=cfg.rollout.split, own_pool=mapping["rollout"] != mapping["actor"])
+    return Roles(actor, rollout, reward, ref, critic, pools)
+
+
+def pool_label(cfg: RLConfig, mapping: dict[str, str], pool: str) -> str:
+    """What a pool's workers hold, for error messages ("actor, rollout, reference")."""
+    with_ref = {**mapping, "reference": mapping["actor"]} if cfg.algorithm.kl.enabled else mapping
+    return ", ".join(r for r in ("actor", "rollout", "reference", "critic") if with_ref.get(r) == pool)
 
 
 # ---------------------------------------------------------------------------- worker failures
