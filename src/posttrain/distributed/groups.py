@@ -68,11 +68,11 @@ class _Dispatch(ABC):
     def rank_zero(self, method: str, *args: Any) -> Any:
         return self._run_one(0, method, args)
 
-    @abstractmethod
     def rank_zero_ref(self, method: str, *args: Any) -> Any:
         """Worker 0's result as a handle another group's call takes as an argument (Ray: an
         ObjectRef, the result stored once in the object store and read by each receiving
-        worker without passing through the driver; a local group: the result itself)."""
+        worker without passing through the driver; an in-process group: the result itself)."""
+        return self._run_one(0, method, args)
 
     def dp_compute(self, method: str, batch: Any, *args: Any) -> Any:
         """`method(part, *args)` on each worker's balanced part of `batch`, gathered back in
@@ -103,9 +103,6 @@ class LocalWorkerGroup(_Dispatch):
 
     def _run_one(self, rank: int, method: str, args: tuple) -> Any:
         return getattr(self.worker, method)(*args)
-
-    def rank_zero_ref(self, method: str, *args: Any) -> Any:
-        return self._run_one(0, method, args)
 
     def close(self) -> None:
         self.worker = None
