@@ -535,9 +535,10 @@ def test_a_killed_worker_restarts_from_the_last_checkpoint_and_ends_as_an_uninte
 
     def kill_at_steps_1_and_3(prompts, completions, completion_ids, **columns):
         seen["calls"] += 1
-        seen["pids"] |= set(trainer.roles.group["global_pool"].pids)
+        seen["group"] = group = trainer.roles.group["global_pool"]  # the same object across restarts
+        seen["pids"] |= set(group.pids)
         if seen["calls"] in (1, 4):
-            os.kill(trainer.roles.group["global_pool"].pids[1], signal.SIGKILL)
+            os.kill(group.pids[1], signal.SIGKILL)
         return starts_with_a(prompts, completions, completion_ids)
 
     cfg = config(tmp_path / "ray", "on-policy token-mean", **over, **{
@@ -547,7 +548,7 @@ def test_a_killed_worker_restarts_from_the_last_checkpoint_and_ends_as_an_uninte
                           train_dataset=PROMPTS, processing_class=word_tokenizer())
     trainer.train()
     assert seen["calls"] == 5  # step 1 (killed), steps 1, 2, 3 (killed), step 3
-    seen["pids"] |= set(trainer.roles.group["global_pool"].pids)
+    seen["pids"] |= set(seen["group"].pids)
     assert len(seen["pids"]) == 6 and not wait_gone(seen["pids"]), "a worker outlived the run"
     for k, v in local["actor"].items():
         assert float((v - trainer.model.state_dict()[k]).abs().max()) <= 1e-10, k
