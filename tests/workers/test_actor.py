@@ -53,7 +53,10 @@ def test_first_step_ratio_is_one_and_gradient_is_the_policy_gradient(model, tok,
     actor = make_actor(model, agg=agg, level=level)
     mb = batch.trimmed()
     loss_sum, weight, metrics = actor.loss(model, mb, kl_coef=0.0)
-    assert metrics["ratio/mean"] == 1.0 and metrics["clip_frac"] == 0.0 and metrics["approx_kl"] == 0.0
+    # The old log-probs were computed over the whole batch, these over a trimmed micro-batch: the
+    # same values up to the last bits (kernels block by shape; AVX2 and AVX-512 differ), so 1e-6.
+    assert abs(float(metrics["ratio/mean"]) - 1.0) < 1e-6 and metrics["clip_frac"] == 0.0
+    assert abs(float(metrics["approx_kl"])) < 1e-6
     model.zero_grad()
     (loss_sum / weight).backward()
     ours = grads(model)
@@ -133,11 +136,12 @@ def test_kl_is_zero_when_the_policy_is_the_reference(model, tok):
     ref = Reference.for_policy(model, temperature=1.0, micro_batch_size=5)
     actor = make_actor(model, kl_in_loss=True)
     ref_logp = ref.compute_logprobs(batch)
-    assert torch.equal(ref_logp, actor.compute_logprobs(batch))
+    # equal up to the last bits: the reference's micro-batches have another shape than the actor's
+    torch.testing.assert_close(ref_logp, actor.compute_logprobs(batch), atol=1e-6, rtol=0)
     for kind in ("k1", "k2", "k3", "abs"):
-        assert float(kl_penalty(batch.old_logp, ref_logp, kind).abs().max()) == 0.0
+        assert float(kl_penalty(batch.old_logp, ref_logp, kind).abs().max()) < 1e-6
     _, _, metrics = actor.loss(model, batch.replace(ref_logp=ref_logp), kl_coef=1.0)
-    assert float(metrics["kl"]) == 0.0
+    assert abs(float(metrics["kl"])) < 1e-6
 
 
 def test_lora_reference_is_the_base_model_with_adapters_off(model, tok):
