@@ -616,15 +616,18 @@ def test_cli_run_whose_worker_dies_stops_naming_it_and_leaves_no_ray_process(tmp
     data = tmp_path / "data"
     make_task("arithmetic", data, n_train=16, n_test=4, seed=0, difficulty="easy")
     (tmp_path / "killer.py").write_text(KILL_AT_STEP_2)
-    before = raylets()
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     args = [*cli_args(data, tmp_path / "ray", "ray"), f"reward.functions=[{tmp_path / 'killer.py'}:kill_at_step_2]",
             "reward.weights=null", "trainer.eval_steps=0", "trainer.collective_timeout_s=300"]
-    proc = subprocess.run([sys.executable, "-m", "posttrain", *args], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 1, proc.stderr[-3000:]
+    proc = subprocess.Popen([sys.executable, "-m", "posttrain", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, stderr[-3000:]
     pids = json.loads((tmp_path / "pids.json").read_text())
-    assert f"posttrain grpo: stopped: trainer.backend=ray: at step 2, Ray worker rank 1 (pid {pids[1]}) of 2" in proc.stderr
-    assert f"The last complete checkpoint is {tmp_path / 'ray' / 'checkpoints' / 'step-1'}" in proc.stderr
-    assert not wait_gone(raylets() - before), "the failed run left a raylet behind"
+    assert f"posttrain grpo: stopped: trainer.backend=ray: at step 2, Ray worker rank 1 (pid {pids[1]}) of 2" in stderr
+    assert f"The last complete checkpoint is {tmp_path / 'ray' / 'checkpoints' / 'step-1'}" in stderr
+    assert not wait_gone(raylets(f"/tmp/ptray-{proc.pid}-")), "the failed run left a raylet behind"
     assert not wait_gone(set(pids)), "a worker outlived the failed run"
