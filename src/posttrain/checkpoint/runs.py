@@ -44,8 +44,8 @@ RESUME_MAY_CHANGE = (
     # memory only: micro-batches accumulate exactly, so the update does not depend on them
     "trainer.micro_batch_size", "actor.micro_batch_size", "actor.max_tokens_per_micro_batch",
     "critic.micro_batch_size", "rollout.max_batch_size", "rollout.gpu_memory_utilization",
-    # the device it runs on
-    "model.device",
+    # the device it runs on, and how many workers (Ray: the DCP shards reshard on load)
+    "model.device", "trainer.nnodes", "trainer.n_workers_per_node",
     # held-out evaluation reads the model, it never trains it
     "data.eval_files", "eval.*",
 )

@@ -47,11 +47,13 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from posttrain.config.rl import RLConfig
+from posttrain.distributed.checkpoint import SHARDS, load_sharded, save_sharded
 from posttrain.distributed.dispatch import shard_rows
 from posttrain.distributed.groups import GroupSpec, RayWorkerGroup
 from posttrain.models.heads import ScalarHeadModel
@@ -61,6 +63,9 @@ from posttrain.trainers.rl_build import Roles, build_reference, build_rollout
 from posttrain.workers import Actor, Critic, Reward, RLBatch
 from posttrain.workers.actor import shuffled_mini_batches
 from posttrain.workers.forward import FORWARD_FIELDS
+
+ROLE_STATE = "role_state.pt"
+"""Next to a trained role's DCP shards: {"scheduler": its state_dict, "steps": n}."""
 
 
 class Colocated:
@@ -139,12 +144,67 @@ class Colocated:
         if role == "actor":
             self.rollout.sync_weights(r.model)
 
+    def save_shards(self, checkpoint: str, roles: list[str]) -> None:
+        """Write each role's state into `checkpoint`/dcp/<role>/ (collective: every worker
+        calls it): the weights and AdamW's state as DCP shards (`ref`: the weights), and, from
+        worker 0, the schedule and step count (`ROLE_STATE`, the same on every worker)."""
+        for role in roles:
+            folder = Path(checkpoint) / SHARDS / role
+            if role == "ref":
+                save_sharded(folder, self.ref.model)
+                continue
+            r = self._trained(role)
+            save_sharded(folder, r.model, r.optimizer)
+            if self.rank == 0:
+                torch.save({"scheduler": r.scheduler.state_dict(), "steps": r.steps}, folder / ROLE_STATE)
+
+    def load_shards(self, checkpoint: str, roles: list[str]) -> None:
+        """Read what `save_shards` wrote (by any number of workers: DCP reshards) into this
+        worker's roles; the engine then takes the actor's weights (collective)."""
+        for role in roles:
+            folder = Path(checkpoint) / SHARDS / role
+            if role == "ref":
+                load_sharded(folder, self.ref.model)
+                self.ref.synced = True
+                continue
+            r = self._trained(role)
+            load_sharded(folder, r.model, r.optimizer)
+            state = torch.load(folder / ROLE_STATE, map_location="cpu", weights_only=True)
+            r.scheduler.load_state_dict(state["scheduler"])
+            r.steps = state["steps"]
+        self.rollout.sync_weights(self.actor.model)
+
 
 def per_rank_shares(batch: RLBatch, mini_batch_rows: int, epochs: int, seed: int, world_size: int) -> list[list[RLBatch]]:
     """The update's mini-batches, cut as the local roles cut them (`shuffled_mini_batches`),
     each shared out by tokens: entry r lists worker r's share of every mini-batch."""
     minis = [shard_rows(m, world_size, pad=False).parts for m in shuffled_mini_batches(batch, mini_batch_rows, epochs, seed)]
     return [[parts[r] for parts in minis] for r in range(world_size)]
+
+
+def shard_roles(roles: Roles) -> list[str]:
+    """The roles a checkpoint of a grouped run holds as DCP shards: the actor, the critic, and
+    the reference once synced (before, a resume rebuilds it from the initial policy)."""
+    names = ["actor"] + (["critic"] if roles.critic is not None else [])
+    return names + (["ref"] if roles.ref is not None and roles.ref.synced else [])
+
+
+def write_shards(roles: Roles, checkpoint: Path) -> None:
+    """Every worker writes its roles' shards into the unsealed `checkpoint` folder; returns
+    once all have (`save_checkpoint` seals it after)."""
+    roles.group.one_to_all("save_shards", str(checkpoint), shard_roles(roles))
+
+
+def load_shards(roles: Roles, checkpoint: Path) -> None:
+    """Every worker reads the checkpoint's shards, whatever the worker count that wrote them;
+    the driver's mirrors are refreshed from worker 0 when next read."""
+    names = [n for n in ("actor", "critic", "ref") if (checkpoint / SHARDS / n).is_dir()]
+    roles.group.one_to_all("load_shards", str(checkpoint), names)
+    roles.actor._updated()
+    if roles.critic is not None:
+        roles.critic._updated()
+    if "ref" in names:
+        roles.ref._synced = roles.ref._stale = True
 
 
 class _Mirrored:
