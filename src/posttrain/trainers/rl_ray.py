@@ -20,20 +20,26 @@ with the local roles' methods, which dispatch to the group (`distributed.groups`
                                                   each optimizer step is the whole mini-batch's
     ref.sync(policy, alpha)           ONE_TO_ALL  every reference moves towards its own actor
     rollout.offload / sync_from       ONE_TO_ALL  every engine takes its own actor's weights
-    actor/critic .model/.optimizer/.scheduler     the driver's mirror of worker 0's state (all
-    ref.model                                     workers hold the same), fetched when read
-                                                  after an update or a sync: checkpoints,
-                                                  final/, eval
+    actor/critic .model, ref.model                the driver's mirror of worker 0's weights (all
+                                                  workers hold the same), fetched when read
+                                                  after an update or a sync: the checkpoints'
+                                                  HF folders, final/, eval
+    save_shards / load_shards (checkpoint)        ONE_TO_ALL  every worker writes / reads its
+                                                  roles' DCP shards (model + AdamW; resharded
+                                                  on load: any worker count)
 
 Exactness (tests/trainers/test_rl_ray.py): 2 workers give the parameters of the local
 backend (actor and critic) after 3 steps in float64 within 1e-10: the global update is
     g = (1/W) Σ_r Σ_{k∈r} ∇(w_k L_k) · W / Σ_k w_k = Σ_k ∇(w_k L_k) / Σ_k w_k,
 the local one whatever the shares (`distributed.collectives`).
 
-A restored checkpoint reaches the workers when the driver sets `actor.steps` and
-`critic.steps` (what `RLTrainer.restore` and `RunModels.load_critic` do after loading the
-mirrors), and `ref.synced` (`RunModels.load_reference`, after loading a synced reference):
-the mirror's weights (and optimizer, schedule) are pushed to every worker.
+Checkpoints (`RLTrainer.save` / `restore`, docs/distributed.md "Checkpoints"): the workers
+write each role's model and optimizer as DCP shards into the unsealed folder
+(`write_shards`), and read them back, resharded, on resume (`load_shards`); the driver's
+optimizer mirror is never fetched for them. A checkpoint of the one-process layout (no
+`dcp/`) still resumes through the mirrors: setting `actor.steps`, `critic.steps`
+(`RunModels.load_critic`) and `ref.synced` (`RunModels.load_reference`) pushes the mirror's
+weights (and optimizer, schedule) to every worker.
 
 Not on this backend: a critic on the policy's backbone (critic.share_backbone: the value
 head and the policy would train in one loss and one optimizer, a layout the workers' separate
