@@ -1,7 +1,7 @@
 """trainer.backend=ray on CPU: 2 workers give the local backend's update exactly (GRPO; PPO's
 actor and critic; a reference synced every 2 steps; GuessNumber episodes played on worker 0),
-a run resumes exactly (a PPO run's critic too) and at another worker count (2 → 1, 1 → 2: the workers' DCP shards), the CLI runs end to end with the local run's
-directory and metrics, an impossible placement fails in seconds, and no Ray process outlives a run.
+a run resumes exactly (a PPO run's critic too) and at another worker count (2 → 1, 1 → 2:
+the workers' DCP shards reshard), the CLI runs end to end with the local run's directory and metrics, an impossible placement fails in seconds, and no Ray process outlives a run.
 
 The driver-side roles are first checked without Ray, over a `LocalWorkerGroup`. Ray runs on 127.0.0.1 in a short temp dir; the tests that share a session get it from one
 module fixture, whose finalizer shuts it down and checks that its raylet is gone.
