@@ -1,8 +1,9 @@
 """trainer.backend=ray on CPU: 2 workers give the local backend's update exactly (GRPO; PPO's
 actor and critic; a reference synced every 2 steps; GuessNumber episodes played on worker 0;
 generation split over the workers with rollout.seed_mode=row, single-turn and episodes),
-a run resumes exactly (a PPO run's critic too), the critic and the rollout on resource pools of
-their own give the local update too, the CLI runs end to end with the local run's directory and
+a run resumes exactly (a PPO run's critic too) and at another worker count (2 → 1, 1 → 2:
+the workers' DCP shards reshard), the critic and the rollout on resource pools of their own
+give the local update too, the CLI runs end to end with the local run's directory and
 metrics, an impossible placement (of one pool or of several together) fails in seconds, a
 killed worker stops the run in seconds or restarts it exactly, and no Ray process outlives a run.
 
@@ -282,6 +283,52 @@ def test_a_ray_run_resumes_exactly_from_its_checkpoint(ray_session, tmp_path, po
     assert [m["step"] for m in lines(run)] == [1, 2, 3]
 
 
+def resume_at(model, name, run, workers, **over):
+    """Resume a copy of `run` from its step-2 checkpoint on `workers` Ray workers; checks
+    the checkpoint's layout first (the workers' DCP shards, no optimizer in trainer_state.pt)."""
+    step2 = run / "checkpoints" / "step-2"
+    roles = {"ppo": {"actor", "critic"}}.get(name, {"actor", "ref"})
+    assert {p.name for p in (step2 / "dcp").iterdir()} == roles
+    assert torch.load(step2 / "trainer_state.pt", weights_only=True)["optimizer"] is None
+    assert (step2 / "model.safetensors").is_file() and not (step2 / "critic" / "optimizer.pt").exists()
+    cut = run.with_name(run.name + "-cut")
+    shutil.copytree(run, cut)
+    shutil.rmtree(cut / "checkpoints" / "step-3", ignore_errors=True)
+    shutil.rmtree(cut / "final")
+    resumed = train_grpo(model, config(cut, name, **over, **{"trainer.n_workers_per_node": workers}))
+    assert [m["step"] for m in lines(cut)] == [1, 2, 3]
+    return resumed
+
+
+def assert_same_params(a, b):
+    assert a.keys() == b.keys()
+    for role in a:
+        for k in a[role]:
+            assert float((a[role][k] - b[role][k]).abs().max()) <= 1e-10, (role, k)
+
+
+def test_a_ray_checkpoint_resumes_at_another_worker_count(ray_session, tmp_path):
+    """GRPO with a synced reference: the workers write each role's DCP shards; a resume at
+    another worker count (2 → 1, 1 → 2) reshards them and ends on the parameters of an
+    uninterrupted run at that count."""
+    model, name = tiny_model_f64(), "reference synced every 2 steps"
+    over = {"trainer.backend": "ray", "trainer.save_steps": 2}
+    full = {n: train_grpo(model, config(tmp_path / f"w{n}", name, **over, **{"trainer.n_workers_per_node": n}))
+            for n in (1, 2)}
+    assert_same_params(full[1], resume_at(model, name, tmp_path / "w2", 1, **over))
+    assert_same_params(full[2], resume_at(model, name, tmp_path / "w1", 2, **over))
+
+
+@pytest.mark.slow
+def test_a_ppo_ray_checkpoint_resumes_at_another_worker_count(ray_session, tmp_path):
+    """PPO 1 → 2: the critic's shards, AdamW moments and schedule too."""
+    model, name = tiny_model_f64(), "ppo"
+    over = {"trainer.backend": "ray", "trainer.save_steps": 2}
+    full = train_grpo(model, config(tmp_path / "w2", name, **over, **{"trainer.n_workers_per_node": 2}))
+    train_grpo(model, config(tmp_path / "w1", name, **over, **{"trainer.n_workers_per_node": 1}))
+    assert_same_params(full, resume_at(model, name, tmp_path / "w1", 2, **over))
+
+
 def test_a_shared_critic_backbone_is_refused_on_ray_naming_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"critic.share_backbone: .*share_backbone=false.*trainer.backend=local"):
         config(tmp_path, "ppo", **{"trainer.backend": "ray", "critic.share_backbone": "true",
@@ -473,7 +520,9 @@ def test_cli_grpo_on_ray_runs_end_to_end_like_local_and_leaves_no_process(tmp_pa
     assert [m["step"] for m in ray_lines] == [m["step"] for m in local_lines] == [1, 2]
     assert [sorted(m) for m in ray_lines] == [sorted(m) for m in local_lines]
     listing = {p.relative_to(tmp_path / "ray").as_posix() for p in (tmp_path / "ray").rglob("*")}
-    assert listing == {p.relative_to(tmp_path / "local").as_posix() for p in (tmp_path / "local").rglob("*")}
+    shards = {p for p in listing if "/dcp" in p}  # the workers' DCP shards: Ray's checkpoints only
+    assert {"checkpoints/step-1/dcp/actor", "checkpoints/step-2/dcp/actor"} <= shards
+    assert listing - shards == {p.relative_to(tmp_path / "local").as_posix() for p in (tmp_path / "local").rglob("*")}
     assert (tmp_path / "ray" / "final" / "config.json").is_file() and "eval/accuracy" in ray_lines[-1]
     assert sorted(p.name for p in (tmp_path / "ray" / "checkpoints").iterdir()) == ["step-1", "step-2"]
 

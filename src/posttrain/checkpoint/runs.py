@@ -44,8 +44,10 @@ RESUME_MAY_CHANGE = (
     # memory only: micro-batches accumulate exactly, so the update does not depend on them
     "trainer.micro_batch_size", "actor.micro_batch_size", "actor.max_tokens_per_micro_batch",
     "critic.micro_batch_size", "rollout.max_batch_size", "rollout.gpu_memory_utilization",
-    # the device it runs on, and what happens when a Ray worker dies
-    "model.device", "trainer.collective_timeout_s", "trainer.on_worker_failure", "trainer.max_restarts",
+    # the device it runs on, how many workers (Ray: the DCP shards reshard on load), and what
+    # happens when a Ray worker dies
+    "model.device", "trainer.nnodes", "trainer.n_workers_per_node", "trainer.collective_timeout_s",
+    "trainer.on_worker_failure", "trainer.max_restarts",
     # held-out evaluation reads the model, it never trains it
     "data.eval_files", "eval.*",
 )

@@ -20,27 +20,37 @@ SHARDS = "dcp"
 """The folder of a checkpoint that holds the DCP files."""
 
 
-def save_sharded(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Write {"model", "optim"} of this rank into `directory` (collective)."""
+def save_sharded(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Write {"model", "optim"} of this rank into `directory` (collective); {"model"} alone
+    when `optimizer` is None (a model that is not trained, e.g. a synced reference)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
     with _alone_is_fine():
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory))
+        dcp.save(_state(model, optimizer), checkpoint_id=str(directory))
 
 
-def load_sharded(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def load_sharded(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Read what `save_sharded` wrote, resharded to this run's layout, into `model` and
-    `optimizer` in place (collective)."""
+    `optimizer` (None: the model alone) in place (collective)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state = _state(model, optimizer)
     with _alone_is_fine():
         dcp.load(state, checkpoint_id=str(directory))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
 
 
 @contextlib.contextmanager

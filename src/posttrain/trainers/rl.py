@@ -91,6 +91,7 @@ from posttrain.config.core import check
 from posttrain.config.rl import GRPOConfig, PPOConfig, RLConfig
 from posttrain.data.collate import pad_id_of
 from posttrain.data.prompts import load_prompts
+from posttrain.distributed.checkpoint import SHARDS
 from posttrain.logging import get_logger
 from posttrain.logging.timing import StageTimer
 from posttrain.models.lora import is_peft, merged_for_export
@@ -102,6 +103,7 @@ from posttrain.trainers.rl_build import (
     episode_source,
     evaluate_policy,
 )
+from posttrain.trainers.rl_ray import load_shards, write_shards
 from posttrain.trainers.rl_steps import (
     NOT_RUN,
     ROLLOUT_LOGPROB_TOL,
@@ -281,21 +283,38 @@ class RLTrainer:
     def save(self, run_dir: Path, step: int, metrics: dict[str, float], keep: int, run: RunRecord) -> Path:
         r = self.roles
         ref = r.ref.saved_model() if r.ref is not None else None
+        if r.group is not None:  # the workers write model, optimizer and schedule as DCP shards
+            models = RunModels(r.actor.model, r.critic, reference=ref, with_optimizer=False)
+            return save_checkpoint(run_dir, step, models, self.tokenizer, None, None, self.state(), keep, metrics,
+                                   run, write_shards=lambda tmp: write_shards(r, tmp))
         return save_checkpoint(run_dir, step, RunModels(r.actor.model, r.critic, reference=ref), self.tokenizer,
                                r.actor.optimizer, r.actor.scheduler, self.state(), keep, metrics, run)
 
     def restore(self, path: Path) -> int:
         """Load checkpoint `path` into every role and the prompt stream; returns its step."""
         r = self.roles
+        if r.group is not None and (path / SHARDS).is_dir():
+            state = load_checkpoint(path, None)
+            load_shards(r, path)
+        else:
+            state = self._restore_models(path)
+        self.stream.load_state_dict(state["data_state"]["prompts"])
+        self.kl_ctrl.value = float(state["data_state"]["kl_coef"])
+        self.rollout_logp_ok = state["data_state"]["rollout_logp_ok"]
+        return state["step"]
+
+    def _restore_models(self, path: Path) -> dict[str, Any]:
+        """A checkpoint of the local layout (trainer_state.pt holds the optimizer) into the
+        roles; on Ray, through the driver's mirrors, which go to every worker."""
+        r = self.roles
         state = load_checkpoint(path, r.actor.model, r.actor.optimizer, r.actor.scheduler)
         if r.critic is not None:
             RunModels.load_critic(path, r.critic)
         if r.ref is not None:
             RunModels.load_reference(path, r.ref)
-        self.load_state(state["data_state"])
         r.actor.steps = max(0, state["step"] - self.args.critic.warmup_steps)
         r.rollout.sync_from(r.actor)
-        return state["step"]
+        return state
 
     def save_final(self, run_dir: Path) -> Path:
         """`final/`, at the end of the run: also where the reward functions' error counts are said."""

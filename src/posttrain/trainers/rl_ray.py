@@ -31,20 +31,26 @@ with the local roles' methods, which dispatch to the group (`distributed.groups`
     ref.sync(policy, alpha)           ONE_TO_ALL  every reference moves towards its own actor
     rollout.offload / sync_from       ONE_TO_ALL  every engine takes its own actor's weights (a
                                                   rollout pool: actor worker 0's, `load_weights`)
-    actor/critic .model/.optimizer/.scheduler     the driver's mirror of worker 0's state (all
-    ref.model                                     workers hold the same), fetched when read
-                                                  after an update or a sync: checkpoints,
-                                                  final/, eval
+    actor/critic .model, ref.model                the driver's mirror of worker 0's weights (all
+                                                  workers hold the same), fetched when read
+                                                  after an update or a sync: the checkpoints'
+                                                  HF folders, final/, eval
+    save_shards / load_shards (checkpoint)        ONE_TO_ALL  every worker of each pool writes /
+                                                  reads its roles' DCP shards (model + AdamW;
+                                                  resharded on load: any worker count)
 
 Exactness (tests/trainers/test_rl_ray.py): 2 workers give the parameters of the local
 backend (actor and critic) after 3 steps in float64 within 1e-10: the global update is
     g = (1/W) Σ_r Σ_{k∈r} ∇(w_k L_k) · W / Σ_k w_k = Σ_k ∇(w_k L_k) / Σ_k w_k,
 the local one whatever the shares (`distributed.collectives`).
 
-A restored checkpoint reaches the workers when the driver sets `actor.steps` and
-`critic.steps` (what `RLTrainer.restore` and `RunModels.load_critic` do after loading the
-mirrors), and `ref.synced` (`RunModels.load_reference`, after loading a synced reference):
-the mirror's weights (and optimizer, schedule) are pushed to every worker.
+Checkpoints (`RLTrainer.save` / `restore`, docs/distributed.md "Checkpoints"): the workers
+write each role's model and optimizer as DCP shards into the unsealed folder
+(`write_shards`), and read them back, resharded, on resume (`load_shards`); the driver's
+optimizer mirror is never fetched for them. A checkpoint of the one-process layout (no
+`dcp/`) still resumes through the mirrors: setting `actor.steps`, `critic.steps`
+(`RunModels.load_critic`) and `ref.synced` (`RunModels.load_reference`) pushes the mirror's
+weights (and optimizer, schedule) to every worker.
 
 The vllm engine (rollout.engine=vllm, GPU workers: placement.gpus_per_worker): each worker
 builds its own `VLLMEngine` over its actor's policy, last (`build_rollout`, after the actor,
@@ -80,6 +86,7 @@ import torch
 from posttrain.checkpoint import find_latest_checkpoint
 from posttrain.config import RunStopped
 from posttrain.config.rl import RLConfig
+from posttrain.distributed.checkpoint import SHARDS, load_sharded, save_sharded
 from posttrain.distributed.dispatch import shard_rows
 from posttrain.distributed.groups import GroupSpec, WorkerDied
 from posttrain.logging import get_logger
@@ -93,6 +100,8 @@ from posttrain.workers.forward import FORWARD_FIELDS
 
 log = get_logger(__name__)
 ALL_ROLES = ("actor", "rollout", "critic")
+ROLE_STATE = "role_state.pt"
+"""Next to a trained role's DCP shards: {"scheduler": its state_dict, "steps": n}."""
 
 
 class Colocated:
@@ -192,12 +201,83 @@ class Colocated:
         if role == "actor" and self.rollout is not None:
             self.rollout.sync_weights(r.model)
 
+    def save_shards(self, checkpoint: str, roles: list[str]) -> None:
+        """Write each role's state into `checkpoint`/dcp/<role>/ (collective: every worker
+        calls it): the weights and AdamW's state as DCP shards (`ref`: the weights), and, from
+        worker 0, the schedule and step count (`ROLE_STATE`, the same on every worker)."""
+        for role in roles:
+            folder = Path(checkpoint) / SHARDS / role
+            if role == "ref":
+                save_sharded(folder, self.ref.model)
+                continue
+            r = self._trained(role)
+            save_sharded(folder, r.model, r.optimizer)
+            if self.rank == 0:
+                torch.save({"scheduler": r.scheduler.state_dict(), "steps": r.steps}, folder / ROLE_STATE)
+
+    def load_shards(self, checkpoint: str, roles: list[str]) -> None:
+        """Read what `save_shards` wrote (by any number of workers: DCP reshards) into this
+        worker's roles; the engine then takes the actor's weights (collective)."""
+        for role in roles:
+            folder = Path(checkpoint) / SHARDS / role
+            if role == "ref":
+                load_sharded(folder, self.ref.model)
+                self.ref.synced = True
+                continue
+            r = self._trained(role)
+            load_sharded(folder, r.model, r.optimizer)
+            state = torch.load(folder / ROLE_STATE, map_location="cpu", weights_only=True)
+            r.scheduler.load_state_dict(state["scheduler"])
+            r.steps = state["steps"]
+        if self.rollout is not None and self.actor is not None:  # colocated: the engine reads the actor's weights
+            self.rollout.sync_weights(self.actor.model)
+
 
 def per_rank_shares(batch: RLBatch, mini_batch_rows: int, epochs: int, seed: int, world_size: int) -> list[list[RLBatch]]:
     """The update's mini-batches, cut as the local roles cut them (`shuffled_mini_batches`),
     each shared out by tokens: entry r lists worker r's share of every mini-batch."""
     minis = [shard_rows(m, world_size, pad=False).parts for m in shuffled_mini_batches(batch, mini_batch_rows, epochs, seed)]
     return [[parts[r] for parts in minis] for r in range(world_size)]
+
+
+def shard_roles(roles: Roles) -> list[str]:
+    """The roles a checkpoint of a grouped run holds as DCP shards: the actor, the critic, and
+    the reference once synced (before, a resume rebuilds it from the initial policy)."""
+    names = ["actor"] + (["critic"] if roles.critic is not None else [])
+    return names + (["ref"] if roles.ref is not None and roles.ref.synced else [])
+
+
+def _by_group(roles: Roles, names: list[str]) -> list[tuple[Any, list[str]]]:
+    """`names` (actor, critic, ref) by the worker group that holds them: the critic's pool for
+    the critic, the actor's for the actor and its reference."""
+    out: dict[int, tuple[Any, list[str]]] = {}
+    for name in names:
+        group = roles.critic.group if name == "critic" else roles.actor.group
+        out.setdefault(id(group), (group, []))[1].append(name)
+    return list(out.values())
+
+
+def write_shards(roles: Roles, checkpoint: Path) -> None:
+    """Every worker of each pool writes its roles' shards into the unsealed `checkpoint`
+    folder; returns once all have (`save_checkpoint` seals it after)."""
+    for group, names in _by_group(roles, shard_roles(roles)):
+        group.one_to_all("save_shards", str(checkpoint), names)
+
+
+def load_shards(roles: Roles, checkpoint: Path) -> None:
+    """Every worker reads the checkpoint's shards, whatever the worker count that wrote them;
+    a rollout pool of its own then loads the actor's weights; the driver's mirrors are
+    refreshed from worker 0 when next read."""
+    names = [n for n in ("actor", "critic", "ref") if (checkpoint / SHARDS / n).is_dir()]
+    for group, held in _by_group(roles, names):
+        group.one_to_all("load_shards", str(checkpoint), held)
+    if roles.rollout.own_pool:
+        roles.rollout.sync_from(roles.actor)
+    roles.actor._updated()
+    if roles.critic is not None:
+        roles.critic._updated()
+    if "ref" in names:
+        roles.ref._synced = roles.ref._stale = True
 
 
 class _Mirrored:
