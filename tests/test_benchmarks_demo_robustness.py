@@ -111,6 +111,7 @@ def test_the_child_gets_the_threads_and_this_checkout(bench):
     assert (src / "posttrain" / "demo.py").is_file() and env["PYTHONPATH"].endswith("/elsewhere")
 
 
+@pytest.mark.slow  # 40 s: the whole quick demo through the harness (tests/test_demo.py runs the demo)
 def test_a_real_quick_run(tmp_path, bench, monkeypatch, capsys):
     out = tmp_path / "bench"
     monkeypatch.setattr(sys, "argv", ["demo_robustness.py", "--quick", "--seeds", "1", "--threads", "1",

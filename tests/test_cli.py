@@ -112,6 +112,7 @@ def assert_quiet(stderr):
     assert "Loading checkpoint shards" not in stderr and "FutureWarning" not in stderr, stderr
 
 
+@pytest.mark.slow  # 40 s: four processes that each load transformers
 def test_transformers_noise_stays_out_of_runs_export_and_serve(gpt2_dir, tmp_path):
     import os
     import re

@@ -261,7 +261,9 @@ def test_two_workers_give_the_local_update(ray_session, tmp_path, name):
 
 
 @pytest.mark.parametrize("pools", [
-    pytest.param({}, id="colocated"),
+    # slow: a resume through the same DCP path runs in the default suite at another worker count
+    # (test_a_ray_checkpoint_resumes_at_another_worker_count)
+    pytest.param({}, id="colocated", marks=pytest.mark.slow),
     pytest.param(POOLS, id="critic and rollout pools", marks=pytest.mark.slow),
 ])
 def test_a_ray_run_resumes_exactly_from_its_checkpoint(ray_session, tmp_path, pools):
