@@ -36,7 +36,8 @@ from posttrain.distributed.groups import GroupSpec, LocalWorkerGroup, RayWorkerG
 from posttrain.distributed.ray_session import RaySession
 from posttrain.models import BuiltinLM
 from posttrain.trainers.rl_build import build_rollout
-from posttrain.trainers.rl_ray import Colocated, RayRollout, WorkerFailure, build_ray_roles
+from posttrain.trainers.rl_faults import WorkerFailure
+from posttrain.trainers.rl_ray import Colocated, RayRollout, build_ray_roles
 from posttrain.workers import RLBatch
 
 ROOT = Path(__file__).resolve().parents[2]

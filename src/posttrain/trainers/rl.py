@@ -190,11 +190,11 @@ class RLTrainer:
 
     def train(self) -> FitResult:
         """Run the RL loop (`trainers/loop.run`): trainer.max_steps steps of `rl_step`; on Ray, a
-        worker death stops the run or restarts its workers (`rl_ray.run_restarting`)."""
+        worker death stops the run or restarts its workers (`rl_faults.run_restarting`)."""
         log.info("%s", self.setup_line())
         try:
             if self.args.trainer.backend == "ray":  # a worker death stops or restarts the run
-                from posttrain.trainers.rl_ray import run_restarting
+                from posttrain.trainers.rl_faults import run_restarting
 
                 return run_restarting(self, self._run)
             return self._run(self.args)
