@@ -298,9 +298,7 @@ class RLTrainer:
             load_shards(r, path)
         else:
             state = self._restore_models(path)
-        self.stream.load_state_dict(state["data_state"]["prompts"])
-        self.kl_ctrl.value = float(state["data_state"]["kl_coef"])
-        self.rollout_logp_ok = state["data_state"]["rollout_logp_ok"]
+        self.load_state(state["data_state"])
         return state["step"]
 
     def _restore_models(self, path: Path) -> dict[str, Any]:
