@@ -4,22 +4,23 @@ The built-in `tiny` model from scratch on the bundled `arithmetic_tools` task (s
 digit products, which it cannot multiply in its head; `posttrain.data.tasks.arithmetic_tools`):
 
 1. data: the same problems twice (same seed): the tool demonstrations and a no-tool
-   baseline whose demonstrations all answer from the head (`use_tools=false`). In the tool
-   demonstrations `--hinted` of the prompts ask for the calculator ("Use the calculator:
-   23*47+58*91=") and call it; the other, plain prompts call it in `--tool-fraction` of
-   them and answer from the head in the rest. The held-out problems and the RL prompts
-   (rl.jsonl, in neither train nor test) are plain: the SFT model knows the tool but
-   seldom reaches for it unasked, and RL teaches it to.
-2. SFT of the tool data (`recipes/sft_tools.yaml`, a `--sft-schedule-steps` cosine),
-   stopped by a measured criterion, not a step count: from step `--sft-min-steps` on,
-   every `--sft-check-every` steps (the run is resumed from its own checkpoint), greedy
-   episodes of `--dev-n` dev problems (held back from rl.jsonl, in neither the held-out
-   set nor the RL prompts); SFT stops at the first check whose dev accuracy reaches
-   `--sft-stop-at`, or at `--sft-steps`. Where the tiny model starts copying operands into
-   its calls moves by more than 50 steps from seed to seed, so a fixed step count leaves RL
-   a model near 100% on one seed and one that never calls the tool right on another.
-   `--sft-stop-at 0` trains exactly `--sft-steps`. The no-tool baseline trains as many
-   steps as the tool SFT took.
+   baseline whose demonstrations all answer from the head (`use_tools=false`). Every tool
+   demonstration calls the calculator for each product; `--sum-call-fraction` (0.3) of
+   them call it for the products' sum too, the rest write the answer after the products'
+   results, adding in the head, which the tiny model cannot do. SFT teaches it to copy
+   operands into calls (every demonstration does) and leaves it seldom calling the tool
+   at the last step: what RL has to learn is to reach for the tool there. (`--tool-fraction`
+   and `--hinted` are the task's other ways to leave a choice; neither let the tiny model
+   learn to copy within the budget, benchmarks/README.md.) The held-out problems and the RL
+   prompts (rl.jsonl, in neither train nor test) are plain.
+2. SFT of the tool data (`recipes/sft_tools.yaml`, `--sft-steps` of a `--sft-schedule-steps`
+   cosine, 1000 of 1000 by default: trained to the end, where every seed has learned to
+   copy). `--sft-stop-at` > 0 stops it by a measured criterion instead: from step
+   `--sft-min-steps` on, every `--sft-check-every` steps (the run is resumed from its own
+   checkpoint), greedy episodes of `--dev-n` dev problems (held back from rl.jsonl, in
+   neither the held-out set nor the RL prompts); SFT stops at the first check whose dev
+   accuracy reaches `--sft-stop-at`. The no-tool baseline trains as many steps as the tool
+   SFT took.
 3. eval of both SFT models: greedy episodes of the 500 held-out problems with the
    calculator environment (`arithmetic_tools`) under the RL recipe's turn and token limits,
    scored by the task (the last `Answer:` line).
@@ -32,6 +33,9 @@ digit products, which it cannot multiply in its head; `posttrain.data.tasks.arit
    each row's KV cache by the appended tokens, and the hf engine, which re-encodes the
    history after every environment answer; alternating, `--speed-reps` times each, in one
    process. Reports episodes/s and model tokens/s.
+
+`--threads` sets torch's threads (default one per core), to check the result at another
+thread count.
 
 Targets (issue 18): RL gains >= +10 points in <= 10 minutes on 2 CPU cores, and the tool
 model beats the no-tool SFT baseline on the same held-out problems by >= +20 points.
@@ -77,10 +81,12 @@ def main() -> int:
     p.add_argument("--hinted", type=float, default=0.0, help="share of SFT prompts that ask for the tool")
     p.add_argument("--tool-fraction", type=float, default=1.0,
                    help="share of the plain SFT prompts whose demonstration calls the tool")
-    p.add_argument("--sft-steps", type=int, default=700, help="the most SFT steps")
-    p.add_argument("--sft-schedule-steps", type=int, default=700,
+    p.add_argument("--sum-call-fraction", type=float, default=0.3,
+                   help="share of the tool demonstrations that call the calculator for the sum too")
+    p.add_argument("--sft-steps", type=int, default=1000, help="the most SFT steps")
+    p.add_argument("--sft-schedule-steps", type=int, default=1000,
                    help="the SFT cosine's length (trainer.lr_schedule_steps, >= --sft-steps)")
-    p.add_argument("--sft-stop-at", type=float, default=0.2,
+    p.add_argument("--sft-stop-at", type=float, default=0.0,
                    help="stop SFT at the first check whose greedy dev accuracy reaches this (0: train --sft-steps)")
     p.add_argument("--sft-min-steps", type=int, default=300, help="the first check's step")
     p.add_argument("--sft-check-every", type=int, default=20, help="steps between checks")
@@ -89,9 +95,12 @@ def main() -> int:
     p.add_argument("--n-test", type=int, default=500)
     p.add_argument("--speed-prompts", type=int, default=32)
     p.add_argument("--speed-reps", type=int, default=2, help="0: no rollout speed test")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, one per core)")
     p.add_argument("--skip-baseline", action="store_true", help="no no-tool SFT (exploration only)")
     p.add_argument("rl_overrides", nargs="*", help="extra key=value overrides of the GRPO recipe")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     out = Path(args.out)
     seconds: dict[str, float] = {}
     results: dict[str, Any] = {"machine": machine_info(), "args": vars(args)}
@@ -99,7 +108,7 @@ def main() -> int:
     t = time.perf_counter()
     data = out / "data"
     make_task(TASK, data, n_train=8000, n_test=args.n_test, n_rl=2000, seed=args.seed,
-              tool_fraction=args.tool_fraction, hinted=args.hinted)
+              tool_fraction=args.tool_fraction, hinted=args.hinted, sum_call_fraction=args.sum_call_fraction)
     if not args.skip_baseline:
         make_task(TASK, out / "data_notool", n_train=8000, n_test=args.n_test, n_rl=2000, seed=args.seed, use_tools=False)
     seconds["data"] = time.perf_counter() - t

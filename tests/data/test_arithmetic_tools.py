@@ -123,3 +123,32 @@ def test_hinted_training_prompts_always_call_and_other_splits_are_never_hinted(t
     same = make_task("arithmetic_tools", tmp_path / "u", n_train=2000, n_test=100, n_rl=100, seed=1)
     assert same["test"].read_text().splitlines()[0].split('"completion"')[0] == \
         info["test"].read_text().splitlines()[0].split('"completion"')[0]
+
+
+def test_sum_call_fraction_keeps_the_product_calls_and_adds_in_the_head_in_the_rest(tmp_path):
+    import json
+
+    from posttrain.data.tasks import make_task
+
+    def rows(name, **options):
+        info = make_task("arithmetic_tools", tmp_path / name, n_train=2000, n_test=100, seed=4, **options)
+        return [json.loads(line) for line in info["train"].read_text().splitlines()]
+
+    full, part = rows("full"), rows("part", sum_call_fraction=0.3)
+    assert [r["prompt"] for r in full] == [r["prompt"] for r in part]
+    task = ArithmeticToolsTask()
+    summed = 0
+    for f, r in zip(full, part):
+        pairs = [tuple(map(int, t.split("*"))) for t in r["prompt"].removesuffix("=").split("+")]
+        assert r["completion"].count("<call>") in (len(pairs), len(pairs) + 1)
+        summed += r["completion"].count("<call>") == len(pairs) + 1
+        assert r["completion"] == task.demonstration(pairs, sum_call=r["completion"] == f["completion"])
+        assert task.score(r["completion"], r["answer"]) == 1.0
+    assert 0.25 < summed / len(part) < 0.35
+    assert task.demonstration([(23, 47), (58, 91)], sum_call=False) == (
+        "<call>calculator(23*47)</call><result>1081</result>"
+        "<call>calculator(58*91)</call><result>5278</result>\nAnswer: 6359")
+    assert json.loads((tmp_path / "part" / "task.json").read_text())["options"]["sum_call_fraction"] == 0.3
+    assert "sum_call_fraction" not in json.loads((tmp_path / "full" / "task.json").read_text())["options"]
+    with pytest.raises(ValueError, match="sum_call_fraction"):
+        ArithmeticToolsTask(sum_call_fraction=-0.1)

@@ -17,8 +17,13 @@ of the demonstrations (the rest answer from the head), a model that knows its to
 seldom reaches for it, which RL can teach to use it. Which problems call it is a function
 of the prompt alone, so every `tool_fraction` writes the same problems. `hinted` > 0 opens
 that fraction of the *training* prompts with `HINT` ("Use the calculator: 23*47+58*91=")
-and makes them call it; held-out and RL prompts are never hinted (`Task.prepare_train`). The scorer is arithmetic's: the integer on the last
-`Answer:` line (results above it are never read).
+and makes them call it; held-out and RL prompts are never hinted (`Task.prepare_train`).
+`sum_call_fraction` < 1 keeps the calls for the products in every tool demonstration but
+calls the calculator for their sum in only that fraction; the others add the results in the
+head (`...<result>5278</result>\nAnswer: 6359`), which the tiny model mostly gets wrong: every
+demonstration teaches copying operands into a call, and RL has a choice to learn (call
+for the sum too). The scorer is arithmetic's: the integer on the last `Answer:` line
+(results above it are never read).
 """
 
 from __future__ import annotations
@@ -55,6 +60,10 @@ class ArithmeticToolsTask(Task):
         hinted: with use_tools, the fraction of training rows whose prompt opens with `HINT`
             and whose completion calls the calculator; `tool_fraction` applies to the
             others. Held-out and RL prompts are never hinted. Not part of the presets.
+        sum_call_fraction: with use_tools, the fraction of tool demonstrations that call the
+            calculator for the sum of the products too (default 1); the others write the
+            answer after the products' results. Hinted rows always call it. Not part of
+            the presets.
     """
 
     name = "arithmetic_tools"
@@ -74,6 +83,7 @@ class ArithmeticToolsTask(Task):
         use_tools: bool | None = None,
         tool_fraction: float = 1.0,
         hinted: float = 0.0,
+        sum_call_fraction: float = 1.0,
     ) -> None:
         options = resolve_options(self.presets, difficulty, terms=terms, digits=digits, use_tools=use_tools)
         super().__init__(options)
@@ -83,11 +93,14 @@ class ArithmeticToolsTask(Task):
             raise ValueError(f"use_tools must be true or false, got {options['use_tools']!r}")
         self.use_tools = options["use_tools"]
         self.tool_fraction, self.hinted = _fraction(tool_fraction, "tool_fraction"), _fraction(hinted, "hinted")
+        self.sum_call_fraction = _fraction(sum_call_fraction, "sum_call_fraction")
         # Recorded only when used, so that task.json of other data keeps its bytes.
         if tool_fraction < 1:
             self.options["tool_fraction"] = tool_fraction
         if hinted:
             self.options["hinted"] = hinted
+        if sum_call_fraction < 1:
+            self.options["sum_call_fraction"] = sum_call_fraction
 
     def generate(self, n: int, rng: random.Random) -> list[dict[str, Any]]:
         return [self._row(rng) for _ in range(n)]
@@ -102,16 +115,20 @@ class ArithmeticToolsTask(Task):
         value = sum(products)
         prompt = "+".join(f"{a}*{b}" for a, b in pairs) + "="
         return {"prompt": prompt, "answer": str(value),
-                "completion": self.demonstration(pairs, self.use_tools and _calls(prompt, self.tool_fraction))}
+                "completion": self.demonstration(pairs, self.use_tools and _calls(prompt, self.tool_fraction),
+                                                 _calls("sum:" + prompt, self.sum_call_fraction))}
 
-    def demonstration(self, pairs: list[tuple[int, int]], use_tools: bool | None = None) -> str:
-        """The completion for the products `pairs` (module docstring); `use_tools` None = the task's."""
+    def demonstration(self, pairs: list[tuple[int, int]], use_tools: bool | None = None,
+                      sum_call: bool = True) -> str:
+        """The completion for the products `pairs` (module docstring); `use_tools` None = the
+        task's; `sum_call` False: no call for the sum of the products (added in the head)."""
         products = [a * b for a, b in pairs]
         answer = format_completion([], sum(products))
         if not (self.use_tools if use_tools is None else use_tools):
             return answer
         calls = [CALL.format(f"{a}*{b}", a * b) for a, b in pairs]
-        calls.append(CALL.format("+".join(map(str, products)), sum(products)))
+        if sum_call:
+            calls.append(CALL.format("+".join(map(str, products)), sum(products)))
         return "".join(calls) + "\n" + answer
 
     def prepare_train(self, rows: list[dict[str, Any]], rng: random.Random) -> list[dict[str, Any]]:
@@ -130,7 +147,8 @@ class ArithmeticToolsTask(Task):
         return float(value is not None and value == int(answer))
 
 
-def _calls(prompt: str, fraction: float) -> bool:
-    """Whether the demonstration of `prompt` calls the calculator: a uniform draw from the
-    prompt's CRC-32, so that it does not move the task's random stream."""
-    return fraction >= 1 or zlib.crc32(prompt.encode()) / 2**32 < fraction
+def _calls(key: str, fraction: float) -> bool:
+    """Whether the demonstration keyed by `key` (the prompt; "sum:" + prompt for the sum's
+    call) calls the calculator: a uniform draw from the key's CRC-32, so that it does not
+    move the task's random stream."""
+    return fraction >= 1 or zlib.crc32(key.encode()) / 2**32 < fraction
