@@ -79,7 +79,9 @@ def test_response_mask_is_zero_exactly_on_environment_tokens(native, tok):
 def test_rows_finish_at_different_turns(native, tok):
     out, _ = run(native, tok)
     assert out.turns.tolist() == [1, 2, 3, 4] * 2  # done_after 1, 2, 3, then max_turns 4
-    assert out.truncated.tolist() == [False, False, False, True] * 2
+    # No stop token or string: every turn is cut at max_new_tokens, the last ones too, so every
+    # episode is truncated, whether the environment or max_turns ended it.
+    assert out.truncated.all() and out.finish_reason == ["length"] * 8
     assert [len(i) for i in out.infos] == out.turns.tolist()
 
 
@@ -153,25 +155,35 @@ def test_eos_ends_a_turn_and_the_environment_decides_whether_the_episode_goes_on
     eos = tok.eos_token_id
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=40, stop_token_ids=(eos,), seed=0)
     out, env = run(native, tok, params=params, limits=MultiTurnLimits(9, 400), done_after=(3,))
-    assert out.turns.tolist() == [3] * 8 and out.finish_reason == ["stop"] * 8
-    after_eos = 0
+    assert out.turns.tolist() == [3] * 8
+    after_eos, last_is_eos = 0, []
     for r in range(len(out)):
         ids = out.response_ids[r, : int(out.total_lengths[r])].tolist()
         mask = out.response_mask[r, : len(ids)].tolist()
+        last_is_eos.append(ids[-1] == eos)  # else the last turn was cut at max_new_tokens
         for pos in (p for p, t in enumerate(ids[:-1]) if t == eos and mask[p] == 1):
             assert mask[pos + 1] == 0  # the environment's answer follows the EOS
             after_eos += 1
     assert after_eos, "the test needs an EOS before the last turn somewhere; pick another seed"
+    assert out.finish_reason == ["stop" if e else "length" for e in last_is_eos] and any(last_is_eos)
     assert all("<|eos|>" not in text for _, text in env.seen)
 
 
 def test_stop_string_ends_a_model_turn(native, tok):
     """A stop string ends the turn (and is kept in the text the environment sees)."""
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=40, stop=("e",), stop_token_ids=(), seed=1)
-    out, env = run(native, tok, params=params, done_after=(2,))
+    out, env = run(native, tok, params=params, done_after=(1, 2))
     assert any(text.endswith("e") for _, text in env.seen)
     for _, text in env.seen:
         assert "e" not in text[:-1]  # ended by "e" or by max_new_tokens
+    # The environment ends every episode after 1 or 2 turns; one whose last turn was cut at
+    # max_new_tokens is truncated (as a single-turn response cut there is), the others not.
+    turns: dict[int, list[str]] = {}
+    for r, text in env.seen:
+        turns.setdefault(r, []).append(text)
+    cut = [not turns[r][-1].endswith("e") for r in range(len(out))]
+    assert out.truncated.tolist() == cut and True in cut and False in cut
+    assert out.finish_reason == ["length" if c else "stop" for c in cut]
 
 
 def test_an_observation_conditions_the_model_tokens_after_it_only(model, tok):

@@ -141,9 +141,12 @@ class Episodes:
     turns: torch.Tensor
     """(N,) long: model turns per row."""
     truncated: torch.Tensor
-    """(N,) bool: a turn or token limit ended the episode (not the environment)."""
+    """(N,) bool: a limit ended the episode: `max_turns`, `max_total_tokens`, or its last
+    model turn was cut by `max_new_tokens` or `max_total_tokens` (also when the environment
+    then said done, as a single-turn response cut there is truncated)."""
     finish_reason: list[str]
-    """N strings: "stop" (the environment ended it) or "length" (a limit did)."""
+    """N strings: "length" where `truncated`, else "stop" (the environment ended it after a
+    turn that ended on a stop token or string)."""
     texts: list[str]
     """N strings: the trajectory decoded, special tokens skipped."""
     turn_texts: list[list[str]]
@@ -391,8 +394,8 @@ def _after_turn(row: _Row, why: str | None, reply: Reply | None, limits: MultiTu
     row.turns += 1
     row.turn = []
     row.infos.append(dict(reply.info))
-    if reply.done:
-        row.reason = "stop"
+    if reply.done:  # a last turn cut by a length limit is truncated, as a single-turn response is
+        row.reason = "length" if why in ("total", "turn") else "stop"
     elif why == "total" or row.turns >= limits.max_turns:
         row.reason = "length"
     elif len(row.ids) + len(reply.tokens) >= limits.max_total_tokens:
