@@ -8,8 +8,8 @@ digit products, which it cannot multiply in its head; `posttrain.data.tasks.arit
    demonstration calls the calculator for each product; `--sum-call-fraction` (0.3) of
    them call it for the products' sum too, the rest write the answer after the products'
    results, adding in the head, which the tiny model cannot do. SFT teaches it to copy
-   operands into calls (every demonstration does) and leaves it seldom calling the tool
-   at the last step: what RL has to learn is to reach for the tool there. (`--tool-fraction`
+   operands into calls (every demonstration does) and leaves it seldom handing the sum to
+   the tool: what RL has to learn is to reach for the tool there. (`--tool-fraction`
    and `--hinted` are the task's other ways to leave a choice; neither let the tiny model
    learn to copy within the budget, benchmarks/README.md.) The held-out problems and the RL
    prompts (rl.jsonl, in neither train nor test) are plain.

@@ -19,11 +19,11 @@ of the prompt alone, so every `tool_fraction` writes the same problems. `hinted`
 that fraction of the *training* prompts with `HINT` ("Use the calculator: 23*47+58*91=")
 and makes them call it; held-out and RL prompts are never hinted (`Task.prepare_train`).
 `sum_call_fraction` < 1 keeps the calls for the products in every tool demonstration but
-calls the calculator for their sum in only that fraction; the others add the results in the
-head (`...<result>5278</result>\nAnswer: 6359`), which the tiny model mostly gets wrong: every
-demonstration teaches copying operands into a call, and RL has a choice to learn (call
-for the sum too). The scorer is arithmetic's: the integer on the last `Answer:` line
-(results above it are never read).
+calls the calculator for their sum in only that fraction; the others write the answer
+after the products' results (`...<result>5278</result>\nAnswer: 6359`), adding in the head,
+which the tiny model mostly gets wrong. Every demonstration copies operands into calls, and
+RL has a choice to learn: hand the sum to the tool too. The scorer is arithmetic's: the
+integer on the last `Answer:` line (results above it are never read).
 """
 
 from __future__ import annotations
