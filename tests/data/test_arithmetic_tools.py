@@ -1,6 +1,7 @@
 """The tool-use task: demonstrations that call the calculator, the no-tool variant, the
 scorer, and SFT masking of the environment's results in those demonstrations."""
 
+import json
 import random
 
 import pytest
@@ -13,10 +14,16 @@ from posttrain.data.collate import (
     tokenize_example,
 )
 from posttrain.data.sources import load_rows
-from posttrain.data.tasks import ArithmeticToolsTask, get_task
+from posttrain.data.tasks import ArithmeticToolsTask, get_task, make_task
 from posttrain.data.tokenizer import build_tokenizer
 
 MARKERS = ("<result>", "</result>")
+
+
+def train_rows(out_dir, seed, **options):
+    """The 2000 training rows `make_task` writes for these options into `out_dir`."""
+    info = make_task("arithmetic_tools", out_dir, n_train=2000, n_test=100, seed=seed, **options)
+    return [json.loads(line) for line in info["train"].read_text().splitlines()]
 
 
 def test_a_demonstration_calls_the_calculator_on_each_product_then_on_their_sum():
@@ -80,15 +87,8 @@ def test_data_make_writes_tool_demonstrations_that_sft_masks(tmp_path):
 
 
 def test_tool_fraction_calls_the_calculator_in_that_share_of_the_same_problems(tmp_path):
-    import json
-
-    from posttrain.data.tasks import make_task
-
-    def rows(name, **options):
-        info = make_task("arithmetic_tools", tmp_path / name, n_train=2000, n_test=100, seed=3, **options)
-        return [json.loads(line) for line in info["train"].read_text().splitlines()]
-
-    full, part, none = rows("full"), rows("part", tool_fraction=0.3), rows("none", use_tools=False)
+    full, part = train_rows(tmp_path / "full", 3), train_rows(tmp_path / "part", 3, tool_fraction=0.3)
+    none = train_rows(tmp_path / "none", 3, use_tools=False)
     assert [r["prompt"] for r in full] == [r["prompt"] for r in part] == [r["prompt"] for r in none]
     calls = [r["completion"].startswith("<call>") for r in part]
     assert 0.25 < sum(calls) / len(calls) < 0.35
@@ -102,9 +102,6 @@ def test_tool_fraction_calls_the_calculator_in_that_share_of_the_same_problems(t
 
 
 def test_hinted_training_prompts_always_call_and_other_splits_are_never_hinted(tmp_path):
-    import json
-
-    from posttrain.data.tasks import make_task
     from posttrain.data.tasks.arithmetic_tools import HINT
 
     info = make_task("arithmetic_tools", tmp_path / "h", n_train=2000, n_test=100, n_rl=100, seed=1,
@@ -126,15 +123,7 @@ def test_hinted_training_prompts_always_call_and_other_splits_are_never_hinted(t
 
 
 def test_sum_call_fraction_keeps_the_product_calls_and_adds_in_the_head_in_the_rest(tmp_path):
-    import json
-
-    from posttrain.data.tasks import make_task
-
-    def rows(name, **options):
-        info = make_task("arithmetic_tools", tmp_path / name, n_train=2000, n_test=100, seed=4, **options)
-        return [json.loads(line) for line in info["train"].read_text().splitlines()]
-
-    full, part = rows("full"), rows("part", sum_call_fraction=0.3)
+    full, part = train_rows(tmp_path / "full", 4), train_rows(tmp_path / "part", 4, sum_call_fraction=0.3)
     assert [r["prompt"] for r in full] == [r["prompt"] for r in part]
     task = ArithmeticToolsTask()
     summed = 0
