@@ -83,6 +83,8 @@ def main() -> int:
                    help="share of the plain SFT prompts whose demonstration calls the tool")
     p.add_argument("--sum-call-fraction", type=float, default=0.3,
                    help="share of the tool demonstrations that call the calculator for the sum too")
+    p.add_argument("--product-call-fraction", type=float, default=1.0,
+                   help="share of the tool demonstrations that call it for the first product (the rest work it out in the head)")
     p.add_argument("--sft-steps", type=int, default=1000, help="the most SFT steps")
     p.add_argument("--sft-schedule-steps", type=int, default=1000,
                    help="the SFT cosine's length (trainer.lr_schedule_steps, >= --sft-steps)")
@@ -108,7 +110,8 @@ def main() -> int:
     t = time.perf_counter()
     data = out / "data"
     make_task(TASK, data, n_train=8000, n_test=args.n_test, n_rl=2000, seed=args.seed,
-              tool_fraction=args.tool_fraction, hinted=args.hinted, sum_call_fraction=args.sum_call_fraction)
+              tool_fraction=args.tool_fraction, hinted=args.hinted, sum_call_fraction=args.sum_call_fraction,
+              product_call_fraction=args.product_call_fraction)
     if not args.skip_baseline:
         make_task(TASK, out / "data_notool", n_train=8000, n_test=args.n_test, n_rl=2000, seed=args.seed, use_tools=False)
     seconds["data"] = time.perf_counter() - t

@@ -141,3 +141,22 @@ def test_sum_call_fraction_keeps_the_product_calls_and_adds_in_the_head_in_the_r
     assert "sum_call_fraction" not in json.loads((tmp_path / "full" / "task.json").read_text())["options"]
     with pytest.raises(ValueError, match="sum_call_fraction"):
         ArithmeticToolsTask(sum_call_fraction=-0.1)
+
+
+def test_product_call_fraction_works_the_first_product_out_in_the_head_in_the_rest(tmp_path):
+    full, part = train_rows(tmp_path / "full", 4), train_rows(tmp_path / "part", 4, product_call_fraction=0.3)
+    assert [r["prompt"] for r in full] == [r["prompt"] for r in part]
+    task, called = ArithmeticToolsTask(), 0
+    for f, r in zip(full, part):
+        pairs = [tuple(map(int, t.split("*"))) for t in r["prompt"].removesuffix("=").split("+")]
+        called += r["completion"] == f["completion"]
+        assert r["completion"] == task.demonstration(pairs, product_call=r["completion"] == f["completion"])
+        assert r["completion"].count("<call>") == len(pairs) + (r["completion"] == f["completion"])
+        assert task.score(r["completion"], r["answer"]) == 1.0
+    assert 0.25 < called / len(part) < 0.35
+    assert task.demonstration([(23, 47), (58, 91)], product_call=False) == (
+        "23*47=1081\n<call>calculator(58*91)</call><result>5278</result>"
+        "<call>calculator(1081+5278)</call><result>6359</result>\nAnswer: 6359")
+    assert json.loads((tmp_path / "part" / "task.json").read_text())["options"]["product_call_fraction"] == 0.3
+    with pytest.raises(ValueError, match="product_call_fraction"):
+        ArithmeticToolsTask(product_call_fraction=1.5)

@@ -22,7 +22,11 @@ and makes them call it; held-out and RL prompts are never hinted (`Task.prepare_
 calls the calculator for their sum in only that fraction; the others write the answer
 after the products' results (`...<result>5278</result>\nAnswer: 6359`), adding in the head,
 which the tiny model mostly gets wrong. Every demonstration copies operands into calls, and
-RL has a choice to learn: hand the sum to the tool too. The scorer is arithmetic's: the
+RL has a choice to learn: hand the sum to the tool too. `product_call_fraction` < 1 makes
+the choice at the first product instead: the others work it out in the head
+(`23*47=1081\n<call>calculator(58*91)</call>...`) and call the calculator for the rest,
+sum included, so that every demonstration copies both operands and results into calls,
+and RL has to learn to hand the first product to the tool too. The scorer is arithmetic's: the
 integer on the last `Answer:` line (results above it are never read).
 """
 
@@ -64,6 +68,10 @@ class ArithmeticToolsTask(Task):
             calculator for the sum of the products too (default 1); the others write the
             answer after the products' results. Hinted rows always call it. Not part of
             the presets.
+        product_call_fraction: with use_tools, the fraction of tool demonstrations that call
+            the calculator for the first product (default 1); the others write it out in
+            the head (`23*47=1081` and a newline) before the other calls. Hinted rows always
+            call it. Not part of the presets.
     """
 
     name = "arithmetic_tools"
@@ -84,6 +92,7 @@ class ArithmeticToolsTask(Task):
         tool_fraction: float = 1.0,
         hinted: float = 0.0,
         sum_call_fraction: float = 1.0,
+        product_call_fraction: float = 1.0,
     ) -> None:
         options = resolve_options(self.presets, difficulty, terms=terms, digits=digits, use_tools=use_tools)
         super().__init__(options)
@@ -94,6 +103,7 @@ class ArithmeticToolsTask(Task):
         self.use_tools = options["use_tools"]
         self.tool_fraction, self.hinted = _fraction(tool_fraction, "tool_fraction"), _fraction(hinted, "hinted")
         self.sum_call_fraction = _fraction(sum_call_fraction, "sum_call_fraction")
+        self.product_call_fraction = _fraction(product_call_fraction, "product_call_fraction")
         # Recorded only when used, so that task.json of other data keeps its bytes.
         if tool_fraction < 1:
             self.options["tool_fraction"] = tool_fraction
@@ -101,6 +111,8 @@ class ArithmeticToolsTask(Task):
             self.options["hinted"] = hinted
         if sum_call_fraction < 1:
             self.options["sum_call_fraction"] = sum_call_fraction
+        if product_call_fraction < 1:
+            self.options["product_call_fraction"] = product_call_fraction
 
     def generate(self, n: int, rng: random.Random) -> list[dict[str, Any]]:
         return [self._row(rng) for _ in range(n)]
@@ -116,17 +128,22 @@ class ArithmeticToolsTask(Task):
         prompt = "+".join(f"{a}*{b}" for a, b in pairs) + "="
         return {"prompt": prompt, "answer": str(value),
                 "completion": self.demonstration(pairs, self.use_tools and _calls(prompt, self.tool_fraction),
-                                                 _calls("sum:" + prompt, self.sum_call_fraction))}
+                                                 _calls("sum:" + prompt, self.sum_call_fraction),
+                                                 _calls("product:" + prompt, self.product_call_fraction))}
 
     def demonstration(self, pairs: list[tuple[int, int]], use_tools: bool | None = None,
-                      sum_call: bool = True) -> str:
+                      sum_call: bool = True, product_call: bool = True) -> str:
         """The completion for the products `pairs` (module docstring); `use_tools` None = the
-        task's; `sum_call` False: no call for the sum of the products (added in the head)."""
+        task's; `sum_call` False: no call for the sum of the products (added in the head);
+        `product_call` False: no call for the first product (`23*47=1081\n`, in the head)."""
         products = [a * b for a, b in pairs]
         answer = format_completion([], sum(products))
         if not (self.use_tools if use_tools is None else use_tools):
             return answer
         calls = [CALL.format(f"{a}*{b}", a * b) for a, b in pairs]
+        if not product_call:
+            (a, b), *_ = pairs
+            calls[0] = f"{a}*{b}={a * b}\n"
         if sum_call:
             calls.append(CALL.format("+".join(map(str, products)), sum(products)))
         return "".join(calls) + "\n" + answer
