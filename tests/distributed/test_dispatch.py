@@ -15,7 +15,7 @@ from posttrain.distributed.dispatch import (
     shard_rows,
     split_contiguous,
 )
-from posttrain.distributed.groups import LocalWorkerGroup, _Dispatch, collective_backend
+from posttrain.distributed.groups import LocalWorkerGroup, collective_backend
 from posttrain.distributed.ray_session import bundle
 from posttrain.workers import RLBatch
 
@@ -79,22 +79,10 @@ def test_split_contiguous_keeps_each_slice_s_first_row():
     assert few[0][0].prompts == ["p0"] and [(p, first) for p, first in few[1:]] == [(None, 1), (None, 1)]
 
 
-class InProcessGroup(_Dispatch):
-    """W workers in this process, called one after the other: the dispatch modes without Ray."""
-
-    def __init__(self, factory, world, *args):
-        self.world_size, self.workers = world, [factory(r, world, None, *args) for r in range(world)]
-
-    def _run(self, method, args_per_rank):
-        return [getattr(w, method)(*a) for w, a in zip(self.workers, args_per_rank, strict=True)]
-
-    def _run_one(self, rank, method, args):
-        return getattr(self.workers[rank], method)(*args)
-
 
 @pytest.mark.parametrize("rows,world", [(7, 2), (2, 3)])
-def test_dp_split_runs_each_slice_with_its_first_row_and_keeps_the_order(rows, world):
-    group = InProcessGroup(Doubler, world, 3)
+def test_dp_split_runs_each_slice_with_its_first_row_and_keeps_the_order(rows, world, in_process_group):
+    group = in_process_group(Doubler, world, 3)
     out = group.dp_split("tag", rl_batch(rows))
     assert len(out) == min(rows, world)  # a worker without rows returns nothing
     assert [x for part in out for x in part] == [(f"p{i}", i) for i in range(rows)]

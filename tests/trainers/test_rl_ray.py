@@ -32,7 +32,7 @@ from posttrain.checkpoint import RESUME_MAY_CHANGE
 from posttrain.cli import main
 from posttrain.config import ConfigError, build_config
 from posttrain.data.tasks import make_task
-from posttrain.distributed.groups import GroupSpec, LocalWorkerGroup, RayWorkerGroup, _Dispatch
+from posttrain.distributed.groups import GroupSpec, LocalWorkerGroup, RayWorkerGroup
 from posttrain.distributed.ray_session import RaySession
 from posttrain.models import BuiltinLM
 from posttrain.trainers.rl_build import build_rollout
@@ -212,28 +212,15 @@ def test_driver_side_roles_over_a_local_group_give_the_local_run(tmp_path, name)
     assert_same_run(tmp_path / "local", tmp_path / "group", local, grouped, name, 1e-12)
 
 
-class InProcessGroup(_Dispatch):
-    """W workers in this process, called one after the other: the dispatch modes without Ray."""
-
-    def __init__(self, factory, world, *args):
-        self.world_size = world
-        self.workers = [factory(r, world, None, *copy.deepcopy(args)) for r in range(world)]
-
-    def _run(self, method, args_per_rank):
-        return [getattr(w, method)(*a) for w, a in zip(self.workers, args_per_rank, strict=True)]
-
-    def _run_one(self, rank, method, args):
-        return getattr(self.workers[rank], method)(*args)
-
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_a_split_rollout_over_any_group_samples_the_local_rollout_s_rows(tmp_path, world):
+def test_a_split_rollout_over_any_group_samples_the_local_rollout_s_rows(tmp_path, world, in_process_group):
     """Every worker generates its slice (its own rollout counted prompts) and the joined batch,
     uids included, is the local rollout's with the row sampler: twice, so the uids go on."""
     cfg = grpo_config(tmp_path, **{"rollout.seed_mode": "row", "trainer.backend": "ray",
                                    "trainer.n_workers_per_node": world})
     model, tok = tiny_model_f64(), word_tokenizer()
-    group = InProcessGroup(Colocated, world, cfg, tok, model)
+    group = in_process_group(Colocated, world, cfg, tok, model)
     split = RayRollout(group, build_rollout(cfg, model, tok).params, "native", split=cfg.rollout.split)
     local = build_rollout(cfg, copy.deepcopy(model), tok)
     for seed in (3, 4):
