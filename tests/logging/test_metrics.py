@@ -5,6 +5,7 @@ import io
 import json
 import logging
 import math
+import re
 import struct
 import subprocess
 import sys
@@ -301,6 +302,21 @@ def test_progress_writes_plain_lines_with_eta_when_not_a_tty():
     assert "sft 6/10 (60%) loss=1.25 |" in last
 
 
+def test_progress_eta_ends_at_the_time_budget_when_it_comes_first():
+    out = io.StringIO()
+    progress = Progress(total=100000, desc="rl", file=out, interval=0, max_seconds=300)
+    start = progress._start
+    assert progress.line(start).endswith("0s elapsed")
+    progress.n = 10  # 10 steps in 60 s: the steps would take ~166 hours, the budget ends in 4 minutes
+    assert progress.line(start + 60).endswith("1m00s elapsed, ETA 4m00s (time budget)")
+    short = Progress(total=20, desc="rl", file=out, max_seconds=300)
+    short.n = 10  # the steps end first (in 60 s): their ETA
+    assert short.line(short._start + 60).endswith("ETA 1m00s")
+    unbounded = Progress(total=20, desc="rl", file=out)
+    unbounded.n = 10
+    assert unbounded.line(unbounded._start + 600).endswith("ETA 10m00s")
+
+
 def test_progress_uses_tqdm_on_a_terminal_and_can_be_disabled():
     class Terminal(io.StringIO):
         def isatty(self):
@@ -310,6 +326,10 @@ def test_progress_uses_tqdm_on_a_terminal_and_can_be_disabled():
     with Progress(total=4, desc="rm", file=out) as progress:
         progress.update(2, **{"loss": 0.5, "reward/mean": 0.25})
     assert "rm" in out.getvalue() and "loss=0.5 reward/mean=0.25" in out.getvalue()
+    budgeted = Terminal()
+    with Progress(total=4, desc="rl", file=budgeted, max_seconds=600) as progress:
+        progress.update(1, loss=0.5)
+    assert re.search(r"loss=0.5 time budget left (10m00s|9m5\ds)", budgeted.getvalue())
     quiet = Terminal()
     with Progress(total=4, desc="rm", enabled=False, file=quiet) as progress:
         progress.update(4)

@@ -5,6 +5,9 @@ the stream is not a terminal, `Progress` writes a readable line instead, at most
 `interval` seconds (10 s by default; the bar redraws at most every second):
 
     12:03:41 sft 40/100 (40%) loss=1.234 lr=1.00e-04 | 12s elapsed, ETA 18s
+
+A run with a wall-clock budget (`trainer.max_time_s`) ends at whichever comes first, its
+steps or its budget, and so does its ETA (`ETA 5m00s (time budget)` when the budget ends it).
 """
 
 from __future__ import annotations
@@ -58,7 +61,9 @@ class Progress:
     `update(n, **metrics)` advances by n and shows the given metrics, e.g.
     `progress.update(1, loss=1.234, lr=1e-4)` (use `**{"reward/mean": r}` for
     names with a slash). `initial` is the step a resumed run starts from; the ETA
-    counts only the steps done in this session. `enabled=False` shows nothing.
+    counts only the steps done in this session. `max_seconds` is a wall-clock budget from
+    now: the ETA is the sooner of the steps' and the budget's end (on a terminal, the
+    budget's time left is shown after the metrics). `enabled=False` shows nothing.
     """
 
     def __init__(
@@ -69,11 +74,13 @@ class Progress:
         enabled: bool = True,
         file: TextIO | None = None,
         interval: float | None = None,
+        max_seconds: float | None = None,
     ):
         self.total, self.desc, self.n = total, desc, initial
         self.enabled = enabled
         self.file = file if file is not None else sys.stderr
         self._start_n, self._start = initial, time.monotonic()
+        self.max_seconds = max_seconds
         self._metrics: Mapping[str, Any] = {}
         self._last_line: float | None = None
         self._printed_n: int | None = None
@@ -97,8 +104,8 @@ class Progress:
         if metrics:
             self._metrics = metrics
         if self._bar is not None:
-            if metrics:
-                self._bar.set_postfix_str(format_metrics(metrics), refresh=False)
+            if metrics or self.max_seconds is not None:
+                self._bar.set_postfix_str(self._postfix(), refresh=False)
             self._bar.update(n)
         elif self.enabled:
             now = time.monotonic()
@@ -116,8 +123,23 @@ class Progress:
             parts.append(format_metrics(self._metrics))
         timing = f"{_duration(elapsed)} elapsed"
         if done > 0 and self.total:
-            timing += f", ETA {_duration(elapsed / done * max(0, self.total - self.n))}"
+            eta = elapsed / done * max(0, self.total - self.n)
+            left = self._budget_left(now)
+            if left is not None and left < eta:
+                timing += f", ETA {_duration(left)} (time budget)"
+            else:
+                timing += f", ETA {_duration(eta)}"
         return " ".join(parts) + " | " + timing
+
+    def _budget_left(self, now: float) -> float | None:
+        """Seconds left of `max_seconds` (None: no budget)."""
+        return None if self.max_seconds is None else max(0.0, self.max_seconds - (now - self._start))
+
+    def _postfix(self) -> str:
+        """The bar's postfix: the metrics, and the time budget left if there is one."""
+        left = self._budget_left(time.monotonic())
+        budget = "" if left is None else f"time budget left {_duration(left)}"
+        return " ".join(filter(None, [format_metrics(self._metrics), budget]))
 
     def _write_line(self, now: float) -> None:
         self.file.write(f"{time.strftime('%H:%M:%S')} {self.line(now)}\n")

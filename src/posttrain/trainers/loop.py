@@ -191,7 +191,8 @@ def run(task: Task, config: Any, ref_sync: RefSync | None = None) -> FitResult:
     last_eval: dict[str, float] = {}
     evaluated_at = None
     budget = Budget(cfg.max_time_s, collective)
-    with sink, Progress(cfg.max_steps, task.desc, initial=step, enabled=cfg.progress and main) as progress:
+    with sink, Progress(cfg.max_steps, task.desc, initial=step, enabled=cfg.progress and main,
+                        max_seconds=cfg.max_time_s) as progress:
         while step < cfg.max_steps:
             out = task.step(step + 1)
             step += 1
