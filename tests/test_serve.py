@@ -403,6 +403,32 @@ def test_body_too_large_is_413_and_the_server_keeps_serving(server, client):
     assert reply.choices[0].finish_reason in ("stop", "length")
 
 
+def chunked_post(srv, chunks):
+    """(status, JSON reply) of a POST whose body is sent in `chunks` (no Content-Length)."""
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+    try:
+        conn.request("POST", "/v1/completions", body=iter(chunks), encode_chunked=True,
+                     headers={"Content-Type": "application/json", "Transfer-Encoding": "chunked"})
+        reply = conn.getresponse()
+        return reply.status, json.loads(reply.read())
+    finally:
+        conn.close()
+
+
+def test_a_chunked_body_is_limited_too_and_a_small_one_is_served(model_dir):
+    srv = ServerThread(model_dir, served_model_name=NAME, batch_wait_ms=5, max_body_bytes=1000)
+    try:
+        body = json.dumps({"model": NAME, "prompt": "x", "max_tokens": 1}).encode()
+        got, reply = chunked_post(srv, [body[:10], body[10:]])
+        assert got == 200 and reply["choices"][0]["finish_reason"] in ("stop", "length")
+        got, reply = chunked_post(srv, [b"{" + b" " * 600, b" " * 600 + b"}"])
+        assert got == 413 and "chunked request body passed 1202 bytes; the limit is 1000" in reply["error"]["message"]
+        got, reply = chunked_post(srv, [body])  # still serving
+        assert got == 200
+    finally:
+        srv.close()
+
+
 def test_llm_judge_talks_to_the_server(server):
     before = server.stats()["requests"]
     judge = llm_judge(

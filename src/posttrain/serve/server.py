@@ -197,21 +197,58 @@ def _fastapi_app(app: App, max_body_bytes: int) -> FastAPI:
             message = f"{request.method} is not allowed on {path}; use {allowed}"
         return JSONResponse(RequestError(message, status, type=kind).body(), status, err.headers)
 
-    @api.middleware("http")
-    async def limit_body(request: Request, call_next: Any) -> Any:
-        # Not FastAPI's max_body_size: its 413 is plain text. Chunked bodies are not limited.
-        size = request.headers.get("content-length", "")
-        if size.isdigit() and int(size) > max_body_bytes:
-            message = f"the request body has {size} bytes; the limit is {max_body_bytes}"
-            return await refused(request, RequestError(message, 413))
-        return await call_next(request)
-
     @api.exception_handler(Exception)
     async def crashed(request: Request, err: Exception) -> JSONResponse:  # a bug: still JSON
         body = RequestError(f"internal error: {err}", 500, type="server_error").body()
         return JSONResponse(body, 500)
 
+    api.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
     return api
+
+
+class _BodyLimit:
+    """Refuses a request body over `max_bytes` with 413 and OpenAI's error object (not
+    FastAPI's max_body_size, whose 413 is plain text): at once when its Content-Length says
+    so; a chunked body (no Content-Length) is read up to the limit and refused when it passes
+    it, else handed on as read. Either way no more than `max_bytes` of a body is held."""
+
+    def __init__(self, app: Any, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        size = headers.get(b"content-length", b"").decode("latin-1")
+        if size.isdigit():
+            if int(size) > self.max_bytes:
+                return await self._refuse(scope, receive, send, f"the request body has {size} bytes")
+            return await self.app(scope, receive, send)
+        if b"chunked" not in headers.get(b"transfer-encoding", b""):
+            return await self.app(scope, receive, send)
+        chunks, total, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left
+                return
+            chunks.append(message.get("body", b""))
+            total, more = total + len(chunks[-1]), message.get("more_body", False)
+            if total > self.max_bytes:
+                return await self._refuse(scope, receive, send, f"the chunked request body passed {total} bytes")
+        body, replayed = b"".join(chunks), False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if replayed:  # after the body: the server's own messages (a disconnect)
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: dict, receive: Any, send: Any, what: str) -> None:
+        error = RequestError(f"{what}; the limit is {self.max_bytes} (max_body_bytes)", 413)
+        await JSONResponse(error.body(), 413, headers={"Connection": "close"})(scope, receive, send)
 
 
 async def _result(future: Any) -> Generated:
