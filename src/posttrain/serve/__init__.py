@@ -22,8 +22,8 @@ Parameters, defaults and what is refused: `protocol.py`. Responses follow OpenAI
 with prompt/completion/total tokens; completion tokens include a final EOS). Errors are
 OpenAI's error object `{"error": {"message", "type", "param", "code"}}` with a 4xx status,
 FastAPI's own validation errors included: 400 bad body or parameter (or a body that is not
-sent as JSON), 404 unknown path or model, 405 wrong method, 413 a Content-Length over
-`max_body_bytes`; 500 when generation itself fails, 503 while shutting down.
+sent as JSON), 404 unknown path or model, 405 wrong method, 413 a body over `max_body_bytes`
+(announced by its Content-Length, or a chunked body once it passes the limit); 500 when generation itself fails, 503 while shutting down.
 
 `stream: true` answers with server-sent events, `data: {chunk}` ... `data: [DONE]`, sent
 while the engine decodes: after each decode step, every choice's new text (the engine's
