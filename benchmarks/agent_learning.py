@@ -5,14 +5,15 @@ digit products, which it cannot multiply in its head; `posttrain.data.tasks.arit
 
 1. data: the same problems twice (same seed): the tool demonstrations and a no-tool
    baseline whose demonstrations all answer from the head (`use_tools=false`). Every tool
-   demonstration calls the calculator for each product; `--sum-call-fraction` (0.3) of
-   them call it for the products' sum too, the rest write the answer after the products'
-   results, adding in the head, which the tiny model cannot do. SFT teaches it to copy
-   operands into calls (every demonstration does) and leaves it seldom handing the sum to
-   the tool: what RL has to learn is to reach for the tool there. (`--tool-fraction`
-   and `--hinted` are the task's other ways to leave a choice; neither let the tiny model
-   learn to copy within the budget, benchmarks/README.md.) The held-out problems and the RL
-   prompts (rl.jsonl, in neither train nor test) are plain.
+   demonstration calls the calculator for the second product and for the products' sum;
+   `--product-call-fraction` (0.3) of them call it for the first product too, the rest
+   work that one out in the head (`23*47=1081`), which the tiny model cannot do. SFT
+   teaches it to copy operands and results into calls (every demonstration does both) and
+   leaves it seldom handing the first product to the tool: what RL has to learn is to reach
+   for the tool there. (`--sum-call-fraction` leaves the choice at the sum instead, and
+   `--tool-fraction` and `--hinted` at the whole problem; with them the tiny model learned
+   to copy from the calculator's results on some seeds only, benchmarks/README.md.) The
+   held-out problems and the RL prompts (rl.jsonl, in neither train nor test) are plain.
 2. SFT of the tool data (`recipes/sft_tools.yaml`, `--sft-steps` of a `--sft-schedule-steps`
    cosine, 1000 of 1000 by default: trained to the end, where every seed has learned to
    copy). `--sft-stop-at` > 0 stops it by a measured criterion instead: from step
@@ -81,9 +82,9 @@ def main() -> int:
     p.add_argument("--hinted", type=float, default=0.0, help="share of SFT prompts that ask for the tool")
     p.add_argument("--tool-fraction", type=float, default=1.0,
                    help="share of the plain SFT prompts whose demonstration calls the tool")
-    p.add_argument("--sum-call-fraction", type=float, default=0.3,
+    p.add_argument("--sum-call-fraction", type=float, default=1.0,
                    help="share of the tool demonstrations that call the calculator for the sum too")
-    p.add_argument("--product-call-fraction", type=float, default=1.0,
+    p.add_argument("--product-call-fraction", type=float, default=0.3,
                    help="share of the tool demonstrations that call it for the first product (the rest work it out in the head)")
     p.add_argument("--sft-steps", type=int, default=1000, help="the most SFT steps")
     p.add_argument("--sft-schedule-steps", type=int, default=1000,
