@@ -35,6 +35,7 @@ digit products, which it cannot multiply in its head; `posttrain.data.tasks.arit
    history after every environment answer; alternating, `--speed-reps` times each, in one
    process. Reports episodes/s and model tokens/s.
 
+`--speed-only` measures step 6 alone, on the RL model of a finished run in `--out`.
 `--threads` sets torch's threads (default one per core), to check the result at another
 thread count.
 
@@ -100,11 +101,15 @@ def main() -> int:
     p.add_argument("--speed-reps", type=int, default=2, help="0: no rollout speed test")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, one per core)")
     p.add_argument("--skip-baseline", action="store_true", help="no no-tool SFT (exploration only)")
+    p.add_argument("--speed-only", action="store_true",
+                   help="only the rollout speed (step 6) of OUT's finished run: OUT/rl/final on OUT/data")
     p.add_argument("rl_overrides", nargs="*", help="extra key=value overrides of the GRPO recipe")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
+    if args.speed_only:
+        return print_speed(out, args)
     seconds: dict[str, float] = {}
     results: dict[str, Any] = {"machine": machine_info(), "args": vars(args)}
 
@@ -160,6 +165,19 @@ def main() -> int:
     (out / "agent_learning.json").write_text(json.dumps(results, indent=2) + "\n")
     print("\n" + format_results(results), flush=True)
     return 0 if results["verdict"]["pass"] else 1
+
+
+def print_speed(out: Path, args: argparse.Namespace) -> int:
+    """`--speed-only`: the rollout speed of the RL model of the finished run in `out`."""
+    model, data = out / "rl" / "final", out / "data"
+    if not (model / "config.json").is_file() or not (data / "rl.jsonl").is_file():
+        print(f"--speed-only: {model} or {data / 'rl.jsonl'} is missing; run the benchmark with --out {out} first")
+        return 2
+    cfg = rl_config(out, data, model, args)
+    rows = load_rows(str(data / "rl.jsonl"))[: args.speed_prompts]
+    speed = rollout_speed(model, rows, cfg, MultiTurnLimits.from_config(cfg.rollout.multi_turn), max(1, args.speed_reps))
+    print(json.dumps(speed, indent=2) + "\n\n" + "\n".join(speed_lines(speed)), flush=True)
+    return 0
 
 
 def split_dev(data: Path, n: int) -> list[dict]:
