@@ -1,6 +1,7 @@
 """benchmarks/agent_learning.py: its verdict and table on fabricated results (the benchmark
 itself takes minutes; benchmarks/README.md records it)."""
 
+import argparse
 import importlib.util
 from pathlib import Path
 
@@ -61,3 +62,9 @@ def test_the_table_names_where_sft_stopped_and_may_leave_out_the_speed(bench):
     text = bench.format_results(r)
     assert "Tool SFT stopped at step 340; dev accuracy at the checks: 300: 2%, 320: 11%, 340: 27%." in text
     assert "native / hf" not in text and "**PASS**" in text
+
+
+def test_speed_only_names_what_a_run_directory_lacks(bench, tmp_path, capsys):
+    args = argparse.Namespace(seed=0, rl_minutes=8.0, rl_overrides=[], speed_prompts=2, speed_reps=1)
+    assert bench.print_speed(tmp_path, args) == 2
+    assert f"run the benchmark with --out {tmp_path} first" in capsys.readouterr().out
