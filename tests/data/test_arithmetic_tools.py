@@ -15,6 +15,7 @@ from posttrain.data.collate import (
 )
 from posttrain.data.sources import load_rows
 from posttrain.data.tasks import ArithmeticToolsTask, get_task, make_task
+from posttrain.data.tasks.arithmetic_tools import HINT, pairs_of
 from posttrain.data.tokenizer import build_tokenizer
 
 MARKERS = ("<result>", "</result>")
@@ -102,8 +103,6 @@ def test_tool_fraction_calls_the_calculator_in_that_share_of_the_same_problems(t
 
 
 def test_hinted_training_prompts_always_call_and_other_splits_are_never_hinted(tmp_path):
-    from posttrain.data.tasks.arithmetic_tools import HINT
-
     info = make_task("arithmetic_tools", tmp_path / "h", n_train=2000, n_test=100, n_rl=100, seed=1,
                      tool_fraction=0.15, hinted=0.5)
     split = {k: [json.loads(line) for line in info[k].read_text().splitlines()] for k in ("train", "test", "rl")}
@@ -111,7 +110,7 @@ def test_hinted_training_prompts_always_call_and_other_splits_are_never_hinted(t
     assert 0.45 < len(hinted) / 2000 < 0.55
     assert all(r["completion"].startswith("<call>calculator(") for r in hinted)
     r = hinted[0]
-    pairs = [tuple(map(int, t.split("*"))) for t in r["prompt"].removeprefix(HINT).removesuffix("=").split("+")]
+    pairs = pairs_of(r["prompt"])
     assert r["completion"].endswith(f"Answer: {sum(a * b for a, b in pairs)}") and r["answer"] == str(sum(a * b for a, b in pairs))
     plain = [r for r in split["train"] if not r["prompt"].startswith(HINT)]
     assert 0.08 < sum(r["completion"].startswith("<call>") for r in plain) / len(plain) < 0.22
@@ -128,7 +127,7 @@ def test_sum_call_fraction_keeps_the_product_calls_and_adds_in_the_head_in_the_r
     task = ArithmeticToolsTask()
     summed = 0
     for f, r in zip(full, part):
-        pairs = [tuple(map(int, t.split("*"))) for t in r["prompt"].removesuffix("=").split("+")]
+        pairs = pairs_of(r["prompt"])
         assert r["completion"].count("<call>") in (len(pairs), len(pairs) + 1)
         summed += r["completion"].count("<call>") == len(pairs) + 1
         assert r["completion"] == task.demonstration(pairs, sum_call=r["completion"] == f["completion"])
@@ -148,7 +147,7 @@ def test_product_call_fraction_works_the_first_product_out_in_the_head_in_the_re
     assert [r["prompt"] for r in full] == [r["prompt"] for r in part]
     task, called = ArithmeticToolsTask(), 0
     for f, r in zip(full, part):
-        pairs = [tuple(map(int, t.split("*"))) for t in r["prompt"].removesuffix("=").split("+")]
+        pairs = pairs_of(r["prompt"])
         called += r["completion"] == f["completion"]
         assert r["completion"] == task.demonstration(pairs, product_call=r["completion"] == f["completion"])
         assert r["completion"].count("<call>") == len(pairs) + (r["completion"] == f["completion"])

@@ -79,7 +79,6 @@ def test_split_contiguous_keeps_each_slice_s_first_row():
     assert few[0][0].prompts == ["p0"] and [(p, first) for p, first in few[1:]] == [(None, 1), (None, 1)]
 
 
-
 @pytest.mark.parametrize("rows,world", [(7, 2), (2, 3)])
 def test_dp_split_runs_each_slice_with_its_first_row_and_keeps_the_order(rows, world, in_process_group):
     group = in_process_group(Doubler, world, 3)

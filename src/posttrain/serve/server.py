@@ -209,8 +209,8 @@ def _fastapi_app(app: App, max_body_bytes: int) -> FastAPI:
 class _BodyLimit:
     """Refuses a request body over `max_bytes` with 413 and OpenAI's error object (not
     FastAPI's max_body_size, whose 413 is plain text): at once when its Content-Length says
-    so; a chunked body (no Content-Length) is read up to the limit and refused when it passes
-    it, else handed on as read. Either way no more than `max_bytes` of a body is held."""
+    so; a chunked body (no Content-Length) is read chunk by chunk and refused once it passes
+    the limit (so at most the limit and one chunk are held), else handed on as read."""
 
     def __init__(self, app: Any, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes

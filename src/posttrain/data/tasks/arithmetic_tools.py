@@ -26,8 +26,8 @@ RL has a choice to learn: hand the sum to the tool too. `product_call_fraction` 
 the choice at the first product instead: the others work it out in the head
 (`23*47=1081\n<call>calculator(58*91)</call>...`) and call the calculator for the rest,
 sum included, so that every demonstration copies both operands and results into calls,
-and RL has to learn to hand the first product to the tool too. The scorer is arithmetic's: the
-integer on the last `Answer:` line (results above it are never read).
+and RL has to learn to hand the first product to the tool too. The scorer is
+arithmetic's: the integer on the last `Answer:` line (results above it are never read).
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ class ArithmeticToolsTask(Task):
             return answer
         calls = [CALL.format(f"{a}*{b}", a * b) for a, b in pairs]
         if not product_call:
-            (a, b), *_ = pairs
+            a, b = pairs[0]
             calls[0] = f"{a}*{b}={a * b}\n"
         if sum_call:
             calls.append(CALL.format("+".join(map(str, products)), sum(products)))
@@ -155,13 +155,20 @@ class ArithmeticToolsTask(Task):
             return rows
         for row in rows:
             if rng.random() < self.hinted:
-                pairs = [tuple(int(x) for x in term.split("*")) for term in row["prompt"].removesuffix("=").split("+")]
+                pairs = pairs_of(row["prompt"])
                 row["prompt"], row["completion"] = HINT + row["prompt"], self.demonstration(pairs, use_tools=True)
         return rows
 
     def score(self, completion: str, answer: str, /, **row: Any) -> float:
         value = parse_integer(extract_answer(completion))
         return float(value is not None and value == int(answer))
+
+
+def pairs_of(prompt: str) -> list[tuple[int, int]]:
+    """The factors of a prompt, `23*47+58*91=` -> [(23, 47), (58, 91)] (a hint before it is
+    dropped)."""
+    terms = prompt.removeprefix(HINT).removesuffix("=").split("+")
+    return [(int(a), int(b)) for a, b in (term.split("*") for term in terms)]
 
 
 def _calls(key: str, fraction: float) -> bool:
