@@ -152,3 +152,9 @@ def test_the_docs_table_and_help_show_the_aliases(capsys):
         main(["grpo", "--help"])
     help_text = re.sub(r"\s+", " ", capsys.readouterr().out)
     assert "Also: TRL num_generations; veRL actor_rollout_ref.rollout.n; OpenRLHF n_samples_per_prompt." in help_text
+
+
+def test_a_bad_value_of_our_own_key_stays_a_type_error():
+    # max_steps is also TRL's name: the value, not the key, is wrong here.
+    assert config_error("sft", "trainer.max_steps=ten") == "trainer.max_steps: expected int, got 'ten' (str)"
+    assert "Did you mean algorithm.filter_groups=true?" in config_error("grpo", "algorithm.filter_groups.enable=true")

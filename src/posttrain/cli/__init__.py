@@ -71,7 +71,7 @@ def _train_commands() -> list[TrainCommand]:
 
 def options_help(config_cls: type) -> str:
     """Every option of a config tree with its type, default and documentation."""
-    lines = ["options (set as key=value; lists as key=[a,b]; TRL, veRL and OpenRLHF names under `also`):"]
+    lines = ["options (set as key=value; lists as key=[a,b]; `Also:` names the same option in TRL, veRL, OpenRLHF):"]
     section = None
     also = aliases_by_key(config_cls)
     for key, tp, default, doc in iter_fields(config_cls):

@@ -247,7 +247,8 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "", root: type |
             try:
                 kwargs[name] = coerce(value, tp, prefix + name)
             except ConfigError as err:  # veRL's algorithm.filter_groups.enable is our algorithm.filter_groups
-                raise _alias_error(prefix + name, value, root) or err from None
+                below = _alias_error(prefix + name, value, root) if isinstance(value, dict) else None
+                raise below or err from None
     return cls(**kwargs)
 
 
@@ -383,10 +384,10 @@ def is_recipe(path: Path) -> bool:
 def give_way_to_own_data(
     data: dict[str, Any], pairs: list[tuple[str, Any]]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A recipe's data without its RECIPE_TASK_KEYS when the overrides `pairs` set
-    data.train_files (and not that key itself), and {key: the recipe's value} of those dropped.
-    `posttrain grpo --config grpo data.train_files=[mine.jsonl]` then neither reads the
-    arithmetic task's held-out file nor scores the user's prompts as arithmetic."""
+    """When the overrides `pairs` set data.train_files: the recipe's `data` without the
+    RECIPE_TASK_KEYS the overrides leave unset, and {key: the recipe's value} of those dropped.
+    `posttrain grpo --config grpo data.train_files=[mine.jsonl]` then neither looks for the
+    arithmetic task's held-out file nor evaluates with its task, and writes to runs/grpo."""
     given = _override_keys(pairs)
     if "data.train_files" not in given:
         return data, {}
