@@ -158,3 +158,8 @@ def test_a_bad_value_of_our_own_key_stays_a_type_error():
     # max_steps is also TRL's name: the value, not the key, is wrong here.
     assert config_error("sft", "trainer.max_steps=ten") == "trainer.max_steps: expected int, got 'ten' (str)"
     assert "Did you mean algorithm.filter_groups=true?" in config_error("grpo", "algorithm.filter_groups.enable=true")
+    # veRL's algorithm.adv_estimator is ours, but one of its values is spelt differently.
+    assert config_error("grpo", "algorithm.adv_estimator=reinforce_plus_plus") == (
+        "algorithm.adv_estimator: reinforce_plus_plus is veRL's name for reinforce_pp here. "
+        "Did you mean algorithm.adv_estimator=reinforce_pp?")
+    assert "'dr_grpo' | 'rloo' | 'reinforce_pp'" in config_error("grpo", "algorithm.adv_estimator=remax")

@@ -246,9 +246,8 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "", root: type |
         else:
             try:
                 kwargs[name] = coerce(value, tp, prefix + name)
-            except ConfigError as err:  # veRL's algorithm.filter_groups.enable is our algorithm.filter_groups
-                below = _alias_error(prefix + name, value, root) if isinstance(value, dict) else None
-                raise below or err from None
+            except ConfigError as err:
+                raise _alias_error(prefix + name, value, root, own_key=True) or err from None
     return cls(**kwargs)
 
 
@@ -278,9 +277,18 @@ def _unknown_key(cls: type, key: str, value: Any, prefix: str, root: type) -> Co
     )
 
 
-def _alias_error(key: str, value: Any, root: type) -> ConfigError | None:
+def _alias_error(key: str, value: Any, root: type, own_key: bool = False) -> ConfigError | None:
     """The answer to `key=value` when it, or a key below it (`value` a mapping), is another
-    library's name for a key of the tree `root` (`posttrain.config.aliases`); else None."""
+    library's name for a key of the tree `root` (`posttrain.config.aliases`); else None.
+    `own_key`: `key` is ours and `value` does not fit it: a key below it may still be theirs
+    (veRL's algorithm.filter_groups.enable), or the value their spelling of one of ours
+    (veRL's algorithm.adv_estimator=reinforce_plus_plus)."""
+    if own_key and not isinstance(value, dict):
+        same = [a for a in aliases.aliases_by_key(root).get(key, ()) if a.name == key and a.values]
+        ours = next((a.translate(value) for a in same if a.translate(value) is not None), None)
+        return None if ours is None else ConfigError(
+            f"{key}: {aliases.yaml_value(value)} is {same[0].library}'s name for {aliases.yaml_value(ours)} here. "
+            f"Did you mean {key}={aliases.yaml_value(ours)}?")
     for leaf, leaf_value in _flatten(key, value):
         hit = aliases.lookup(root, leaf)
         if hit is not None:
