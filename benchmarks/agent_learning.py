@@ -228,7 +228,7 @@ def train_sft(run_dir: Path, data: Path, args: argparse.Namespace, steps: int, r
 def rl_config(out: Path, data: Path, sft_model: Path, args: argparse.Namespace) -> GRPOConfig:
     return build_config(GRPOConfig, RL_RECIPE, [
         f"model.path={sft_model}", f"data.train_files=[{data / 'rl_train.jsonl'}]",
-        f"data.eval_files=[{data / 'test.jsonl'}]", f"trainer.output_dir={out / 'rl'}",
+        f"data.eval_files=[{data / 'test.jsonl'}]", "eval.task=arithmetic_tools", f"trainer.output_dir={out / 'rl'}",
         f"trainer.seed={args.seed}", f"trainer.max_time_s={args.rl_minutes * 60}", "trainer.max_steps=100000",
         "trainer.save_steps=0", "trainer.eval_steps=50", "eval.num_examples=100",
         "trainer.resume=never", "trainer.overwrite=true", "trainer.report_to=[]", *args.rl_overrides,

@@ -61,7 +61,7 @@ def stage_sft(out: Path, a: argparse.Namespace) -> dict[str, Any]:
         return {}
     cfg = build_config(SFTConfig, "recipes/sft_arithmetic.yaml", [
         f"data.train_files=[{out / 'data' / 'sft' / 'train.jsonl'}]",
-        f"data.eval_files=[{out / 'data' / 'sft' / 'test.jsonl'}]",
+        f"data.eval_files=[{out / 'data' / 'sft' / 'test.jsonl'}]", "eval.task=arithmetic",
         f"trainer.output_dir={out / 'sft'}", *QUIET, *a.sft_overrides,
     ])
     return {"sft_eval_accuracy": run_sft(cfg).metrics.get("eval/accuracy")}

@@ -168,7 +168,7 @@ def comm_estimate(summary: dict[str, Any]) -> str:
 def cli_args(backend: str, data: Path, run: Path, args: argparse.Namespace) -> list[str]:
     out = ["grpo", "--config", str(ROOT / "recipes" / "grpo.yaml"), "model.path=null", "model.init=tiny",
            f"data.train_files=[{data / 'train.jsonl'}]", f"data.eval_files=[{data / 'test.jsonl'}]",
-           "eval.num_examples=2",
+           "eval.task=arithmetic", "eval.num_examples=2",
            f"data.train_batch_size={args.batch}", f"rollout.n={args.n}", f"rollout.max_new_tokens={args.max_new_tokens}",
            f"actor.micro_batch_size={args.batch * args.n}", f"trainer.max_steps={args.steps}",
            "trainer.save_steps=0", "trainer.eval_steps=0", "trainer.report_to=[]", "trainer.progress=false",

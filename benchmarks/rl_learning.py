@@ -53,6 +53,7 @@ def main() -> None:
         f"model.path={args.sft}",
         f"data.train_files=[{data / 'train.jsonl'}]",
         f"data.eval_files=[{data / 'test.jsonl'}]",
+        "eval.task=arithmetic",  # the recipes' task: named, since data.train_files drops it otherwise
         f"trainer.output_dir={out / 'rl'}",
         "trainer.resume=never",
         "trainer.overwrite=true",

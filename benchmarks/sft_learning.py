@@ -40,6 +40,7 @@ def main() -> None:
         [
             f"data.train_files=[{data / 'train.jsonl'}]",
             f"data.eval_files=[{data / 'test.jsonl'}]",
+            "eval.task=arithmetic",  # the recipe's task: named, since data.train_files drops it otherwise
             f"trainer.output_dir={out / 'sft'}",
             "trainer.resume=never",
             "trainer.overwrite=true",

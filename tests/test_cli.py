@@ -147,3 +147,37 @@ def test_transformers_noise_stays_out_of_runs_export_and_serve(gpt2_dir, tmp_pat
         if serve.poll() is None:
             serve.kill()
     assert_quiet(stderr)
+
+
+def test_a_recipe_runs_as_typed_on_the_users_own_model_and_data(tmp_path, monkeypatch, caplog):
+    """`posttrain grpo --config grpo model.path=<own model> data.train_files=[<own data>]`: the
+    recipe's arithmetic held-out file, eval task and run folder give way (they stopped this
+    run before), said in one line; the run goes to runs/grpo."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from posttrain.data.tokenizer import build_tokenizer
+
+    tok, model_dir = build_tokenizer(), tmp_path / "my_model"
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                                 bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                 pad_token_id=tok.pad_token_id)).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    rows = [{"prompt": "What is 2+3?", "answer": "5"}, {"prompt": "What is 4+4?", "answer": "8"}]
+    (tmp_path / "mine.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level("INFO", logger="posttrain"):
+        code = main(["grpo", "--config", "grpo", f"model.path={model_dir}", "data.train_files=[mine.jsonl]",
+                     "trainer.max_steps=1", "data.train_batch_size=2", "rollout.n=2", "rollout.max_new_tokens=4",
+                     "actor.micro_batch_size=4", "trainer.report_to=[]", "trainer.progress=false"])
+    assert code == 0
+    dropped = [r.getMessage() for r in caplog.records if "task settings are dropped" in r.getMessage()]
+    assert dropped == ["recipe grpo: data.train_files names your own data, so the recipe's task settings are "
+                       "dropped: data.eval_files=[data/arith/test.jsonl], eval.task=arithmetic, "
+                       "trainer.output_dir=runs/grpo_arithmetic (runs go to trainer.output_dir=runs/grpo); "
+                       "set any of them on the command line to keep it"]
+    run = tmp_path / "runs" / "grpo"
+    assert (run / "final" / "config.json").is_file()
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1]

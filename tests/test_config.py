@@ -3,6 +3,7 @@
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import pytest
@@ -127,6 +128,62 @@ def test_every_recipe_resolves_with_its_command_config():
     for path in recipes:
         cls = next((c for p, c in by_prefix.items() if path.name.startswith(p)), GRPOConfig)
         build_config(cls, path)  # every key known, every value valid
+
+
+def recipe_config_class(name):
+    """The command config a shipped recipe is written for (sft_*, rm_*, dpo_*, ppo, else grpo)."""
+    from posttrain.config import DPOConfig, GRPOConfig, PPOConfig, RMConfig
+
+    by_prefix = {"sft_": SFTConfig, "rm_": RMConfig, "dpo_": DPOConfig, "ppo": PPOConfig}
+    return next((c for p, c in by_prefix.items() if name.startswith(p)), GRPOConfig)
+
+
+def recipe_task_logs(caplog):
+    return [r.getMessage() for r in caplog.records if r.name == "posttrain.config.core"]
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (Path(__file__).parents[1] / "recipes").glob("*.yaml")))
+def test_a_recipe_gives_its_task_settings_up_to_the_users_own_data(name, caplog):
+    """`posttrain grpo --config grpo data.train_files=[mine.jsonl]`: the arithmetic task's held-out
+    file, eval task and run folder go (they stopped such a run before it started), in one line."""
+    from posttrain.config.core import RECIPE_TASK_KEYS, RECIPES, load_yaml
+
+    cls, recipe = recipe_config_class(name), load_yaml(RECIPES / f"{name}.yaml")
+    set_by_recipe = {k: recipe[k.split(".")[0]][k.split(".")[1]] for k in RECIPE_TASK_KEYS
+                     if k.split(".")[1] in recipe.get(k.split(".")[0], {})}
+    assert "trainer.output_dir" in set_by_recipe and "data.eval_files" in set_by_recipe
+    kept = build_config(cls, name, ["trainer.seed=3"])  # the recipe's own data: all kept
+    assert all(lookup(kept, k) == v for k, v in set_by_recipe.items()) and not recipe_task_logs(caplog)
+    with caplog.at_level("INFO", logger="posttrain"):
+        own = build_config(cls, name, ["data.train_files=[mine.jsonl]"])
+    defaults = cls()
+    assert own.data.train_files == ["mine.jsonl"]
+    assert {k: lookup(own, k) for k in set_by_recipe} == {k: lookup(defaults, k) for k in set_by_recipe}
+    assert own.trainer.output_dir == f"runs/{cls.command}"
+    [line] = recipe_task_logs(caplog)
+    assert line.startswith(f"recipe {name}: data.train_files names your own data, so the recipe's task settings "
+                           f"are dropped: data.eval_files={set_by_recipe['data.eval_files'][0].join('[]')}")
+    assert f"trainer.output_dir={set_by_recipe['trainer.output_dir']}" in line
+    assert line.endswith("set any of them on the command line to keep it")
+
+
+def test_what_the_command_line_names_itself_stays(caplog):
+    from posttrain.config import GRPOConfig
+
+    with caplog.at_level("INFO", logger="posttrain"):
+        cfg = build_config(GRPOConfig, "grpo", ["data={train_files: [mine.jsonl]}", "eval.task=arithmetic",
+                                                "trainer.output_dir=runs/mine"])
+    assert (cfg.eval.task, cfg.trainer.output_dir, cfg.data.eval_files) == ("arithmetic", "runs/mine", [])
+    [line] = recipe_task_logs(caplog)
+    assert "data.eval_files=[data/arith/test.jsonl]" in line and "eval.task" not in line
+    own_file = build_config(GRPOConfig, Path(__file__).parents[1] / "recipes" / "grpo.yaml", [])
+    assert own_file.eval.task == "arithmetic"  # through the repository's recipes/ link: still the recipe
+
+
+def lookup(cfg, dotted):
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
 
 
 def test_a_shipped_recipe_resolves_by_name_from_any_directory(tmp_path, monkeypatch):

@@ -321,9 +321,11 @@ def _is_demo_output(name: str) -> bool:
 
 
 def _paths(train: Path, test: Path, run_dir: Path) -> list[str]:
-    """Path overrides, JSON-quoted so that any character in a path survives YAML parsing."""
+    """Path overrides, JSON-quoted so that any character in a path survives YAML parsing, and
+    the task (data.train_files on the command line drops a recipe's eval.task otherwise)."""
     return [
         f"data.train_files={json.dumps([str(train)])}",
         f"data.eval_files={json.dumps([str(test)])}",
         f"trainer.output_dir={json.dumps(str(run_dir))}",
+        f"eval.task={TASK}",
     ]

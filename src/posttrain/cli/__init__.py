@@ -19,6 +19,7 @@ from typing import Any
 from posttrain import distributed
 from posttrain.cli.sampling import _add_eval_commands
 from posttrain.config import ConfigError, RunStopped, build_config, iter_fields
+from posttrain.config.aliases import alias_summary, aliases_by_key
 from posttrain.config.core import type_name
 
 
@@ -70,8 +71,9 @@ def _train_commands() -> list[TrainCommand]:
 
 def options_help(config_cls: type) -> str:
     """Every option of a config tree with its type, default and documentation."""
-    lines = ["options (set as key=value; lists as key=[a,b]):"]
+    lines = ["options (set as key=value; lists as key=[a,b]; `Also:` names the same option in TRL, veRL, OpenRLHF):"]
     section = None
+    also = aliases_by_key(config_cls)
     for key, tp, default, doc in iter_fields(config_cls):
         head = key.split(".")[0]
         if head != section:
@@ -79,6 +81,8 @@ def options_help(config_cls: type) -> str:
             lines.append("")
         shown = repr(default)
         lines.append(f"  {key} ({type_name(tp)}, default {shown})")
+        same = alias_summary(also.get(key, ())).replace("`", "")
+        doc += f" Also: {same}." if same else ""
         lines += textwrap.wrap(doc, width=88, initial_indent="      ", subsequent_indent="      ")
     return "\n".join(lines)
 

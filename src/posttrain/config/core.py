@@ -12,6 +12,7 @@ all before anything heavy (a model, a dataset) is loaded.
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import difflib
 import functools
@@ -25,6 +26,8 @@ from typing import Any, Literal, TypeVar, Union
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
+from posttrain.config import aliases
 
 T = TypeVar("T")
 
@@ -232,35 +235,75 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "", root: type |
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of options, got {data!r}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    for key in data:
+    for key, value in data.items():
         if key not in names:
-            raise _unknown_key(cls, prefix + str(key), prefix, root)
+            raise _unknown_key(cls, prefix + str(key), value, prefix, root)
     kwargs = {}
     for name, value in data.items():
         tp = hints[name]
         if _is_config_class(tp):
             kwargs[name] = from_dict(tp, value if value is not None else {}, f"{prefix}{name}.", root)
         else:
-            kwargs[name] = coerce(value, tp, prefix + name)
+            try:
+                kwargs[name] = coerce(value, tp, prefix + name)
+            except ConfigError as err:
+                raise _alias_error(prefix + name, value, root, own_key=True) or err from None
     return cls(**kwargs)
 
 
-def _unknown_key(cls: type, key: str, prefix: str, root: type) -> ConfigError:
+def _unknown_key(cls: type, key: str, value: Any, prefix: str, root: type) -> ConfigError:
+    """The error for `key` (a section of its own when `value` is a mapping), unknown in the
+    section `cls` at `prefix` of the tree `root`: another library's name for one of ours first
+    (`num_generations` is rollout.n), then a spelling or section slip."""
+    alias_error = _alias_error(key, value, root)
+    if alias_error is not None:
+        return alias_error
+    leaves = list(_flatten(key, value))
+    key = leaves[0][0] if len(leaves) == 1 else key
     root_keys = valid_keys(cls)
     candidates = [prefix + k for k in root_keys]
     # A field of another section first (RL's trainer.micro_batch_size is actor.micro_batch_size).
     close = [k for k in valid_keys(root) if k.rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1]][:1]
     close = close or difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
     if not close:  # compare the last part alone: `trainer.lr_sched` vs `trainer.lr_scheduler`
-        leaves = {c.rsplit(".", 1)[-1]: c for c in candidates}
-        leaf = difflib.get_close_matches(key.rsplit(".", 1)[-1], list(leaves), n=1, cutoff=0.6)
-        close = [leaves[leaf[0]]] if leaf else []
+        by_leaf = {c.rsplit(".", 1)[-1]: c for c in candidates}
+        leaf = difflib.get_close_matches(key.rsplit(".", 1)[-1], list(by_leaf), n=1, cutoff=0.6)
+        close = [by_leaf[leaf[0]]] if leaf else []
     hint = f" Did you mean {close[0]}?" if close else ""
     section = prefix.rstrip(".") or "the config"
     return ConfigError(
         f"unknown key {key}.{hint} (valid keys of {section}: "
         f"{', '.join(sorted(k for k in root_keys if '.' not in k))}; `posttrain CMD --help` lists all)"
     )
+
+
+def _alias_error(key: str, value: Any, root: type, own_key: bool = False) -> ConfigError | None:
+    """The answer to `key=value` when it, or a key below it (`value` a mapping), is another
+    library's name for a key of the tree `root` (`posttrain.config.aliases`); else None.
+    `own_key`: `key` is ours and `value` does not fit it: a key below it may still be theirs
+    (veRL's algorithm.filter_groups.enable), or the value their spelling of one of ours
+    (veRL's algorithm.adv_estimator=reinforce_plus_plus)."""
+    if own_key and not isinstance(value, dict):
+        same = [a for a in aliases.aliases_by_key(root).get(key, ()) if a.name == key and a.values]
+        ours = next((a.translate(value) for a in same if a.translate(value) is not None), None)
+        return None if ours is None else ConfigError(
+            f"{key}: {aliases.yaml_value(value)} is {same[0].library}'s name for {aliases.yaml_value(ours)} here. "
+            f"Did you mean {key}={aliases.yaml_value(ours)}?")
+    for leaf, leaf_value in _flatten(key, value):
+        hit = aliases.lookup(root, leaf)
+        if hit is not None:
+            return ConfigError(aliases.suggestion(leaf, leaf_value, *hit))
+    return None
+
+
+def _flatten(key: str, value: Any) -> typing.Iterator[tuple[str, Any]]:
+    """(dotted key, value) of every leaf below `key`: `actor_rollout_ref.rollout.n=4` reaches a
+    section as {actor_rollout_ref: {rollout: {n: 4}}}."""
+    if isinstance(value, dict) and value:
+        for k, v in value.items():
+            yield from _flatten(f"{key}.{k}", v)
+    else:
+        yield key, value
 
 
 def validate_tree(cfg: Any) -> None:
@@ -309,9 +352,16 @@ def build_config(
     `critic.learning_rate: ${trainer.learning_rate}`; `\\${` is a literal `${`); then check
     keys, types and combinations. The defaults are merged too, so `${...}` may name any key.
     Where a section allows only one of some keys (`one_of`, e.g. model.path and model.init),
-    an override of one clears the others the file set: the later source wins."""
-    data = load_yaml(resolve_config_file(config_file)) if config_file is not None else {}
+    an override of one clears the others the file set: the later source wins. A shipped
+    recipe's task settings (RECIPE_TASK_KEYS) give way to data.train_files on the command
+    line, with one log line (`give_way_to_own_data`)."""
     pairs, key = [parse_override(o) for o in overrides], "config"
+    data, dropped = {}, {}
+    if config_file is not None:
+        path = resolve_config_file(config_file)
+        data = load_yaml(path)
+        if is_recipe(path):
+            data, dropped = give_way_to_own_data(data, pairs)
     try:
         conf = OmegaConf.merge(to_dict(cls()), data)
         for key in _cleared_by_overrides(cls, pairs):
@@ -322,8 +372,59 @@ def build_config(
     except (OmegaConfBaseException, ValueError) as err:  # e.g. ${no.such.key}, a.b[9]=1
         raise ConfigError(f"{getattr(err, 'full_key', '') or key}: {str(err).splitlines()[0]}") from None
     cfg = from_dict(cls, data)
+    if dropped:
+        _log_dropped(Path(config_file).stem, dropped, cfg)
     validate_tree(cfg)
     return cfg
+
+
+RECIPE_TASK_KEYS = ("data.eval_files", "eval.task", "trainer.output_dir")
+"""What a shipped recipe sets for its own task's data: held-out files, the task that scores
+them, a run folder named after it. They give way when the command line names other training
+data (`give_way_to_own_data`)."""
+
+
+def is_recipe(path: Path) -> bool:
+    """`path` is one of the shipped recipes (also through the repository's recipes/ link)."""
+    return path.resolve().parent == RECIPES.resolve()
+
+
+def give_way_to_own_data(
+    data: dict[str, Any], pairs: list[tuple[str, Any]]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """When the overrides `pairs` set data.train_files: the recipe's `data` without the
+    RECIPE_TASK_KEYS the overrides leave unset, and {key: the recipe's value} of those dropped.
+    `posttrain grpo --config grpo data.train_files=[mine.jsonl]` then neither looks for the
+    arithmetic task's held-out file nor evaluates with its task, and writes to runs/grpo."""
+    given = _override_keys(pairs)
+    if "data.train_files" not in given:
+        return data, {}
+    data, dropped = copy.deepcopy(data), {}
+    for key in RECIPE_TASK_KEYS:
+        section, _, name = key.partition(".")
+        if key not in given and name in (data.get(section) or {}):
+            dropped[key] = data[section].pop(name)
+    return data, dropped
+
+
+def _override_keys(pairs: list[tuple[str, Any]]) -> set[str]:
+    """Every dotted key the overrides set: `data={train_files: [x]}` sets data.train_files."""
+    keys = set()
+    for key, value in pairs:
+        keys |= {k for k, _ in _flatten(key, value)} | {key}
+    return keys
+
+
+def _log_dropped(recipe: str, dropped: dict[str, Any], cfg: Any) -> None:
+    """The one line that says what `give_way_to_own_data` dropped, and how to keep it."""
+    from posttrain.logging import get_logger
+
+    parts = [f"{k}={aliases.yaml_value(v)}" for k, v in dropped.items()]
+    now = (f" (runs go to trainer.output_dir={cfg.trainer.output_dir})"
+           if "trainer.output_dir" in dropped else "")
+    get_logger(__name__).info(
+        "recipe %s: data.train_files names your own data, so the recipe's task settings are dropped: %s%s; "
+        "set any of them on the command line to keep it", recipe, ", ".join(parts), now)
 
 
 def _cleared_by_overrides(cls: type, pairs: list[tuple[str, Any]]) -> list[str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
+from posttrain.config.aliases import aliases, trl
 from posttrain.config.core import check
 from posttrain.config.sections import (
     DataConfig,
@@ -35,7 +36,7 @@ class PreferenceDataConfig(DataConfig):
     max_length: int = 1024
     """Longest tokenized prompt + response (TRL's default); longer sequences are cut at the end
     (`truncation=truncate`) or their pair dropped (`drop`), counted in `data/n_truncated`."""
-    max_prompt_length: int | None = None
+    max_prompt_length: int | None = field(default=None, metadata=aliases(trl("max_prompt_length")))
     """Keep only the last N prompt tokens (TRL's left truncation), counted in
     `data/n_prompt_truncated`; null = no limit besides max_length."""
 
@@ -60,7 +61,7 @@ class PreferenceEvalConfig:
     """Tokens generated per eval prompt when `task` is set."""
     num_examples: int = 500
     """Eval prompts used for task accuracy (the first N of data.eval_files)."""
-    batch_size: int = 64
+    batch_size: int = field(default=64, metadata=aliases(trl("per_device_eval_batch_size")))
     """Prompts decoded at once during task evaluation."""
 
     def validate(self) -> None:
@@ -73,8 +74,8 @@ class PreferenceEvalConfig:
 class RMAlgorithmConfig:
     """The Bradley-Terry loss −log σ(r_c − r_r − margin) + c·(r_c + r_r)²."""
 
-    center_rewards_coefficient: float = 0.0
-    """c above (TRL's `center_rewards_coefficient`, Eisenstein et al. 2023): pulls the scores of
+    center_rewards_coefficient: float = field(default=0.0, metadata=aliases(trl("center_rewards_coefficient")))
+    """c above (Eisenstein et al. 2023): pulls the scores of
     each pair towards a zero sum; 0 = off (TRL's default None). A `margin` column in the data
     is always used when present (Llama 2)."""
 
@@ -120,17 +121,17 @@ class RMConfig:
 class DPOAlgorithmConfig(RefSyncConfig):
     """The DPO loss family (as TRL's DPOConfig: beta, loss_type, label_smoothing, rpo_alpha)."""
 
-    beta: float = 0.1
+    beta: float = field(default=0.1, metadata=aliases(trl("beta")))
     """β: the strength of the implicit KL to the reference (TRL default 0.1)."""
-    loss_type: Literal["sigmoid", "ipo", "hinge", "robust"] = "sigmoid"
+    loss_type: Literal["sigmoid", "ipo", "hinge", "robust"] = field(default="sigmoid", metadata=aliases(trl("loss_type")))
     """sigmoid (DPO), ipo (IPO, on per-token mean log-probs as TRL), hinge (SLiC), robust (rDPO)."""
-    label_smoothing: float = 0.0
+    label_smoothing: float = field(default=0.0, metadata=aliases(trl("label_smoothing")))
     """Assumed fraction of flipped labels, in [0, 0.5): conservative DPO (sigmoid) or rDPO (robust)."""
-    rpo_alpha: float | None = None
+    rpo_alpha: float | None = field(default=None, metadata=aliases(trl("rpo_alpha")))
     """Add rpo_alpha × the token-mean NLL of the chosen responses (RPO, Pang et al. 2024); null = off."""
-    precompute_ref_log_probs: bool = False
+    precompute_ref_log_probs: bool = field(default=False, metadata=aliases(trl("precompute_ref_log_probs")))
     """Compute the reference log-probs of every pair once before training, then train without a
-    reference model in memory (TRL's option of the same name)."""
+    reference model in memory."""
 
     def validate(self) -> None:
         check(self.beta > 0, "algorithm.beta", f"must be > 0, got {self.beta}")

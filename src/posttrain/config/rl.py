@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from posttrain.algos import ADV_ESTIMATORS, AdvEstimator
+from posttrain.config.aliases import aliases, openrlhf, trl, verl
 from posttrain.config.core import check
 from posttrain.config.sections import ModelConfig, RefSyncConfig, TrainerConfig, check_divides
 
@@ -44,25 +45,49 @@ AdvEstimatorName = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"]
 """The keys of `posttrain.algos.ADV_ESTIMATORS`, spelt out for the validator, the docs and
 type checkers (tests/algos/test_registries.py checks that they stay equal)."""
 
+ADV_ESTIMATOR_ALIASES = aliases(
+    verl("algorithm.adv_estimator", {"gae": "gae", "grpo": "grpo", "rloo": "rloo",
+                                     "reinforce_plus_plus": "reinforce_pp"}),
+    openrlhf("advantage_estimator", {"gae": "gae", "group_norm": "grpo", "dr_grpo": "dr_grpo", "rloo": "rloo",
+                                     "reinforce": "reinforce_pp"}),
+)
+"""algorithm.adv_estimator of GRPO and PPO alike (veRL's grpo without std scaling is dr_grpo)."""
+
+BOTH_SIDES = "it sets both sides: also set actor.policy_loss.clip_high (DAPO's clip-higher is clip_high > clip_low)"
+"""A single clip range of TRL, veRL and OpenRLHF is our clip_low and clip_high."""
+
+VERL_KL = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3", "abs": "abs"}
+"""veRL's KL estimator names → ours (`posttrain.algos.kl_penalty`)."""
+
 
 @dataclass
 class RLDataConfig:
     """Prompts: a `prompt` column (a string or chat messages) plus any extra columns,
     which reach the reward functions as keyword arguments (as TRL)."""
 
-    train_files: list[str] = field(default_factory=list)
+    train_files: list[str] = field(default_factory=list, metadata=aliases(
+        trl("train_dataset", same_value=False, note="the trainer's argument: pass the files here"),
+        verl("data.train_files"), openrlhf("prompt_data")))
     """Training prompts: JSONL, JSON, Parquet or CSV files, or a saved `datasets` folder."""
-    eval_files: list[str] = field(default_factory=list)
+    eval_files: list[str] = field(default_factory=list, metadata=aliases(
+        trl("eval_dataset", same_value=False, note="the trainer's argument: pass the files here"),
+        verl("data.val_files"), openrlhf("eval_dataset")))
     """Held-out prompts for evaluation (same formats)."""
-    prompt_key: str = "prompt"
+    prompt_key: str = field(default="prompt", metadata=aliases(verl("data.prompt_key"), openrlhf("input_key")))
     """Column holding the prompt."""
-    max_prompt_length: int = 512
+    max_prompt_length: int = field(default=512, metadata=aliases(
+        trl("max_prompt_length"), verl("data.max_prompt_length"), openrlhf("prompt_max_len")))
     """Longest prompt in tokens (BOS / chat template included)."""
     truncation: Literal["error", "left", "drop"] = "error"
     """A longer prompt is an error naming the row (`error`, veRL's default), keeps its last
     max_prompt_length tokens (`left`), or is dropped (`drop`); cut or dropped prompts are
     counted in the metrics `data/n_truncated` and `data/n_dropped`."""
-    train_batch_size: int = 32
+    train_batch_size: int = field(default=32, metadata=aliases(
+        trl("gradient_accumulation_steps", same_value=False, note=(
+            "set the prompts per RL step, data.train_batch_size (TRL's per_device_train_batch_size × "
+            "gradient_accumulation_steps × ranks ÷ num_generations); actor.ppo_mini_batch_size and "
+            "actor.micro_batch_size cut it, and the accumulation follows")),
+        verl("data.train_batch_size"), openrlhf("rollout_batch_size")))
     """Prompts per RL step; each gets rollout.n responses."""
     shuffle: bool = True
     """Shuffle the prompts every epoch (seeded by trainer.seed)."""
@@ -85,7 +110,7 @@ class MultiTurnConfig:
     """Limits of multi-turn episodes (`posttrain.rollout.episodes`), when an environment
     answers the model's turns (`posttrain.envs`)."""
 
-    max_turns: int = 4
+    max_turns: int = field(default=4, metadata=aliases(verl("actor_rollout_ref.rollout.multi_turn.max_assistant_turns")))
     """Most model turns per episode; an episode the environment has not ended by then is
     truncated. Each model turn is cut at rollout.max_new_tokens."""
     max_total_tokens: int = 512
@@ -102,26 +127,36 @@ class MultiTurnConfig:
 class RolloutConfig:
     """Sampling the responses (`posttrain.rollout` engines)."""
 
-    n: int = 8
-    """Responses per prompt (TRL `num_generations`, veRL `rollout.n`); group estimators need n >= 2."""
-    max_new_tokens: int = 256
+    n: int = field(default=8, metadata=aliases(
+        trl("num_generations"), verl("actor_rollout_ref.rollout.n"), openrlhf("n_samples_per_prompt")))
+    """Responses per prompt; group estimators need n >= 2."""
+    max_new_tokens: int = field(default=256, metadata=aliases(
+        trl("max_completion_length"), trl("response_length"), verl("data.max_response_length"),
+        verl("actor_rollout_ref.rollout.response_length"), openrlhf("generate_max_len")))
     """Longest response; a response that reaches it without a stop token is truncated."""
-    temperature: float = 1.0
+    temperature: float = field(default=1.0, metadata=aliases(
+        trl("temperature"), verl("actor_rollout_ref.rollout.temperature"), openrlhf("temperature")))
     """Sampling temperature (> 0). Log-probs are always those of softmax(logits / temperature)."""
-    top_p: float = 1.0
+    top_p: float = field(default=1.0, metadata=aliases(
+        trl("top_p"), verl("actor_rollout_ref.rollout.top_p"), openrlhf("top_p")))
     """Nucleus sampling (1 = off). Filters choose tokens; log-probs stay unfiltered (veRL's convention)."""
-    top_k: int = 0
+    top_k: int = field(default=0, metadata=aliases(trl("top_k"), verl("actor_rollout_ref.rollout.top_k")))
     """Top-k sampling (0 = off)."""
-    min_p: float = 0.0
+    min_p: float = field(default=0.0, metadata=aliases(trl("min_p")))
     """Min-p sampling (0 = off)."""
     stop: list[str] = field(default_factory=list)
     """Stop strings besides the EOS token."""
-    engine: Literal["auto", "native", "hf", "vllm"] = "auto"
+    engine: Literal["auto", "native", "hf", "vllm"] = field(default="auto", metadata=aliases(
+        trl("use_vllm", {True: "vllm", False: "auto"}),
+        verl("actor_rollout_ref.rollout.name", {"vllm": "vllm", "hf": "hf"}),
+        openrlhf("vllm_num_engines", same_value=False, note="rollout.engine=vllm runs one vLLM engine per worker")))
     """Generation engine: `native` (KV-cache decoding of built-in/Llama models), `hf`
     (transformers generate), `vllm` (GPU), or `auto` (native when the model allows it, else hf)."""
     max_batch_size: int = 0
     """Native engine: most rows decoded at once (0 = all)."""
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: float = field(default=0.5, metadata=aliases(
+        trl("vllm_gpu_memory_utilization"), verl("actor_rollout_ref.rollout.gpu_memory_utilization"),
+        openrlhf("vllm_gpu_memory_utilization")))
     """vLLM engine: fraction of GPU memory it may take."""
     use_rollout_logprobs: bool = False
     """Use the engine's log-probs as old log-probs and skip the actor's recompute pass.
@@ -190,15 +225,25 @@ class RolloutConfig:
 class PolicyLossConfig:
     """The clipped surrogate loss (`posttrain.algos.policy_loss`)."""
 
-    level: Literal["token", "sequence"] = "token"
+    level: Literal["token", "sequence"] = field(default="token", metadata=aliases(
+        trl("importance_sampling_level"),
+        verl("actor_rollout_ref.actor.policy_loss.loss_mode", {"vanilla": "token", "gspo": "sequence"})))
     """Importance ratio per token (PPO, GRPO, DAPO) or per sequence, length-normalised (GSPO)."""
-    clip_low: float = 0.2
-    """ε_low: the ratio is clipped below at 1 − clip_low (TRL `epsilon`, veRL `clip_ratio_low`)."""
-    clip_high: float = 0.2
+    clip_low: float = field(default=0.2, metadata=aliases(
+        trl("epsilon", note=BOTH_SIDES), trl("cliprange", note=BOTH_SIDES),
+        verl("actor_rollout_ref.actor.clip_ratio_low"), verl("actor_rollout_ref.actor.clip_ratio", note=BOTH_SIDES),
+        openrlhf("eps_clip", note=BOTH_SIDES)))
+    """ε_low: the ratio is clipped below at 1 − clip_low."""
+    clip_high: float = field(default=0.2, metadata=aliases(
+        trl("epsilon_high"), verl("actor_rollout_ref.actor.clip_ratio_high")))
     """ε_high: the ratio is clipped above at 1 + clip_high; > clip_low is DAPO's clip-higher."""
-    dual_clip: float | None = None
+    dual_clip: float | None = field(default=None, metadata=aliases(verl("actor_rollout_ref.actor.clip_ratio_c")))
     """Dual-clip constant c > 1 bounding the loss of negative advantages (veRL uses 3.0); null = off."""
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = field(
+        default="token-mean", metadata=aliases(
+            trl("loss_type", {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": "token-mean",
+                              "dr_grpo": "seq-mean-token-sum-norm"}),
+            verl("actor_rollout_ref.actor.loss_agg_mode")))
     """How per-token losses become one number (`posttrain.algos.aggregate_loss`): token-mean
     (DAPO, TRL `loss_type="dapo"`, veRL default), seq-mean-token-mean (GRPO paper, GSPO),
     seq-mean-token-sum, seq-mean-token-sum-norm (Dr.GRPO: ÷ rows · rollout.max_new_tokens; for episodes
@@ -215,18 +260,30 @@ class PolicyLossConfig:
 class ActorConfig:
     """Updating the policy on a rollout. Its learning rate and schedule are `trainer.*`."""
 
-    ppo_mini_batch_size: int | None = None
+    ppo_mini_batch_size: int | None = field(default=None, metadata=aliases(
+        verl("actor_rollout_ref.actor.ppo_mini_batch_size"),
+        trl("num_mini_batches", same_value=False, note="ppo_mini_batch_size = data.train_batch_size ÷ num_mini_batches"),
+        trl("steps_per_generation", same_value=False,
+            note="ppo_mini_batch_size = data.train_batch_size ÷ steps_per_generation")))
     """Prompts per optimizer step (× rollout.n rows); must divide data.train_batch_size.
     null = data.train_batch_size: one optimizer step per epoch (fully on-policy)."""
-    micro_batch_size: int = 8
+    micro_batch_size: int = field(default=8, metadata=aliases(
+        trl("per_device_train_batch_size"), verl("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
+        openrlhf("micro_train_batch_size")))
     """Rows (responses) per forward/backward; must divide ppo_mini_batch_size · rollout.n.
     Memory only: the update is the same for any value."""
-    max_tokens_per_micro_batch: int = 0
-    """Dynamic batching (veRL `use_dynamic_bsz`): cut micro-batches by padded token count
+    max_tokens_per_micro_batch: int = field(default=0, metadata=aliases(
+        verl("actor_rollout_ref.actor.ppo_max_token_len_per_gpu"),
+        verl("actor_rollout_ref.actor.use_dynamic_bsz", same_value=False,
+             note="use_dynamic_bsz=true with ppo_max_token_len_per_gpu=N is actor.max_tokens_per_micro_batch=N")))
+    """Dynamic batching: cut micro-batches by padded token count
     instead of micro_batch_size (0 = off). Also used for the log-prob and value passes."""
-    ppo_epochs: int = 1
-    """Passes over each rollout (TRL `num_iterations`, veRL `ppo_epochs`); mini-batches are reshuffled each pass."""
-    entropy_coeff: float = 0.0
+    ppo_epochs: int = field(default=1, metadata=aliases(
+        trl("num_iterations"), trl("num_ppo_epochs"), verl("actor_rollout_ref.actor.ppo_epochs"),
+        openrlhf("max_epochs")))
+    """Passes over each rollout; mini-batches are reshuffled each pass."""
+    entropy_coeff: float = field(default=0.0, metadata=aliases(
+        verl("actor_rollout_ref.actor.entropy_coeff"), openrlhf("entropy_loss_coef")))
     """Weight of the entropy bonus: loss −= entropy_coeff · entropy (aggregated as the policy loss)."""
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     """The clipped surrogate loss."""
@@ -245,7 +302,8 @@ class CriticConfig:
 
     enable: bool | None = None
     """Train a critic; null = exactly when algorithm.adv_estimator is gae (the only estimator that uses one)."""
-    model_path: str | None = None
+    model_path: str | None = field(default=None, metadata=aliases(
+        verl("critic.model.path"), openrlhf("critic_pretrain")))
     """Initial critic: a saved value/reward model directory, whose weights must hold its
     score head (see fresh_head); null = the policy's initial weights with a fresh scalar head."""
     fresh_head: bool = False
@@ -255,16 +313,19 @@ class CriticConfig:
     share_backbone: bool = False
     """Put the value head on the policy's own backbone: one forward, one optimizer, and the
     loss policy + vf_coef · value (TRL's old value-head models). False = a separate model."""
-    learning_rate: float | None = None
+    learning_rate: float | None = field(default=None, metadata=aliases(
+        verl("critic.optim.lr"), openrlhf("critic_learning_rate")))
     """Critic learning rate (null = trainer.learning_rate); the schedule is trainer's."""
-    value_clip: float | None = 0.5
+    value_clip: float | None = field(default=0.5, metadata=aliases(
+        trl("cliprange_value"), verl("critic.cliprange_value"), openrlhf("value_clip")))
     """Clip the new values to old ± value_clip in the loss (veRL 0.5, TRL 0.2); null = off."""
-    vf_coef: float = 0.1
+    vf_coef: float = field(default=0.1, metadata=aliases(trl("vf_coef")))
     """Weight of the value loss: in the joint loss when share_backbone (TRL 0.1), else it
     scales the critic's own loss (with AdamW that mainly changes when grad clipping bites)."""
-    warmup_steps: int = 0
-    """RL steps at the start that train only the critic (veRL `critic_warmup`)."""
-    micro_batch_size: int | None = None
+    warmup_steps: int = field(default=0, metadata=aliases(verl("trainer.critic_warmup")))
+    """RL steps at the start that train only the critic."""
+    micro_batch_size: int | None = field(default=None, metadata=aliases(
+        verl("critic.ppo_micro_batch_size_per_gpu")))
     """Rows per critic forward/backward (null = actor.micro_batch_size)."""
 
     def validate(self) -> None:
@@ -281,20 +342,24 @@ class CriticConfig:
 class RewardConfig:
     """Scoring responses: reward functions (TRL signature) and/or a trained reward model."""
 
-    functions: list[str | dict[str, Any]] = field(default_factory=list)
+    functions: list[str | dict[str, Any]] = field(default_factory=list, metadata=aliases(
+        trl("reward_funcs", same_value=False, note="name them as reward.functions=[name,file.py:function]"),
+        verl("custom_reward_function.path", same_value=False,
+             note="path=F with name=G is reward.functions=[F:G]")))
     """Reward functions: built-in names (task_reward, math_accuracy, format_reward, …),
     `{name: ..., option: ...}` mappings, or `module:function` / `file.py:function` paths."""
-    weights: list[float] | None = None
+    weights: list[float] | None = field(default=None, metadata=aliases(trl("reward_weights")))
     """One weight per function (null = all 1.0)."""
     timeout_s: float = 10.0
     """Seconds a reward function may take on a batch (per-sample retries get as long again)."""
     failure_reward: float = 0.0
     """Reward of a sample whose reward function raised or timed out (counted in reward/<fn>/errors)."""
-    model_path: str | None = None
+    model_path: str | None = field(default=None, metadata=aliases(
+        trl("reward_model_path"), verl("reward_model.model.path"), openrlhf("reward_pretrain")))
     """A trained reward model directory (`posttrain rm`); its score is added to the functions' total."""
     model_weight: float = 1.0
     """Weight of the reward model's score."""
-    missing_eos_penalty: float | None = None
+    missing_eos_penalty: float | None = field(default=None, metadata=aliases(trl("missing_eos_penalty")))
     """Subtract this from the score of a response truncated before a stop token (TRL); null = off."""
 
     def validate(self) -> None:
@@ -309,19 +374,31 @@ class RewardConfig:
 class KLConfig:
     """The KL(π ‖ π_ref) regulariser; the reference model is loaded only when one is on."""
 
-    in_reward: bool = False
-    """Subtract coef · KL_t from every token's reward (InstructGPT/PPO style; veRL `use_kl_in_reward`)."""
-    in_loss: bool = False
-    """Add coef · KL to the actor loss (GRPO; TRL β > 0, veRL `use_kl_loss`)."""
-    kind: Literal["k1", "k2", "k3", "abs"] | None = None
+    in_reward: bool = field(default=False, metadata=aliases(verl("algorithm.use_kl_in_reward")))
+    """Subtract coef · KL_t from every token's reward (InstructGPT/PPO style)."""
+    in_loss: bool = field(default=False, metadata=aliases(
+        verl("actor_rollout_ref.actor.use_kl_loss"), openrlhf("use_kl_loss")))
+    """Add coef · KL to the actor loss (GRPO; TRL's β > 0)."""
+    kind: Literal["k1", "k2", "k3", "abs"] | None = field(default=None, metadata=aliases(
+        verl("actor_rollout_ref.actor.kl_loss_type", VERL_KL), verl("algorithm.kl_penalty", VERL_KL),
+        trl("kl_estimator"), openrlhf("kl_estimator")))
     """Estimator (`posttrain.algos.kl_penalty`); null = k1 in the reward, k3 in the loss (the anchors' defaults)."""
-    coef: float = 0.001
-    """β (veRL 0.001; TRL GRPO's `beta` when it is on)."""
-    adaptive: bool = False
+    coef: float = field(default=0.001, metadata=aliases(
+        trl("beta", note="the KL term acts only with algorithm.kl.in_loss=true (TRL adds it to the loss when beta > 0)"),
+        trl("kl_coef", note="the KL term acts only with algorithm.kl.in_reward=true (TRL's PPO and RLOO "
+            "put it in the reward)"),
+        verl("actor_rollout_ref.actor.kl_loss_coef", note="acts with use_kl_loss=true, here "
+             "algorithm.kl.in_loss=true"),
+        verl("algorithm.kl_ctrl.kl_coef", note="acts with use_kl_in_reward=true, here algorithm.kl.in_reward=true"),
+        openrlhf("init_kl_coef", note="in the reward (algorithm.kl.in_reward=true), or the loss with use_kl_loss "
+                 "(algorithm.kl.in_loss=true)")))
+    """β (veRL's default 0.001)."""
+    adaptive: bool = field(default=False, metadata=aliases(
+        verl("algorithm.kl_ctrl.type", {"fixed": False, "adaptive": True})))
     """Adapt β towards `target` (Ziegler et al. 2019) instead of keeping it fixed."""
-    target: float = 6.0
+    target: float = field(default=6.0, metadata=aliases(verl("algorithm.kl_ctrl.target_kl"), openrlhf("kl_target")))
     """Target KL of the adaptive controller."""
-    horizon: int = 10000
+    horizon: int = field(default=10000, metadata=aliases(verl("algorithm.kl_ctrl.horizon"), openrlhf("kl_horizon")))
     """Horizon (samples) of the adaptive controller."""
 
     def validate(self) -> None:
@@ -337,11 +414,11 @@ class KLConfig:
 class OverlongConfig:
     """DAPO's soft overlong punishment (eq. 13), added to the score."""
 
-    buffer: int = 0
+    buffer: int = field(default=0, metadata=aliases(verl("reward_model.overlong_buffer.len")))
     """L_cache: the penalty ramps from 0 to −penalty over the last `buffer` tokens before
     rollout.max_new_tokens (0 = off). For episodes the length is the episode's model tokens
     and the limit min(multi_turn.max_turns · max_new_tokens, multi_turn.max_total_tokens)."""
-    penalty: float = 1.0
+    penalty: float = field(default=1.0, metadata=aliases(verl("reward_model.overlong_buffer.penalty_factor")))
     """α: the penalty at the length limit."""
 
 
@@ -349,31 +426,34 @@ class OverlongConfig:
 class AlgorithmConfig(RefSyncConfig):
     """Advantages, KL and the DAPO data tricks."""
 
-    adv_estimator: AdvEstimatorName = "grpo"
+    adv_estimator: AdvEstimatorName = field(default="grpo", metadata=ADV_ESTIMATOR_ALIASES)
     """gae (PPO: critic + GAE), grpo (group-normalised), dr_grpo (group mean only), rloo
     (leave-one-out baseline), reinforce_pp (REINFORCE++: batch-whitened returns)."""
-    norm_adv_by_std: Literal["group", "batch", "none"] | None = None
-    """Group estimators' scaling (TRL `scale_rewards`): divide by the group's std, the
+    norm_adv_by_std: Literal["group", "batch", "none"] | None = field(default=None, metadata=aliases(
+        trl("scale_rewards", {True: "group", False: "none", "group": "group", "batch": "batch", "none": "none"}),
+        verl("algorithm.norm_adv_by_std_in_grpo", {True: "group", False: "none"})))
+    """Group estimators' scaling: divide by the group's std, the
     batch's, or not at all; null = group for grpo, none for dr_grpo."""
-    gamma: float = 1.0
+    gamma: float = field(default=1.0, metadata=aliases(trl("gamma"), verl("algorithm.gamma"), openrlhf("gamma")))
     """Discount γ (gae, reinforce_pp)."""
-    lam: float = 0.95
+    lam: float = field(default=0.95, metadata=aliases(trl("lam"), verl("algorithm.lam"), openrlhf("lambd")))
     """GAE λ (TRL 0.95; veRL 1.0)."""
     whiten_advantages: bool | None = None
     """Whiten advantages over the batch's valid tokens; null = on for gae, off otherwise
     (reinforce_pp always whitens, as its definition does)."""
     kl: KLConfig = field(default_factory=KLConfig)
     """KL to the reference policy."""
-    filter_groups: bool = False
+    filter_groups: bool = field(default=False, metadata=aliases(
+        verl("algorithm.filter_groups.enable"), openrlhf("dynamic_filtering")))
     """DAPO dynamic sampling: drop groups whose scores are all equal and generate more
     prompts until data.train_batch_size groups are kept."""
-    max_gen_batches: int = 10
+    max_gen_batches: int = field(default=10, metadata=aliases(verl("algorithm.filter_groups.max_num_gen_batches")))
     """Dynamic sampling gives up after this many generation rounds per step and trains on
     what it kept (with a warning; metrics dynamic_sampling/*)."""
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
     """Soft overlong punishment."""
-    mask_truncated_completions: bool = False
-    """Leave truncated responses out of the loss (DAPO's overlong filtering; TRL option)."""
+    mask_truncated_completions: bool = field(default=False, metadata=aliases(trl("mask_truncated_completions")))
+    """Leave truncated responses out of the loss (DAPO's overlong filtering)."""
 
     def validate(self) -> None:
         self.check_ref_sync()
@@ -422,7 +502,7 @@ class RLEvalConfig:
     """Tokens generated per eval prompt (null = rollout.max_new_tokens)."""
     temperature: float = 0.0
     """Eval sampling temperature (0 = greedy)."""
-    batch_size: int = 64
+    batch_size: int = field(default=64, metadata=aliases(trl("per_device_eval_batch_size")))
     """Prompts decoded at once."""
 
     def validate(self) -> None:
@@ -446,10 +526,10 @@ class RLTrainerConfig(TrainerConfig):
     workers with rollout.seed_mode=row (rollout.dispatch; the local backend's tokens with the
     same seed_mode). The vllm engine needs GPU workers (placement.gpus_per_worker). Not with
     critic.share_backbone. Ray starts locally on 127.0.0.1 unless ray.address says otherwise."""
-    nnodes: int = 1
+    nnodes: int = field(default=1, metadata=aliases(verl("trainer.nnodes")))
     """Nodes of the Ray cluster the workers span (trainer.backend=ray)."""
-    n_workers_per_node: int = 1
-    """Worker processes per node (trainer.backend=ray; veRL's n_gpus_per_node: on a CPU a
+    n_workers_per_node: int = field(default=1, metadata=aliases(verl("trainer.n_gpus_per_node")))
+    """Worker processes per node (trainer.backend=ray; on a CPU a
     worker is a process with placement.cpus_per_worker threads)."""
     collective_timeout_s: float = 600.0
     """How long a torch.distributed collective between the workers may wait (trainer.backend=ray).
@@ -754,7 +834,7 @@ class PPORolloutConfig(RolloutConfig):
 class PPOAlgorithmConfig(AlgorithmConfig):
     """PPO's algorithm section: GAE by default."""
 
-    adv_estimator: AdvEstimatorName = "gae"
+    adv_estimator: AdvEstimatorName = field(default="gae", metadata=ADV_ESTIMATOR_ALIASES)
     """gae (PPO: critic + GAE), grpo, dr_grpo, rloo or reinforce_pp (see `posttrain grpo`)."""
 
 

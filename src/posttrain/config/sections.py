@@ -11,26 +11,37 @@ import re
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
+from posttrain.config.aliases import aliases, openrlhf, trl, verl
 from posttrain.config.core import ConfigError, check
 
 log = logging.getLogger(__name__)
+
+ACCUMULATION = ("set the global batch data.train_batch_size = per_device_train_batch_size × "
+                "gradient_accumulation_steps × ranks: the accumulation follows from it and trainer.micro_batch_size")
+"""How TRL's gradient_accumulation_steps reads here (sft, rm, dpo)."""
 
 
 @dataclass
 class LoraConfig:
     """Low-rank adapters through `peft`."""
 
-    r: int = 0
+    r: int = field(default=0, metadata=aliases(
+        trl("lora_r"), verl("actor_rollout_ref.model.lora_rank"), openrlhf("lora_rank")))
     """LoRA rank; 0 turns LoRA off (full fine-tuning)."""
-    alpha: float = 16.0
+    alpha: float = field(default=16.0, metadata=aliases(
+        trl("lora_alpha"), verl("actor_rollout_ref.model.lora_alpha"), openrlhf("lora_alpha")))
     """LoRA scaling numerator: the update is scaled by alpha / r."""
-    dropout: float = 0.0
+    dropout: float = field(default=0.0, metadata=aliases(trl("lora_dropout"), openrlhf("lora_dropout")))
     """Dropout on the LoRA input."""
     target_modules: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        metadata=aliases(trl("lora_target_modules"), verl("actor_rollout_ref.model.target_modules"),
+                         openrlhf("target_modules")),
     )
     """Names of the linear layers that get adapters (Llama names; also `all-linear`)."""
-    quantize: Literal["none", "4bit", "8bit"] = "none"
+    quantize: Literal["none", "4bit", "8bit"] = field(default="none", metadata=aliases(
+        trl("load_in_4bit", {True: "4bit", False: "none"}), trl("load_in_8bit", {True: "8bit", False: "none"}),
+        openrlhf("load_in_4bit", {True: "4bit", False: "none"})))
     """Load the frozen base in 4 or 8 bits (QLoRA); needs CUDA and bitsandbytes."""
 
     def validate(self) -> None:
@@ -47,7 +58,8 @@ class LoraConfig:
 class ModelConfig:
     """Which model to train: a local Hugging Face checkpoint or a fresh built-in one."""
 
-    path: str | None = None
+    path: str | None = field(default=None, metadata=aliases(
+        trl("model_name_or_path"), verl("actor_rollout_ref.model.path"), openrlhf("pretrain")))
     """Local directory of a Hugging Face causal LM (config.json + weights). Nothing is downloaded."""
     init: Literal["tiny", "small"] | None = None
     """Start from a freshly initialised built-in model of this size (with the built-in tokenizer)."""
@@ -55,7 +67,8 @@ class ModelConfig:
     """Tokenizer directory; defaults to `model.path`, or the built-in tokenizer with `model.init`."""
     impl: Literal["auto", "builtin", "hf"] = "auto"
     """Model code: `builtin` (our Llama implementation, fast native rollout), `hf` (transformers), or `auto` (builtin for Llama checkpoints)."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(default="auto", metadata=aliases(
+        trl("torch_dtype")))
     """Weight dtype: `auto` is float32 for weights the command trains (the master copy; `trainer.precision` sets the compute dtype), else (a frozen LoRA base, eval, generate) bfloat16 on CUDA when supported, else float32."""
     device: str = "auto"
     """`auto` (CUDA when available, else CPU), `cpu`, `cuda`, or `cuda:N`."""
@@ -85,17 +98,23 @@ class ModelConfig:
 class DataConfig:
     """Where the examples come from and how they are cut into batches."""
 
-    train_files: list[str] = field(default_factory=list)
+    train_files: list[str] = field(default_factory=list, metadata=aliases(
+        trl("train_dataset", same_value=False, note="the trainer's argument: pass the files here"),
+        verl("data.train_files"), openrlhf("dataset")))
     """Training data: JSONL, JSON, Parquet or CSV files, or a saved `datasets` folder."""
-    eval_files: list[str] = field(default_factory=list)
+    eval_files: list[str] = field(default_factory=list, metadata=aliases(
+        trl("eval_dataset", same_value=False, note="the trainer's argument: pass the files here"),
+        verl("data.val_files"), openrlhf("eval_dataset")))
     """Held-out data for evaluation (same formats)."""
     format: Literal["auto", "text", "prompt_completion", "messages", "preference", "prompt"] = "auto"
     """Dataset format (as TRL); `auto` detects it from the columns."""
-    max_length: int = 512
+    max_length: int = field(default=512, metadata=aliases(trl("max_length"), openrlhf("max_len")))
     """Longest tokenized example, prompt included."""
     truncation: Literal["truncate", "drop"] = "truncate"
     """What to do with a longer example: cut it, or drop it. Either way it is counted and reported."""
-    train_batch_size: int = 32
+    train_batch_size: int = field(default=32, metadata=aliases(
+        trl("gradient_accumulation_steps", same_value=False, note=ACCUMULATION),
+        openrlhf("train_batch_size")))
     """Examples (prompts, for RL) per optimizer step, across all micro-batches."""
     shuffle: bool = True
     """Shuffle the training examples every epoch (seeded by trainer.seed)."""
@@ -113,41 +132,62 @@ class DataConfig:
 class TrainerConfig:
     """The optimisation loop: steps, optimizer, schedule, precision, logging, checkpoints."""
 
-    output_dir: str = "runs/run"
+    output_dir: str = field(default="runs/run", metadata=aliases(
+        trl("output_dir"), verl("trainer.default_local_dir"), openrlhf("save_path")))
     """Run directory: config.yaml, metrics.jsonl, checkpoints/, final/ are written here. It
     holds one run: each command defaults to its own (runs/sft, runs/rm, runs/dpo, ...)."""
-    max_steps: int = 100
+    max_steps: int = field(default=100, metadata=aliases(trl("max_steps"), verl("trainer.total_training_steps")))
     """Number of optimizer steps."""
     max_time_s: float | None = None
     """Wall-clock budget of this process's training loop, in seconds: the run ends at the
     first step that finishes past it (training, evaluation and checkpoints count), then
     evaluates, checkpoints and writes final/ as at max_steps. The lr schedule still spans
     max_steps (or lr_schedule_steps). null = no budget. A resumed run gets the budget afresh."""
-    learning_rate: float = 1e-4
+    learning_rate: float = field(default=1e-4, metadata=aliases(
+        trl("learning_rate"), verl("actor_rollout_ref.actor.optim.lr"), verl("optim.lr"),
+        openrlhf("actor_learning_rate"), openrlhf("learning_rate")))
     """Peak learning rate (AdamW)."""
-    lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    lr_scheduler: Literal["cosine", "linear", "constant"] = field(default="cosine", metadata=aliases(
+        trl("lr_scheduler_type", {"cosine": "cosine", "linear": "linear", "constant": "constant",
+                                  "constant_with_warmup": "constant", "cosine_with_min_lr": "cosine"}),
+        verl("actor_rollout_ref.actor.optim.warmup_style", {"constant": "constant", "cosine": "cosine"}),
+        openrlhf("lr_scheduler", {"cosine_with_min_lr": "cosine", "constant": "constant", "linear": "linear"})))
     """Learning-rate shape after warmup."""
-    warmup_steps: int = 0
+    warmup_steps: int = field(default=0, metadata=aliases(
+        trl("warmup_steps"), trl("warmup_ratio", same_value=False, note="warmup_steps = warmup_ratio × max_steps"),
+        verl("actor_rollout_ref.actor.optim.lr_warmup_steps"),
+        verl("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio", same_value=False,
+             note="warmup_steps = lr_warmup_steps_ratio × max_steps"),
+        openrlhf("lr_warmup_ratio", same_value=False, note="warmup_steps = lr_warmup_ratio × max_steps")))
     """Linear warmup from 0 to the peak over this many steps."""
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: float = field(default=0.0, metadata=aliases(verl("actor_rollout_ref.actor.optim.min_lr_ratio")))
     """Floor of the cosine/linear decay, as a fraction of the peak."""
     lr_schedule_steps: int | None = None
     """Steps the warmup + decay spans (null: max_steps). Longer than max_steps stops a longer
     schedule part-way, e.g. max_steps=420 with lr_schedule_steps=700 trains the first 420
     steps of a 700-step cosine."""
-    weight_decay: float = 0.0
+    weight_decay: float = field(default=0.0, metadata=aliases(
+        trl("weight_decay"), verl("actor_rollout_ref.actor.optim.weight_decay"), openrlhf("l2")))
     """AdamW decoupled weight decay (not applied to norms and biases)."""
-    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999], metadata=aliases(
+        trl("adam_beta1", same_value=False, note="write both as trainer.adam_betas=[beta1,beta2]"),
+        trl("adam_beta2", same_value=False, note="write both as trainer.adam_betas=[beta1,beta2]"),
+        verl("actor_rollout_ref.actor.optim.betas"), openrlhf("adam_betas")))
     """AdamW (beta1, beta2)."""
-    adam_eps: float = 1e-8
+    adam_eps: float = field(default=1e-8, metadata=aliases(trl("adam_epsilon")))
     """AdamW epsilon."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = field(default=1.0, metadata=aliases(
+        trl("max_grad_norm"), verl("actor_rollout_ref.actor.grad_clip"), openrlhf("max_norm")))
     """Clip the global gradient norm to this value; 0 turns clipping off."""
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    precision: Literal["auto", "fp32", "bf16"] = field(default="auto", metadata=aliases(
+        trl("bf16", {True: "bf16", False: "fp32"}), openrlhf("bf16", {True: "bf16", False: "fp32"})))
     """`bf16` runs forward and backward under bfloat16 autocast (master weights stay fp32); `auto` is bf16 on a CUDA device that supports it, else fp32."""
-    seed: int = 0
+    seed: int = field(default=0, metadata=aliases(trl("seed"), openrlhf("seed")))
     """Seed for initialisation, shuffling and sampling."""
-    resume: str = "auto"
+    resume: str = field(default="auto", metadata=aliases(
+        trl("resume_from_checkpoint", {True: "auto", False: "never"}, note="a checkpoint path is trainer.resume=PATH"),
+        verl("trainer.resume_mode", {"auto": "auto", "disable": "never"},
+             note="resume_mode=resume_path with resume_from_path=P is trainer.resume=P")))
     """`auto` continues from the newest complete checkpoint in output_dir, `never` starts fresh, or a checkpoint path.
     A checkpoint is resumed only by the command that wrote it with the same settings, except
     those listed in `posttrain.checkpoint.RESUME_MAY_CHANGE` (max_steps, cadences, sinks, ...)."""
@@ -155,15 +195,24 @@ class TrainerConfig:
     """Let a fresh start (resume=never, or auto with no checkpoint to continue) replace a run
     already in output_dir: its checkpoints, final/, metrics and logs are removed first.
     Without it such a start is refused, so two runs never mix in one folder."""
-    save_steps: int = 0
+    save_steps: int = field(default=0, metadata=aliases(
+        trl("save_steps"),
+        trl("save_strategy", same_value=False, note="save_strategy=steps with save_steps=N is trainer.save_steps=N; "
+            "no is trainer.save_steps=0 (final/ is always written)"),
+        verl("trainer.save_freq"), openrlhf("save_steps")))
     """Save a checkpoint every N steps (0: only at the end)."""
-    save_total_limit: int = 2
+    save_total_limit: int = field(default=2, metadata=aliases(trl("save_total_limit"), openrlhf("max_ckpt_num")))
     """Keep at most this many checkpoints, oldest removed first (0: keep all)."""
-    eval_steps: int = 0
+    eval_steps: int = field(default=0, metadata=aliases(
+        trl("eval_steps"),
+        trl("eval_strategy", same_value=False, note="eval_strategy=steps with eval_steps=N is trainer.eval_steps=N; "
+            "the run always evaluates at its end"),
+        verl("trainer.test_freq"), openrlhf("eval_steps")))
     """Evaluate every N steps (0: only at the end)."""
-    logging_steps: int = 1
+    logging_steps: int = field(default=1, metadata=aliases(trl("logging_steps"), openrlhf("logging_steps")))
     """Write metrics every N steps."""
-    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"], metadata=aliases(
+        trl("report_to"), verl("trainer.logger", note="console is always on; name tensorboard, wandb or mlflow")))
     """Metric sinks besides metrics.jsonl: any of tensorboard, wandb, mlflow (none: [])."""
     max_bad_steps: int = 5
     """Stop after this many consecutive steps with a NaN/inf loss (each is skipped and counted)."""
@@ -198,7 +247,8 @@ class OfflineTrainerConfig(TrainerConfig):
     """The optimisation loop of a command that trains on a fixed dataset (sft, rm, dpo): the
     shared options plus the micro-batch size. RL cuts its batches by `actor.*` instead."""
 
-    micro_batch_size: int = 8
+    micro_batch_size: int = field(default=8, metadata=aliases(
+        trl("per_device_train_batch_size"), openrlhf("micro_train_batch_size")))
     """Examples per forward/backward pass on one rank; gradients accumulate up to data.train_batch_size."""
     strategy: Literal["none", "ddp", "fsdp2"] = "none"
     """Data parallelism under `torchrun --nproc_per_node N -m posttrain CMD ...`: `ddp` replicates
@@ -245,14 +295,17 @@ def _largest_divisor(n: int, at_most: int) -> int:
 
 @dataclass
 class RefSyncConfig:
-    """TR-DPO's reference sync (TRL `sync_ref_model`), for every trainer with a reference."""
+    """TR-DPO's reference sync, for every trainer with a reference."""
 
-    ref_sync_steps: int = 0
+    ref_sync_steps: int = field(default=0, metadata=aliases(
+        trl("ref_model_sync_steps"),
+        trl("sync_ref_model", same_value=False, note="sync_ref_model=true with ref_model_sync_steps=N is "
+            "algorithm.ref_sync_steps=N (TRL's N is 512); 0 is off")))
     """Every this many steps the reference moves towards the policy: ref ← α·policy + (1 − α)·ref
-    (Gorbatovski et al. 2024; TRL `ref_model_sync_steps`, 512 there). 0 = off (a frozen reference).
+    (Gorbatovski et al. 2024; TRL's default 512). 0 = off (a frozen reference).
     Refused with LoRA, whose reference is the adapter-disabled base (as TRL refuses it with PEFT)."""
-    ref_sync_alpha: float = 0.6
-    """α of the sync (TRL `ref_model_mixup_alpha`, 0.6)."""
+    ref_sync_alpha: float = field(default=0.6, metadata=aliases(trl("ref_model_mixup_alpha")))
+    """α of the sync (TRL's default 0.6)."""
 
     def check_ref_sync(self) -> None:
         check(self.ref_sync_steps >= 0, "algorithm.ref_sync_steps", "must be >= 0 (0 = off)")

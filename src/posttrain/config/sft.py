@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from posttrain.config.aliases import aliases, openrlhf, trl
 from posttrain.config.core import check
 from posttrain.config.sections import DataConfig, ModelConfig, OfflineTrainerConfig, check_divides
 
@@ -13,11 +14,11 @@ from posttrain.config.sections import DataConfig, ModelConfig, OfflineTrainerCon
 class SFTDataConfig(DataConfig):
     """SFT data: the shared data options plus loss masking and packing."""
 
-    completion_only_loss: bool | None = None
+    completion_only_loss: bool | None = field(default=None, metadata=aliases(trl("completion_only_loss")))
     """Train only on completion tokens of prompt/completion data; `null` means yes for that format (as TRL)."""
-    assistant_only_loss: bool = False
+    assistant_only_loss: bool = field(default=False, metadata=aliases(trl("assistant_only_loss")))
     """Train only on assistant turns of conversational data (needs `{% generation %}` marks in the chat template)."""
-    packing: bool = False
+    packing: bool = field(default=False, metadata=aliases(trl("packing"), openrlhf("packing_samples")))
     """Pack several examples into each row of `max_length` tokens (best-fit decreasing); no attention crosses examples."""
     environment_markers: list[str] = field(default_factory=lambda: ["<result>", "</result>"])
     """[start, end]: in string prompt/completion data, each start…end span of a completion is
@@ -40,7 +41,7 @@ class SFTEvalConfig:
     """Tokens generated per eval prompt when `task` is set."""
     num_examples: int = 500
     """Eval examples used for task accuracy (the first N of data.eval_files)."""
-    batch_size: int = 64
+    batch_size: int = field(default=64, metadata=aliases(trl("per_device_eval_batch_size")))
     """Prompts decoded at once during task evaluation."""
 
     def validate(self) -> None:
