@@ -13,6 +13,10 @@ BIN := $(VENV)/bin
 TORCH_VERSION := 2.13.0
 STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-16)
 DEMO_DIR ?= runs/demo
+# pytest-xdist processes for make test: one per core of CI's 2-core machine. Each test file runs
+# whole in one process (--dist loadfile), so a module fixture (a trained run, a Ray cluster) is
+# built once. Set TEST_WORKERS=auto on a bigger machine, or 0 to run in this process.
+TEST_WORKERS ?= 2
 
 .PHONY: install test test-all demo lint clean chromium
 
@@ -26,10 +30,10 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-all: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "slow or not slow"
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "slow or not slow"
 
 chromium:
 	@command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } \
