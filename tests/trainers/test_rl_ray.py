@@ -148,6 +148,11 @@ POOLS = {"placement.critic.enable_resource_pool": "true", "placement.rollout.ena
 """The critic and the rollout on pools of their own (1 worker each)."""
 
 
+def on(backend, **ray_only):
+    """The overrides of a run on `backend`: on Ray, 2 workers and `ray_only` (refused locally)."""
+    return {"trainer.backend": backend, **({"trainer.n_workers_per_node": 2, **ray_only} if backend == "ray" else {})}
+
+
 def config(run_dir, name, **overrides):
     return grpo_config(run_dir, **{**SETTINGS[name], **overrides})
 
@@ -237,8 +242,8 @@ def test_two_workers_give_the_local_update(ray_session, tmp_path, name):
     """PPO: the actor's and the critic's parameters; a synced reference: the reference each
     checkpoint holds, and the actor's parameters, which its KL term moved."""
     model = tiny_model_f64()
-    runs = {backend: train_grpo(model, config(tmp_path / backend, name, **{
-        "trainer.backend": backend, "trainer.n_workers_per_node": 2})) for backend in ("local", "ray")}
+    runs = {backend: train_grpo(model, config(tmp_path / backend, name, **on(backend)))
+            for backend in ("local", "ray")}
     start = model.state_dict()  # the critic's too (with a zero head)
     for role, state in runs["local"].items():
         moved = max(float((v - start[k]).abs().max()) if k in start else float(v.abs().max()) for k, v in state.items())
@@ -391,8 +396,8 @@ def test_two_workers_give_the_local_update_over_episodes(ray_session, guesser, t
     if env == "file":
         (tmp_path / "my_game.py").write_text(FILE_GAME)
         env, seed_mode = f"{tmp_path / 'my_game.py'}:EveryTurnCounts", "row"
-    runs = {backend: train(model, episode_config(tmp_path / backend, env, **{
-        "trainer.backend": backend, "trainer.n_workers_per_node": 2, "rollout.seed_mode": seed_mode}),
+    runs = {backend: train(model, episode_config(tmp_path / backend, env, **on(backend), **{
+        "rollout.seed_mode": seed_mode}),
         rows=GUESS_ROWS, tokenizer=tok) for backend in ("local", "ray")}
     start = model.state_dict()
     assert max(float((v - start[k]).abs().max()) for k, v in runs["local"]["actor"].items()) > 1e-4
@@ -473,8 +478,7 @@ def test_critic_and_rollout_on_pools_of_their_own_give_the_local_update(ray_sess
     (its own policy copy, loading actor rank 0's weights after each update): the local run's
     actor and critic within 1e-10 after 3 steps, so the rollout sampled the local tokens."""
     model = tiny_model_f64()
-    runs = {backend: train_grpo(model, config(tmp_path / backend, "ppo", **{
-        "trainer.backend": backend, "trainer.n_workers_per_node": 2, **(POOLS if backend == "ray" else {})}))
+    runs = {backend: train_grpo(model, config(tmp_path / backend, "ppo", **on(backend, **POOLS)))
         for backend in ("local", "ray")}
     assert set(runs["ray"]) == {"actor", "critic"}
     assert_same_run(tmp_path / "local", tmp_path / "ray", runs["local"], runs["ray"], "ppo", 1e-10)
@@ -487,7 +491,8 @@ def cli_args(data, run, backend):
             "data.train_batch_size=2", "actor.ppo_mini_batch_size=2",
             "rollout.n=2", "rollout.max_new_tokens=6", "actor.micro_batch_size=4", "trainer.max_steps=2",
             "algorithm.overlong.buffer=0", f"trainer.output_dir={run}", "trainer.report_to=[]",
-            "trainer.progress=false", f"trainer.backend={backend}", "trainer.nnodes=1", "trainer.n_workers_per_node=2"]
+            "trainer.progress=false", f"trainer.backend={backend}",
+            *(["trainer.nnodes=1", "trainer.n_workers_per_node=2"] if backend == "ray" else [])]
 
 
 def test_cli_grpo_on_ray_runs_end_to_end_like_local_and_leaves_no_process(tmp_path):
@@ -522,8 +527,7 @@ def test_a_critic_pool_of_two_workers_gives_the_local_update(ray_session, tmp_pa
     """2 actor workers (rollout colocated) + 2 critic workers in their own gloo group."""
     model = tiny_model_f64()
     pool = {"placement.critic.enable_resource_pool": "true", "placement.critic.n_workers_per_node": 2}
-    runs = {backend: train_grpo(model, config(tmp_path / backend, "ppo", **{
-        "trainer.backend": backend, "trainer.n_workers_per_node": 2, **(pool if backend == "ray" else {})}))
+    runs = {backend: train_grpo(model, config(tmp_path / backend, "ppo", **on(backend, **pool)))
         for backend in ("local", "ray")}
     assert_same_run(tmp_path / "local", tmp_path / "ray", runs["local"], runs["ray"], "ppo", 1e-10)
 
@@ -536,8 +540,7 @@ def test_episodes_on_a_rollout_pool_of_two_workers_give_the_local_update(ray_ses
     (tmp_path / "my_game.py").write_text(FILE_GAME)
     env = f"{tmp_path / 'my_game.py'}:EveryTurnCounts"
     pool = {"placement.rollout.enable_resource_pool": "true", "placement.rollout.n_workers_per_node": 2}
-    runs = {backend: train(model, episode_config(tmp_path / backend, env, **{
-        "trainer.backend": backend, "trainer.n_workers_per_node": 2, **(pool if backend == "ray" else {})}),
+    runs = {backend: train(model, episode_config(tmp_path / backend, env, **on(backend, **pool)),
         rows=GUESS_ROWS, tokenizer=tok) for backend in ("local", "ray")}
     for k, v in runs["local"]["actor"].items():
         assert float((v - runs["ray"]["actor"][k]).abs().max()) <= 1e-10, k

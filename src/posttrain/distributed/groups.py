@@ -118,6 +118,7 @@ class GroupSpec:
     workers_per_node: int  # trainer.n_workers_per_node
     cpus_per_worker: int  # placement.cpus_per_worker
     address: str | None  # ray.address
+    num_cpus: int | None = None  # ray.num_cpus
     collective_timeout_s: float = 600.0  # trainer.collective_timeout_s
     placement_timeout_s: float = 10.0
     gpus_per_worker: float = 0.0  # placement.gpus_per_worker
@@ -251,7 +252,7 @@ class RayWorkerGroup(_Dispatch):
         from posttrain.distributed.ray_session import RaySession
 
         self.spec, self.world_size, self.factory = spec, spec.world_size, factory
-        self.session = RaySession(spec.address)
+        self.session = RaySession(spec.address, spec.num_cpus)
         self.actors: list[Any] = []
         self.pids: list[int | None] = []
         self.group, self._args = placement, None
