@@ -5,13 +5,16 @@
     # KeyError('secret') in Shop.reset becomes UserCodeError:
     # environment 'my_envs:Shop' raised KeyError: 'secret' at /work/my_envs.py:12 (in reset)
 
-A reward function, an environment or a data callable that raises stops the run with one line
+User code that stops a run when it raises (an environment's constructor or `reset`, in
+`envs.driver`; any user callable a trainer calls inside `user_code`) stops it with one line
 naming the object, the exception's class and message, and the line of the user's code that
 raised it (the innermost frame outside posttrain, the standard library and the installed
 packages). It reads the same in the CLI and the Python API, and on the local and the Ray
 backends: a Ray worker's `UserCodeError` is raised as itself on the driver
 (`distributed.groups`), not as Ray's wrapper with the worker's traceback. The original
-exception stays chained (`__cause__`) on the backend that raised it.
+exception stays chained (`__cause__`) on the backend that raised it. A reward function never
+stops a run by raising (its sample gets reward.failure_reward); its first failure, which a
+run that fails on every sample stops with, starts with the same words (`raised`).
 """
 
 from __future__ import annotations

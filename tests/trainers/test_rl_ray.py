@@ -38,6 +38,7 @@ from posttrain.models import BuiltinLM
 from posttrain.trainers.rl_build import build_rollout
 from posttrain.trainers.rl_faults import WorkerFailure
 from posttrain.trainers.rl_ray import Colocated, RayRollout, build_ray_roles
+from posttrain.user_code import UserCodeError
 from posttrain.workers import RLBatch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -411,6 +412,21 @@ def test_two_workers_give_the_local_update_over_episodes(ray_session, guesser, t
         for key in ("turns/mean", "turns/max", "tool_calls/mean", "env/reward/mean", "reward/mean", "response_length/mean",
                     "grad_norm", "policy_loss"):
             assert a[key] == pytest.approx(b[key], abs=1e-9), (a["step"], key)
+
+
+@pytest.mark.slow  # a worker's start
+def test_an_environment_raising_on_a_worker_is_said_as_the_local_backend_says_it(ray_session, tmp_path):
+    """The worker's `UserCodeError` reaches the driver as itself (Ray's wrapper and the worker's
+    traceback dropped): the local run's line, naming the environment, KeyError and the file's line."""
+    path = tmp_path / "no_secret.py"
+    path.write_text("from posttrain.envs import GuessNumber\n\n\nclass NoSecret(GuessNumber):\n"
+                    "    def reset(self, row):\n        return row['secret']\n")
+    said = {}
+    for backend in ("local", "ray"):
+        with pytest.raises(UserCodeError) as err:
+            train(tiny_model_f64(), episode_config(tmp_path / backend, f"{path}:NoSecret", **{"trainer.backend": backend}))
+        said[backend] = str(err.value)
+    assert said["ray"] == said["local"] == f"environment 'NoSecret' raised KeyError: 'secret' at {path}:6 (in reset)"
 
 
 @pytest.mark.skipif(not (importlib.util.find_spec("vllm") and torch.cuda.is_available()),
