@@ -43,6 +43,16 @@ def test_the_error_names_the_object_its_class_and_the_users_line(tmp_path):
     assert describe("x", ValueError("never raised")) == "x raised ValueError: never raised"
 
 
+def test_a_file_that_fails_to_load_is_said_with_its_line(tmp_path):
+    (tmp_path / "typo.py").write_text("import math\n\nvalue = math.tau()\n")
+    (tmp_path / "unfinished.py").write_text("def reward(:\n")
+    with pytest.raises(UserCodeError, match=rf"^the file '{tmp_path / 'typo.py'}' raised TypeError: 'float' object "
+                                            rf"is not callable at {tmp_path / 'typo.py'}:3 \(in <module>\)$"):
+        load_object(f"{tmp_path / 'typo.py'}:reward")
+    with pytest.raises(UserCodeError, match=rf"raised SyntaxError: .* at {tmp_path / 'unfinished.py'}:1 \(in <module>\)$"):
+        load_object(f"{tmp_path / 'unfinished.py'}:reward")
+
+
 def test_an_environment_that_raises_stops_the_cli_run_with_one_line(tmp_path, capsys):
     (tmp_path / "user_envs.py").write_text(USER_FILE)
     data = tmp_path / "rl.jsonl"

@@ -6,7 +6,8 @@
     # environment 'my_envs:Shop' raised KeyError: 'secret' at /work/my_envs.py:12 (in reset)
 
 User code that stops a run when it raises (an environment's constructor or `reset`, in
-`envs.driver`; any user callable a trainer calls inside `user_code`) stops it with one line
+`envs.driver`; a `file.py:name` file as it loads, in `rewards.registry`; any user callable a
+trainer calls inside `user_code`) stops it with one line
 naming the object, the exception's class and message, and the line of the user's code that
 raised it (the innermost frame outside posttrain, the standard library and the installed
 packages). It reads the same in the CLI and the Python API, and on the local and the Ray
@@ -60,10 +61,13 @@ def raised(error: BaseException) -> str:
 
 
 def user_frame(error: BaseException) -> traceback.FrameSummary | None:
-    """The innermost frame of `error`'s traceback in the user's code (a file outside _NOT_USER),
-    else its innermost frame; None without a traceback."""
+    """The innermost frame of `error`'s traceback in the user's code (a file outside _NOT_USER;
+    a SyntaxError's own file and line), else its innermost frame; None without a traceback."""
+    if isinstance(error, SyntaxError) and error.filename:
+        return traceback.FrameSummary(error.filename, error.lineno or 0, "<module>")
     frames = traceback.extract_tb(error.__traceback__)
-    mine = [f for f in frames if not str(Path(f.filename).resolve()).startswith(_NOT_USER)]
+    mine = [f for f in frames if not f.filename.startswith("<")  # <frozen importlib._bootstrap>
+            and not str(Path(f.filename).resolve()).startswith(_NOT_USER)]
     return (mine or frames or [None])[-1]
 
 

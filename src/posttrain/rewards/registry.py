@@ -31,6 +31,7 @@ from types import ModuleType
 from typing import Any
 
 from posttrain.rewards.builtin import BUILTIN_REWARDS, REWARD_FACTORIES
+from posttrain.user_code import user_code
 
 __all__ = ["load_object", "pickle_file_modules_by_value", "resolve_reward"]
 
@@ -162,7 +163,8 @@ def _load_file(file: str, spec: str) -> Any:
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module
     try:
-        module_spec.loader.exec_module(module)
+        with user_code(f"the file {str(path)!r}"):
+            module_spec.loader.exec_module(module)
     except BaseException:
         del sys.modules[name]
         raise
