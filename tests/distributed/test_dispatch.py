@@ -142,7 +142,7 @@ def test_every_ray_only_key_is_refused_on_the_local_backend_by_one_check():
     """A veRL user's trainer.nnodes=2 trainer.n_workers_per_node=2 without trainer.backend=ray
     would train as one process: refused, naming both keys, as every key Ray alone reads."""
     with pytest.raises(ConfigError, match=r"^trainer.nnodes, trainer.n_workers_per_node: apply to Ray workers "
-                                          r"only: set trainer.backend=ray, or drop it"):
+                                          r"only: set trainer.backend=ray, or drop them"):
         grpo("trainer.nnodes=2", "trainer.n_workers_per_node=2")
     for key, value in (("trainer.collective_timeout_s", 60), ("placement.cpus_per_worker", 2),
                        ("placement.gpus_per_worker", 1), ("placement.critic.n_workers_per_node", 2),

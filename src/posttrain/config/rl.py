@@ -734,7 +734,7 @@ class RLConfig:
         ray_keys = self.ray_keys_set()
         check(self.trainer.backend == "ray" or not ray_keys, ", ".join(ray_keys),
               f"{'apply' if len(ray_keys) > 1 else 'applies'} to Ray workers only: set trainer.backend=ray, or "
-              "drop it (trainer.backend=local runs every role in this one process)")
+              f"drop {'them' if len(ray_keys) > 1 else 'it'} (trainer.backend=local runs every role in this one process)")
         self.check_overlong()
         if self.rollout.engine == "vllm" and self.eval.task is None:  # eval samples through the engine
             problem = check_vllm_temperature(self.eval.temperature)
