@@ -51,7 +51,7 @@ def refuse_launch_of_several(command: str, fix: str) -> None:
     if world > 1:
         raise ConfigError(f"posttrain {command} runs in one process, but this is rank "
                           f"{os.environ.get('RANK', '?')} of WORLD_SIZE={world} (torchrun): each would run on "
-                          f"its own, over one run folder; {fix}")
+                          f"its own and write over the others' files; {fix}")
 
 
 def init_from_env(strategy: str, timeout_s: float = 1800.0) -> DistContext | None:
