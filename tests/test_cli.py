@@ -77,6 +77,54 @@ def test_a_run_that_stops_itself_is_one_line_and_exit_1(tmp_path, capsys):
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("command", ["grpo", "ppo"])
+def test_rl_under_torchrun_is_refused_on_every_rank_before_its_run_folder(tmp_path, capsys, monkeypatch, command):
+    """Two torchrun processes of `posttrain grpo` would be two runs over one folder (rank 1
+    "resumed" rank 0's checkpoint): each rank refuses, pointing to Ray, and writes nothing.
+    The Python API refuses the same way."""
+    from posttrain import GRPOConfig, GRPOTrainer
+    from posttrain.config import ConfigError, build_config
+
+    data = tmp_path / "rl.jsonl"
+    data.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    run = tmp_path / "run"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        assert main([command, "model.init=tiny", f"data.train_files=[{data}]", f"trainer.output_dir={run}",
+                     "reward.functions=[math_accuracy]", "trainer.report_to=[]", "trainer.max_steps=1",
+                     "data.train_batch_size=1", "rollout.n=2", "actor.micro_batch_size=2", "rollout.max_new_tokens=2"]) == 2
+        err = capsys.readouterr().err
+        assert f"posttrain {command}: config error: posttrain {command} runs in one process, but this is " \
+               f"rank {rank} of WORLD_SIZE=2 (torchrun)" in err
+        assert "trainer.backend=ray trainer.n_workers_per_node=N" in err
+        assert not run.exists()
+    cfg = build_config(GRPOConfig, None, ["model.init=tiny", f"trainer.output_dir={run}", "trainer.report_to=[]"])
+    with pytest.raises(ConfigError, match="posttrain grpo runs in one process.*trainer.backend=ray"):
+        GRPOTrainer(reward_funcs=["math_accuracy"], args=cfg, train_dataset=[{"prompt": "1+1=", "answer": "2"}])
+    assert not run.exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["data", "make", "arithmetic", "--out", "{tmp}/out"],
+    ["data", "make-preferences", "--task", "arithmetic", "--out", "{tmp}/out"],
+    ["eval", "{tmp}/model", "--data", "{tmp}/d.jsonl", "--out", "{tmp}/out"],
+    ["generate", "{tmp}/model", "1+1="],
+    ["report", "{tmp}/out"],
+    ["export", "{tmp}/model", "--out", "{tmp}/out"],
+    ["serve", "{tmp}/model", "--port", "0"],
+    ["demo", "--quick", "--out", "{tmp}/out"],
+], ids=lambda argv: "-".join(argv[:2]))
+def test_every_one_process_command_is_refused_under_torchrun(tmp_path, capsys, monkeypatch, argv):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert main([a.format(tmp=tmp_path) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert f"posttrain {argv[0]} runs in one process, but this is rank 1 of WORLD_SIZE=2" in err
+    assert "launch it once, without torchrun" in err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.fixture(scope="module")
 def gpt2_dir(tmp_path_factory):
     """A tiny GPT-2 folder (the hf engine's kind) whose config.json has a key transformers

@@ -138,6 +138,30 @@ def test_ray_backend_config_checks():
         grpo("rollout.seed_mode=row", "rollout.dispatch=split")
 
 
+def test_every_ray_only_key_is_refused_on_the_local_backend_by_one_check():
+    """A veRL user's trainer.nnodes=2 trainer.n_workers_per_node=2 without trainer.backend=ray
+    would train as one process: refused, naming both keys, as every key Ray alone reads."""
+    with pytest.raises(ConfigError, match=r"^trainer.nnodes, trainer.n_workers_per_node: apply to Ray workers "
+                                          r"only: set trainer.backend=ray, or drop them"):
+        grpo("trainer.nnodes=2", "trainer.n_workers_per_node=2")
+    for key, value in (("trainer.collective_timeout_s", 60), ("placement.cpus_per_worker", 2),
+                       ("placement.gpus_per_worker", 1), ("placement.critic.n_workers_per_node", 2),
+                       ("ray.address", "auto"), ("ray.num_cpus", 8)):
+        with pytest.raises(ConfigError, match=rf"^{key}: applies to Ray workers only"):
+            grpo(f"{key}={value}")
+        grpo("trainer.backend=ray", f"{key}={value}")  # what Ray reads
+    assert grpo("trainer.nnodes=1", "placement.cpus_per_worker=1").trainer.world_size == 1  # the defaults, said
+
+
+def test_ray_num_cpus_is_for_a_ray_the_run_starts():
+    assert grpo("trainer.backend=ray", "ray.num_cpus=64").ray.num_cpus == 64
+    with pytest.raises(ConfigError, match=r"^ray.num_cpus: declares the CPUs of a Ray this run starts, but "
+                                          r"ray.address=auto joins a cluster.*ray start --num-cpus=N"):
+        grpo("trainer.backend=ray", "ray.address=auto", "ray.num_cpus=64")
+    with pytest.raises(ConfigError, match="ray.num_cpus: must be >= 1"):
+        grpo("trainer.backend=ray", "ray.num_cpus=0")
+
+
 def test_gpu_workers_reserve_gpus_and_join_over_nccl_only_with_a_gpu_each():
     assert bundle(2, 0) == {"CPU": 2} and bundle(1, 0.5) == {"CPU": 1, "GPU": 0.5}
     assert collective_backend(1, cuda=True) == "nccl"
@@ -169,7 +193,7 @@ def test_resource_pools_and_their_refusals_name_the_key():
     refused = {
         "placement.critic.enable_resource_pool: algorithm.adv_estimator=grpo trains no critic": (
             GRPOConfig, ["trainer.backend=ray", "placement.critic.enable_resource_pool=true"]),
-        "placement.rollout.enable_resource_pool: resource pools are Ray's": (
+        "placement.rollout.enable_resource_pool: applies to Ray workers only: set trainer.backend=ray": (
             GRPOConfig, ["placement.rollout.enable_resource_pool=true"]),
         "placement.critic.n_workers_per_node: every worker needs a row": (  # 32 rows per mini-batch, 33 critic workers
             PPOConfig, ["trainer.backend=ray", "placement.critic.enable_resource_pool=true",

@@ -59,6 +59,37 @@ def test_an_environment_from_a_file_pickles_by_value(tmp_path):
     subprocess.run([sys.executable, "-c", code, str(blob)], check=True, env={**os.environ, "PYTHONPATH": src})
 
 
+def test_a_module_in_the_working_folder_loads_by_module_name_and_pickles_by_value(tmp_path, monkeypatch):
+    """`rollout.env=cwd_shop:Shop` as `python -m` finds it, from the `posttrain` script too (whose
+    sys.path holds its bin folder, not the working folder); sent by value, as a file's class."""
+    import pickle
+
+    cloudpickle = pytest.importorskip("cloudpickle")
+    from posttrain.rewards.registry import FILE_MODULES
+
+    (tmp_path / "cwd_shop.py").write_text(textwrap.dedent('''
+        from posttrain.envs import GuessNumber
+
+        class Shop(GuessNumber):
+            def reset(self, row):
+                return "shop" + super().reset(row)
+    '''))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p and Path(p).resolve() != tmp_path.resolve()])
+    try:
+        factory = resolve_environment("cwd_shop:Shop")
+        assert factory().reset({"secret": 2}).startswith("shop Guess")
+        assert FILE_MODULES["cwd_shop"] is sys.modules["cwd_shop"]
+        blob = cloudpickle.dumps(factory)
+    finally:
+        module = FILE_MODULES.pop("cwd_shop", None)
+        sys.modules.pop("cwd_shop", None)
+        if module is not None:
+            cloudpickle.unregister_pickle_by_value(module)
+    sys.path.remove(os.getcwd())  # not importable now: the class must travel with its code
+    assert pickle.loads(blob)().reset({"secret": 2}).startswith("shop Guess")
+
+
 def test_names_callables_and_bad_specs():
     assert resolve_environment("guess_number") is GuessNumber
     assert resolve_environment(GuessNumber) is GuessNumber

@@ -327,7 +327,7 @@ def test_nan_is_counted_and_warned_about_once_per_function(caplog):
     assert runner.tallies["a"].nan == 4 and runner.tallies["a"].samples == 6
 
 
-def test_the_first_failure_is_kept_with_its_traceback_and_the_summary_counts_errors():
+def test_the_first_failure_is_kept_with_its_line_and_traceback_and_the_summary_counts_errors():
     calls = []
 
     def fails_on_c1(prompts, completions, completion_ids, **kwargs):
@@ -342,7 +342,9 @@ def test_the_first_failure_is_kept_with_its_traceback_and_the_summary_counts_err
     score(runner)
     failure = runner.first_failure("f")
     # the batch call raised too, but only the sample that really failed is a failure
-    assert failure.startswith("failed on sample 1 (per-sample retry)\nTraceback")
+    line = fails_on_c1.__code__.co_firstlineno + 3  # its `raise`
+    assert failure.startswith(f"failed on sample 1 (per-sample retry): ValueError: cannot score ['c1'] at "
+                              f"{fails_on_c1.__code__.co_filename}:{line} (in fails_on_c1)\nTraceback")
     assert "ValueError: cannot score ['c1']" in failure and runner.first_failure("g") is None
     assert runner.summary() == "f: 2 of 6 samples failed (33.3%), 0 NaN; g: 0 of 6 samples failed (0.0%), 0 NaN"
 

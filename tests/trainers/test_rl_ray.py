@@ -38,6 +38,7 @@ from posttrain.models import BuiltinLM
 from posttrain.trainers.rl_build import build_rollout
 from posttrain.trainers.rl_faults import WorkerFailure
 from posttrain.trainers.rl_ray import Colocated, RayRollout, build_ray_roles
+from posttrain.user_code import UserCodeError
 from posttrain.workers import RLBatch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -148,6 +149,11 @@ POOLS = {"placement.critic.enable_resource_pool": "true", "placement.rollout.ena
 """The critic and the rollout on pools of their own (1 worker each)."""
 
 
+def on(backend, **ray_only):
+    """The overrides of a run on `backend`: on Ray, 2 workers and `ray_only` (refused locally)."""
+    return {"trainer.backend": backend, **({"trainer.n_workers_per_node": 2, **ray_only} if backend == "ray" else {})}
+
+
 def config(run_dir, name, **overrides):
     return grpo_config(run_dir, **{**SETTINGS[name], **overrides})
 
@@ -237,8 +243,8 @@ def test_two_workers_give_the_local_update(ray_session, tmp_path, name):
     """PPO: the actor's and the critic's parameters; a synced reference: the reference each
     checkpoint holds, and the actor's parameters, which its KL term moved."""
     model = tiny_model_f64()
-    runs = {backend: train_grpo(model, config(tmp_path / backend, name, **{
-        "trainer.backend": backend, "trainer.n_workers_per_node": 2})) for backend in ("local", "ray")}
+    runs = {backend: train_grpo(model, config(tmp_path / backend, name, **on(backend)))
+            for backend in ("local", "ray")}
     start = model.state_dict()  # the critic's too (with a zero head)
     for role, state in runs["local"].items():
         moved = max(float((v - start[k]).abs().max()) if k in start else float(v.abs().max()) for k, v in state.items())
@@ -391,8 +397,8 @@ def test_two_workers_give_the_local_update_over_episodes(ray_session, guesser, t
     if env == "file":
         (tmp_path / "my_game.py").write_text(FILE_GAME)
         env, seed_mode = f"{tmp_path / 'my_game.py'}:EveryTurnCounts", "row"
-    runs = {backend: train(model, episode_config(tmp_path / backend, env, **{
-        "trainer.backend": backend, "trainer.n_workers_per_node": 2, "rollout.seed_mode": seed_mode}),
+    runs = {backend: train(model, episode_config(tmp_path / backend, env, **on(backend), **{
+        "rollout.seed_mode": seed_mode}),
         rows=GUESS_ROWS, tokenizer=tok) for backend in ("local", "ray")}
     start = model.state_dict()
     assert max(float((v - start[k]).abs().max()) for k, v in runs["local"]["actor"].items()) > 1e-4
@@ -406,6 +412,21 @@ def test_two_workers_give_the_local_update_over_episodes(ray_session, guesser, t
         for key in ("turns/mean", "turns/max", "tool_calls/mean", "env/reward/mean", "reward/mean", "response_length/mean",
                     "grad_norm", "policy_loss"):
             assert a[key] == pytest.approx(b[key], abs=1e-9), (a["step"], key)
+
+
+@pytest.mark.slow  # a worker's start
+def test_an_environment_raising_on_a_worker_is_said_as_the_local_backend_says_it(ray_session, tmp_path):
+    """The worker's `UserCodeError` reaches the driver as itself (Ray's wrapper and the worker's
+    traceback dropped): the local run's line, naming the environment, KeyError and the file's line."""
+    path = tmp_path / "no_secret.py"
+    path.write_text("from posttrain.envs import GuessNumber\n\n\nclass NoSecret(GuessNumber):\n"
+                    "    def reset(self, row):\n        return row['secret']\n")
+    said = {}
+    for backend in ("local", "ray"):
+        with pytest.raises(UserCodeError) as err:
+            train(tiny_model_f64(), episode_config(tmp_path / backend, f"{path}:NoSecret", **{"trainer.backend": backend}))
+        said[backend] = str(err.value)
+    assert said["ray"] == said["local"] == f"environment 'NoSecret' raised KeyError: 'secret' at {path}:6 (in reset)"
 
 
 @pytest.mark.skipif(not (importlib.util.find_spec("vllm") and torch.cuda.is_available()),
@@ -473,8 +494,7 @@ def test_critic_and_rollout_on_pools_of_their_own_give_the_local_update(ray_sess
     (its own policy copy, loading actor rank 0's weights after each update): the local run's
     actor and critic within 1e-10 after 3 steps, so the rollout sampled the local tokens."""
     model = tiny_model_f64()
-    runs = {backend: train_grpo(model, config(tmp_path / backend, "ppo", **{
-        "trainer.backend": backend, "trainer.n_workers_per_node": 2, **(POOLS if backend == "ray" else {})}))
+    runs = {backend: train_grpo(model, config(tmp_path / backend, "ppo", **on(backend, **POOLS)))
         for backend in ("local", "ray")}
     assert set(runs["ray"]) == {"actor", "critic"}
     assert_same_run(tmp_path / "local", tmp_path / "ray", runs["local"], runs["ray"], "ppo", 1e-10)
@@ -487,7 +507,8 @@ def cli_args(data, run, backend):
             "data.train_batch_size=2", "actor.ppo_mini_batch_size=2",
             "rollout.n=2", "rollout.max_new_tokens=6", "actor.micro_batch_size=4", "trainer.max_steps=2",
             "algorithm.overlong.buffer=0", f"trainer.output_dir={run}", "trainer.report_to=[]",
-            "trainer.progress=false", f"trainer.backend={backend}", "trainer.nnodes=1", "trainer.n_workers_per_node=2"]
+            "trainer.progress=false", f"trainer.backend={backend}",
+            *(["trainer.nnodes=1", "trainer.n_workers_per_node=2"] if backend == "ray" else [])]
 
 
 def test_cli_grpo_on_ray_runs_end_to_end_like_local_and_leaves_no_process(tmp_path):
@@ -522,8 +543,7 @@ def test_a_critic_pool_of_two_workers_gives_the_local_update(ray_session, tmp_pa
     """2 actor workers (rollout colocated) + 2 critic workers in their own gloo group."""
     model = tiny_model_f64()
     pool = {"placement.critic.enable_resource_pool": "true", "placement.critic.n_workers_per_node": 2}
-    runs = {backend: train_grpo(model, config(tmp_path / backend, "ppo", **{
-        "trainer.backend": backend, "trainer.n_workers_per_node": 2, **(pool if backend == "ray" else {})}))
+    runs = {backend: train_grpo(model, config(tmp_path / backend, "ppo", **on(backend, **pool)))
         for backend in ("local", "ray")}
     assert_same_run(tmp_path / "local", tmp_path / "ray", runs["local"], runs["ray"], "ppo", 1e-10)
 
@@ -536,8 +556,7 @@ def test_episodes_on_a_rollout_pool_of_two_workers_give_the_local_update(ray_ses
     (tmp_path / "my_game.py").write_text(FILE_GAME)
     env = f"{tmp_path / 'my_game.py'}:EveryTurnCounts"
     pool = {"placement.rollout.enable_resource_pool": "true", "placement.rollout.n_workers_per_node": 2}
-    runs = {backend: train(model, episode_config(tmp_path / backend, env, **{
-        "trainer.backend": backend, "trainer.n_workers_per_node": 2, **(pool if backend == "ray" else {})}),
+    runs = {backend: train(model, episode_config(tmp_path / backend, env, **on(backend, **pool)),
         rows=GUESS_ROWS, tokenizer=tok) for backend in ("local", "ray")}
     for k, v in runs["local"]["actor"].items():
         assert float((v - runs["ray"]["actor"][k]).abs().max()) <= 1e-10, k

@@ -21,6 +21,7 @@ from posttrain.cli.sampling import _add_eval_commands
 from posttrain.config import ConfigError, RunStopped, build_config, iter_fields
 from posttrain.config.aliases import alias_summary, aliases_by_key
 from posttrain.config.core import type_name
+from posttrain.distributed.env import refuse_launch_of_several
 
 
 @dataclass(frozen=True)
@@ -416,6 +417,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         setattr(args, field, [*getattr(args, field), *extra])
     quiet_third_party()
     try:
+        if args.command not in {c.name for c in _train_commands()}:  # those refuse in their setup, or join
+            refuse_launch_of_several(args.command, "launch it once, without torchrun")
         return args.handler(args)
     except ConfigError as err:
         print(f"posttrain {args.command}: config error: {err}", file=sys.stderr)

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any, ClassVar, Literal
 
 from posttrain.algos import ADV_ESTIMATORS, AdvEstimator
 from posttrain.config.aliases import aliases, openrlhf, trl, verl
-from posttrain.config.core import check
+from posttrain.config.core import check, iter_fields
 from posttrain.config.sections import ModelConfig, RefSyncConfig, TrainerConfig, check_divides
 
 log = logging.getLogger(__name__)
@@ -551,11 +552,6 @@ class RLTrainerConfig(TrainerConfig):
         check(self.n_workers_per_node >= 1, "trainer.n_workers_per_node", f"must be >= 1, got {self.n_workers_per_node}")
         check(self.collective_timeout_s > 0, "trainer.collective_timeout_s", "must be > 0 seconds")
         check(self.max_restarts >= 0, "trainer.max_restarts", f"must be >= 0, got {self.max_restarts}")
-        for key, value, default in (("on_worker_failure", self.on_worker_failure, "stop"),
-                                    ("max_restarts", self.max_restarts, 1)):
-            check(self.backend == "ray" or value == default, f"trainer.{key}",
-                  f"applies to Ray workers only: set trainer.backend=ray, or drop trainer.{key} (a local run "
-                  "is one process: rerun it to resume from its last checkpoint)")
 
     @property
     def world_size(self) -> int:
@@ -649,6 +645,21 @@ class RayConfig:
     """null: start Ray in this process, bound to 127.0.0.1, and stop it at the end of the run;
     `auto`: join the cluster `ray start --head` / `ray start --address=HEAD:6379` made on this
     machine's nodes; or a cluster address (HOST:PORT, ray://HOST:10001)."""
+    num_cpus: int | None = field(default=None, metadata=aliases(verl("ray_init.num_cpus")))
+    """CPUs the Ray this run starts declares (null: this machine's cores). More than the machine has lets more workers × placement.cpus_per_worker be placed
+    than there are cores (they then share them). Only with ray.address=null: a cluster joined
+    at an address declares its own (`ray start --num-cpus=N` on each node)."""
+
+    def validate(self) -> None:
+        check(self.num_cpus is None or self.num_cpus >= 1, "ray.num_cpus", f"must be >= 1 or null, got {self.num_cpus}")
+        check(self.num_cpus is None or self.address is None, "ray.num_cpus",
+              f"declares the CPUs of a Ray this run starts, but ray.address={self.address} joins a cluster, "
+              "whose nodes declare their own (ray start --num-cpus=N): drop ray.num_cpus or ray.address")
+
+
+RAY_ONLY = ("trainer.nnodes", "trainer.n_workers_per_node", "trainer.collective_timeout_s",
+            "trainer.on_worker_failure", "trainer.max_restarts", "placement", "ray")
+"""The keys and sections only trainer.backend=ray reads: set on the local backend, they are refused."""
 
 
 @dataclass
@@ -720,13 +731,19 @@ class RLConfig:
         check(self.rollout.dispatch != "split" or self.trainer.backend == "ray", "rollout.dispatch",
               "split generation divides a batch over Ray workers: set trainer.backend=ray, or "
               "rollout.dispatch=auto for one process")
-        for role in self.placement.own_pools():
-            check(self.trainer.backend == "ray", f"placement.{role}.enable_resource_pool",
-                  "resource pools are Ray's: set trainer.backend=ray, or drop the key")
+        ray_keys = self.ray_keys_set()
+        check(self.trainer.backend == "ray" or not ray_keys, ", ".join(ray_keys),
+              f"{'apply' if len(ray_keys) > 1 else 'applies'} to Ray workers only: set trainer.backend=ray, or "
+              f"drop {'them' if len(ray_keys) > 1 else 'it'} (trainer.backend=local runs every role in this one process)")
         self.check_overlong()
         if self.rollout.engine == "vllm" and self.eval.task is None:  # eval samples through the engine
             problem = check_vllm_temperature(self.eval.temperature)
             check(problem is None, "eval.temperature", problem or "")
+
+    def ray_keys_set(self) -> list[str]:
+        """The keys of RAY_ONLY (and of its sections) set to something other than their default."""
+        return [key for key, _, default, _ in iter_fields(type(self))
+                if any(key == k or key.startswith(k + ".") for k in RAY_ONLY) and attrgetter(key)(self) != default]
 
     def check_overlong(self, episodes: bool = False) -> None:
         """DAPO's overlong buffer fits in the response limit its penalty counts model tokens

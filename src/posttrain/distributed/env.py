@@ -42,6 +42,18 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def refuse_launch_of_several(command: str, fix: str) -> None:
+    """Refuse a `command` that runs in one process when it is one of WORLD_SIZE > 1 torchrun
+    processes: each would run on its own and they would write over one another's run folder
+    (one "resuming" the other's checkpoint, one deleting the other's save). Raised in every
+    process, before any file is written; `fix` says how to run it instead."""
+    world = world_size_from_env()
+    if world > 1:
+        raise ConfigError(f"posttrain {command} runs in one process, but this is rank "
+                          f"{os.environ.get('RANK', '?')} of WORLD_SIZE={world} (torchrun): each would run on "
+                          f"its own and write over the others' files; {fix}")
+
+
 def init_from_env(strategy: str, timeout_s: float = 1800.0) -> DistContext | None:
     """Join torchrun's process group for `trainer.strategy`; None for a single process.
 

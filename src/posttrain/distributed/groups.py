@@ -42,6 +42,7 @@ from datetime import timedelta
 from typing import Any
 
 from posttrain.distributed.dispatch import gather_rows, shard_rows, split_contiguous
+from posttrain.user_code import UserCodeError
 
 Factory = Callable[..., Any]
 
@@ -118,6 +119,7 @@ class GroupSpec:
     workers_per_node: int  # trainer.n_workers_per_node
     cpus_per_worker: int  # placement.cpus_per_worker
     address: str | None  # ray.address
+    num_cpus: int | None = None  # ray.num_cpus
     collective_timeout_s: float = 600.0  # trainer.collective_timeout_s
     placement_timeout_s: float = 10.0
     gpus_per_worker: float = 0.0  # placement.gpus_per_worker
@@ -251,7 +253,7 @@ class RayWorkerGroup(_Dispatch):
         from posttrain.distributed.ray_session import RaySession
 
         self.spec, self.world_size, self.factory = spec, spec.world_size, factory
-        self.session = RaySession(spec.address)
+        self.session = RaySession(spec.address, spec.num_cpus)
         self.actors: list[Any] = []
         self.pids: list[int | None] = []
         self.group, self._args = placement, None
@@ -319,8 +321,9 @@ class RayWorkerGroup(_Dispatch):
         """{rank: result} of the calls in flight, taken as they finish, so the first worker
         death is seen at once (`ray.get` of the list would wait on a live worker blocked in a
         collective with the dead one). A death raises `WorkerDied` once the group is killed;
-        a worker's own exception is raised as Ray raises it, unless a peer died meanwhile
-        (its broken collective is then only the echo of that death)."""
+        a worker's own exception is raised as Ray raises it (the user's code's `UserCodeError`
+        as itself), unless a peer died meanwhile (its broken collective is then only the echo
+        of that death)."""
         ray = self.session.ray
         deaths = _deaths(ray)
         pending = {ref: rank for rank, ref in calls.items()}
@@ -333,9 +336,11 @@ class RayWorkerGroup(_Dispatch):
             except deaths as err:
                 self._died(method, [DeadWorker(rank, self.pids[rank], _reason(err)),
                                     *self._more_dead(pending, DEATH_GRACE_S)])
-            except ray.exceptions.RayTaskError:
+            except ray.exceptions.RayTaskError as err:
                 if dead := self._more_dead(pending, ECHO_GRACE_S):
                     self._died(method, dead)
+                if isinstance(err.cause, UserCodeError):  # said as the local backend says it
+                    raise err.cause from None
                 raise
         return results
 

@@ -48,11 +48,11 @@ class WorkerPools:
 
 def start_ray_pools(pools: dict[str, tuple[GroupSpec, Factory, tuple]]) -> WorkerPools:
     """One `RayWorkerGroup` per pool (name → (spec, factory, args)); every spec has the same
-    Ray address. A failure (placement, a worker's setup) closes what started and re-raises."""
+    Ray address and num_cpus. A failure (placement, a worker's setup) closes what started and re-raises."""
     from posttrain.distributed.ray_session import RaySession, place
 
     specs = [spec for spec, _, _ in pools.values()]
-    session = RaySession(specs[0].address)
+    session = RaySession(specs[0].address, specs[0].num_cpus)
     groups: dict[str, RayWorkerGroup] = {}
     placements: list[Any] = []
     try:

@@ -37,13 +37,19 @@ def import_ray() -> Any:
 class RaySession:
     """This process's connection to Ray: joined if already initialised (a test's session),
     else started (address None: a local Ray on 127.0.0.1 with this machine's cores) or joined
-    (`auto`, HOST:PORT). `close` shuts down only what this object started. `num_cpus`: the
-    CPUs a locally started Ray declares (None: this machine's cores)."""
+    (`auto`, HOST:PORT). `close` shuts down only what this object started. `num_cpus`
+    (ray.num_cpus): the CPUs a locally started Ray declares (None: this machine's cores); a
+    Ray already initialised must have declared as many."""
 
     def __init__(self, address: str | None, num_cpus: int | None = None):
         ray = self.ray = import_ray()
         self.started, self.temp_dir = False, None
         if ray.is_initialized():
+            cpus = ray.cluster_resources().get("CPU", 0.0)
+            if num_cpus is not None and cpus != num_cpus:
+                raise ConfigError(f"ray.num_cpus: {num_cpus} CPUs asked, but this process already joined a Ray "
+                                  f"of {cpus:g} CPUs (ray.init was called before the run); drop ray.num_cpus, "
+                                  "or give num_cpus to that ray.init")
             return
         if address is None:
             # the pid names the process that started it (a test finds its own raylet by it)
@@ -108,8 +114,8 @@ def place(ray: Any, pools: Sequence[Bundles], timeout_s: float) -> list[Any]:
     need = sum(p.cpus for p in pools)
     shape = " + ".join(p.shape for p in pools)
     total, free, nodes = cluster_cpus(ray)
-    advice = (f"lower {' or '.join(keys)}, or add nodes to the cluster (ray start --address=HEAD:6379, "
-              "then ray.address=auto)")
+    advice = (f"lower {' or '.join(keys)}, declare more CPUs than the cores (ray.num_cpus=N, when the run starts "
+              "Ray itself), or add nodes to the cluster (ray start --address=HEAD:6379, then ray.address=auto)")
     if need > total:
         raise ConfigError(f"{', '.join(keys)}: {shape} = {need} CPUs, but the Ray cluster has "
                           f"{total:g} CPUs on {nodes} node(s) ({free:g} free); {advice}")

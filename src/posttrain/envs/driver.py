@@ -6,7 +6,8 @@
 Notation: B dataset rows, n = params.n episodes per row, N = B·n.
 
 - Every episode gets its own environment from `env_factory()` (TRL's
-  `environment_factory`), reset on its row; the text `reset` returns is appended to the
+  `environment_factory`), reset on its row (an exception in either stops the run with a
+  `user_code.UserCodeError` naming the environment and the line that raised); the text `reset` returns is appended to the
   row's prompt (a string prompt) or the tools go to the chat template (a message list,
   `chat.render_prompt`).
 - `EnvironmentTurns` is the rollout's `TurnHandler`: the turns that ended in one loop
@@ -32,6 +33,7 @@ from posttrain.envs.base import Environment, StepResult
 from posttrain.rewards.runner import map_in_daemon_threads
 from posttrain.rollout import Episodes, MultiTurnLimits, Reply, SamplingParams
 from posttrain.training.core import merge_metrics
+from posttrain.user_code import name_of, user_code
 
 
 class EnvironmentTurns:
@@ -70,9 +72,10 @@ def play_episodes(
     `params.stop`. Rows need a `prompt` (a string, or chat messages for a chat model)."""
     if not rows:
         raise ValueError("play_episodes needs at least one row")
-    n = params.n
-    envs = [env_factory() for _ in rows for _ in range(n)]
-    prompts = [_prompt(engine.tokenizer, env, row) for env, row in zip(envs, (r for r in rows for _ in range(n)))]
+    n, what = params.n, f"environment {name_of(env_factory)!r}"
+    with user_code(what):
+        envs = [env_factory() for _ in rows for _ in range(n)]
+    prompts = [_prompt(engine.tokenizer, env, row, what) for env, row in zip(envs, (r for r in rows for _ in range(n)))]
     protocol = getattr(envs[0], "protocol", None)
     stop = tuple(dict.fromkeys([*params.stop, *getattr(protocol, "stop", ())]))
     one = dataclasses.replace(params, n=1, stop=stop)
@@ -118,8 +121,9 @@ def merge_episode_metrics(parts: Sequence[tuple[int, dict[str, float]]]) -> dict
     return out
 
 
-def _prompt(tokenizer, env: Environment, row: dict[str, Any]) -> str | list[int]:
-    extra = env.reset(row)
+def _prompt(tokenizer, env: Environment, row: dict[str, Any], what: str) -> str | list[int]:
+    with user_code(what):
+        extra = env.reset(row)
     prompt = row["prompt"]
     if isinstance(prompt, str):
         return prompt + (extra or "")

@@ -23,6 +23,7 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import os
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -30,13 +31,15 @@ from types import ModuleType
 from typing import Any
 
 from posttrain.rewards.builtin import BUILTIN_REWARDS, REWARD_FACTORIES
+from posttrain.user_code import user_code
 
 __all__ = ["load_object", "pickle_file_modules_by_value", "resolve_reward"]
 
 RewardFn = Callable[..., Any]
 
 FILE_MODULES: dict[str, ModuleType] = {}
-"""The modules `load_object` loaded from files, by their made-up names (`_load_file`)."""
+"""The modules `load_object` loaded from files (by their made-up names, `_load_file`) or found in
+the working folder (`_import_module`): pickled by value."""
 
 
 def resolve_reward(spec: str | Mapping[str, Any] | RewardFn) -> tuple[str, RewardFn]:
@@ -102,10 +105,11 @@ def load_object(path: str) -> Any:
         module = _load_file(module_part, path)
     else:
         try:
-            module = importlib.import_module(module_part)
+            module = _import_module(module_part)
         except ImportError as e:
             raise ValueError(
-                f"reward {path!r}: cannot import module {module_part!r} ({e})"
+                f"reward {path!r}: cannot import module {module_part!r} from the working folder "
+                f"{os.getcwd()!r} or the installed packages ({e})"
             ) from None
     try:
         return getattr(module, attr)
@@ -114,6 +118,32 @@ def load_object(path: str) -> Any:
         near = difflib.get_close_matches(attr, public, n=3)
         hint = f"; did you mean {', '.join(near)}?" if near else f"; it defines {public}"
         raise ValueError(f"reward {path!r}: {module_part!r} has no {attr!r}{hint}") from None
+
+
+def _import_module(name: str) -> ModuleType:
+    """Module `name`, found as `python -m` finds it: the working folder first on sys.path (the
+    `posttrain` console script puts its own bin folder there, a Python caller its script's
+    folder). One found in the working folder is pickled by value, as a file's module is (a
+    Ray worker elsewhere may not have that folder)."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    module = importlib.import_module(name)
+    top = getattr(sys.modules[name.partition(".")[0]], "__file__", None)  # None: built in, or a namespace
+    origin = Path(top).resolve() if top else None
+    if origin and (origin.parent.parent if origin.name == "__init__.py" else origin.parent) == Path(cwd).resolve():
+        _pickle_by_value(module)
+    return module
+
+
+def _pickle_by_value(module: ModuleType) -> None:
+    """Have cloudpickle pickle what `module` defines by value (`pickle_file_modules_by_value`)."""
+    FILE_MODULES[module.__name__] = module
+    try:
+        import cloudpickle
+    except ImportError:  # nothing pickles it by value then; Ray registers it with its own copy
+        return
+    cloudpickle.register_pickle_by_value(module)
 
 
 def _load_file(file: str, spec: str) -> Any:
@@ -133,16 +163,12 @@ def _load_file(file: str, spec: str) -> Any:
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module
     try:
-        module_spec.loader.exec_module(module)
+        with user_code(f"the file {str(path)!r}"):
+            module_spec.loader.exec_module(module)
     except BaseException:
         del sys.modules[name]
         raise
-    FILE_MODULES[name] = module
-    try:
-        import cloudpickle
-    except ImportError:  # nothing pickles it by value then; Ray registers it with its own copy
-        return module
-    cloudpickle.register_pickle_by_value(module)
+    _pickle_by_value(module)
     return module
 
 

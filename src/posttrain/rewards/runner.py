@@ -74,6 +74,8 @@ from typing import Any
 
 import torch
 
+from posttrain.user_code import raised
+
 logger = logging.getLogger(__name__)
 
 RewardFn = Callable[..., Sequence[Any]]
@@ -218,7 +220,9 @@ class RewardRunner:
         self._first_failure: dict[str, str] = {}
 
     def first_failure(self, name: str) -> str | None:
-        """What went wrong the first time `name` failed a sample (with its traceback), or None."""
+        """What went wrong the first time `name` failed a sample, or None: the exception's
+        class, message and the line of the function's code that raised it
+        (`user_code.raised`), then its traceback."""
         return self._first_failure.get(name)
 
     def summary(self) -> str:
@@ -404,7 +408,7 @@ class RewardRunner:
     def _fail(self, name: str, what: str, error: BaseException | None) -> None:
         """A sample (or a whole batch) failed: log it, and keep the first of each function."""
         if name not in self._first_failure:
-            self._first_failure[name] = f"{what}{_traceback(error)}"
+            self._first_failure[name] = f"{what}: {raised(error)}{_traceback(error)}" if error else what
         self._log(name, what, error)
 
     def _log(self, name: str, what: str, error: BaseException | None) -> None:

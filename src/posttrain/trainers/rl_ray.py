@@ -528,7 +528,8 @@ def build_ray_roles(cfg: RLConfig, tokenizer: Any, policy: torch.nn.Module, rewa
 
         pickle_file_modules_by_value(import_ray().cloudpickle)  # before the arguments are pickled
         pools = start_ray_pools({name: (GroupSpec(
-            p.nnodes, p.n_workers_per_node, p.cpus_per_worker, cfg.ray.address, t.collective_timeout_s,
+            p.nnodes, p.n_workers_per_node, p.cpus_per_worker, cfg.ray.address, cfg.ray.num_cpus,
+            t.collective_timeout_s,
             gpus_per_worker=cfg.placement.gpus_per_worker, roles=pool_label(cfg, mapping, name),
             restartable=t.on_worker_failure == "restart", section=p.section, cpus_key=p.cpus_key),
             Colocated, args[name]) for name, p in specs.items()})

@@ -9,8 +9,12 @@ import torch
 
 from posttrain.config.core import check, validate_tree
 from posttrain.distributed import init_from_env
+from posttrain.distributed.env import refuse_launch_of_several
 from posttrain.models.factory import load_tokenizer
 from posttrain.training.core import set_seed
+
+RL_SCALE_OUT = ("launch it once, without torchrun; RL runs data-parallel on Ray workers: "
+                "trainer.backend=ray trainer.n_workers_per_node=N (docs/distributed.md)")
 
 
 def prepare_run(
@@ -22,8 +26,8 @@ def prepare_run(
     checks: Callable[[], None] | None = None,
 ) -> tuple[Any, Any, Any]:
     """Validate `args` (then run the trainer's own `checks`), join torchrun's process group
-    (`trainer.strategy`, when launched with WORLD_SIZE > 1), seed, and resolve the data
-    sources and the tokenizer.
+    (`trainer.strategy`, when launched with WORLD_SIZE > 1; a config without one, RL's, is
+    refused there), seed, and resolve the data sources and the tokenizer.
 
     A string `model` is a local model directory (it becomes `model.path`). Datasets passed
     in win over `data.train_files` / `data.eval_files`. Returns
@@ -42,6 +46,8 @@ def prepare_run(
     strategy = getattr(args.trainer, "strategy", None)  # sft, rm and dpo have one
     if strategy is not None:
         init_from_env(strategy)  # under torchrun, before any model is built
+    else:  # RL: its data parallelism is Ray's
+        refuse_launch_of_several(getattr(args, "command", "rl"), RL_SCALE_OUT)
     set_seed(args.trainer.seed)
     tokenizer = processing_class if processing_class is not None else load_tokenizer(args.model)
     return train_source, eval_source, tokenizer
