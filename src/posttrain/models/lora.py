@@ -113,7 +113,9 @@ def save_adapter(model: nn.Module, directory: str | Path) -> None:
     base is the local folder the model was loaded from (None for a fresh built-in model,
     whose base weights exist nowhere else: use the merged model in `final/`)."""
     directory = Path(directory)
-    model.save_pretrained(directory)
+    # No embedding copy: the trainers never resize or fully train embeddings, and peft's
+    # "auto" check would read the base's config through BuiltinConfig (which cannot) or the Hub.
+    model.save_pretrained(directory, save_embedding_layers=False)
     base = source_of(model)
     base_dir = Path(base) if base is not None and (Path(base) / "config.json").is_file() else None
     file = directory / ADAPTER_CONFIG
