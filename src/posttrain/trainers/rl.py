@@ -131,8 +131,9 @@ class RLTrainer:
     `model`: a loaded module, a local model directory, or None (`args.model` says what
     to build); LoRA (`model.lora.r > 0`, or TRL's `peft_config=peft.LoraConfig(...)`)
     wraps any of them. `processing_class`: the tokenizer; by default that of the folder a
-    module was loaded from, or of `model.path` (`models.factory.load_tokenizer`). `reward_funcs`: callables with TRL's signature or spec strings (built-in
-    names, `module:function`); they replace `args.reward.functions`. Datasets are
+    module was loaded from, or of `model.path` (`models.factory.load_tokenizer`).
+    `reward_funcs`: callables with TRL's signature or spec strings (built-in names,
+    `module:function`); they replace `args.reward.functions`. Datasets are
     anything `posttrain.data.sources.load_rows` reads; when omitted, `args.data.*_files`.
 
     Multi-turn episodes (TRL's shape): `environment_factory` (a class or callable giving a
