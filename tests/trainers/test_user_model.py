@@ -122,15 +122,22 @@ def test_lora_on_a_module_passed_to_sft_trains_only_adapters_and_saves_one(user_
     assert f"({trained:,} trained)" in caplog.text  # the SFT log line counts the adapters
     after = trainer.model.state_dict()
     assert all(torch.equal(v, after[k]) for k, v in frozen.items())
+    params = dict(trainer.model.named_parameters())
+    assert all(params[n].abs().sum() > 0 for n in names if "lora_B" in n)  # B starts at 0: the adapters trained
     assert (tmp_path / "final" / "adapter" / "adapter_model.safetensors").is_file()
 
 
-def test_lora_on_a_module_passed_to_grpo_trains_only_adapters(user_model, tmp_path):
+def test_lora_on_a_module_passed_to_grpo_trains_only_adapters_and_saves_one(user_model, tmp_path):
     trainer = GRPOTrainer(loaded(user_model), reward_funcs=[first_word_is_a],
                           args=grpo_config(tmp_path, "model.lora.r=2", "model.lora.target_modules=[q_proj]"),
                           train_dataset=ROWS)
     assert is_peft(trainer.model)
     assert len(lora_names(trainer.model)) == 2 and all("lora_" in n for n in lora_names(trainer.model))
+    frozen = {k: v.clone() for k, v in trainer.model.state_dict().items() if "lora_" not in k}
+    trainer.train()
+    after = trainer.model.state_dict()
+    assert all(torch.equal(v, after[k]) for k, v in frozen.items())
+    assert (tmp_path / "final" / "adapter" / "adapter_model.safetensors").is_file()
 
 
 def test_a_peft_model_with_model_lora_too_is_refused(user_model, tmp_path):
