@@ -29,6 +29,7 @@ def load_tokenizer(cfg: ModelConfig, model: nn.Module | None = None) -> Any:
         return _tokenizer_from(cfg.tokenizer, "model.tokenizer")
     source = source_of(model) if model is not None else None
     if source is not None:
+        logger.info("tokenizer: the one in %s, where the model passed in was loaded from", source)
         return _tokenizer_from(source, "processing_class", f"the model passed in was loaded from {source}, but ")
     if cfg.path is not None:  # a folder that is no model gets that error, not a tokenizer's
         from posttrain.models.llama_checkpoint import read_config_json
