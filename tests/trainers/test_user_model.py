@@ -14,13 +14,23 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from posttrain import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+from posttrain import (
+    DPOConfig,
+    DPOTrainer,
+    GRPOConfig,
+    GRPOTrainer,
+    RewardTrainer,
+    RMConfig,
+    SFTConfig,
+    SFTTrainer,
+)
 from posttrain.checkpoint import save_tokenizer
 from posttrain.config import ConfigError, LoraConfig, build_config
 from posttrain.models.lora import is_peft, lora_from_peft
 
 WORDS = "a b c d e f g h".split()
 ROWS = [{"prompt": " ".join(WORDS[(i + k) % 8] for k in range(3)), "completion": WORDS[i % 8]} for i in range(8)]
+PAIRS = [{"prompt": "a b", "chosen": "c", "rejected": "d"}, {"prompt": "e f", "chosen": "g", "rejected": "h"}]
 
 
 def word_tokenizer():
@@ -72,13 +82,27 @@ def loaded(path):
 # --- item 1: the tokenizer ---------------------------------------------------------------
 
 
-def test_a_module_without_processing_class_trains_with_the_tokenizer_of_its_folder(user_model, tmp_path):
-    sft = SFTTrainer(loaded(user_model), args=sft_config(tmp_path / "sft"), train_dataset=ROWS)
-    grpo = GRPOTrainer(loaded(user_model), reward_funcs=[first_word_is_a], args=grpo_config(tmp_path / "grpo"),
-                       train_dataset=ROWS)
-    for trainer in (sft, grpo):
-        assert trainer.tokenizer.get_vocab() == word_tokenizer().get_vocab()  # 11 words, not 262 bytes
-    assert sft.train_examples[0]["input_ids"][:4] == [1, 3, 4, 5]  # <bos> a b c
+def preference_trainer(cls, config_cls, model, run_dir):
+    args = build_config(config_cls, None, [f"trainer.output_dir={run_dir}", "trainer.report_to=[]",
+                                           "data.train_batch_size=2", "trainer.micro_batch_size=2"])
+    return cls(model, args=args, train_dataset=PAIRS)
+
+
+TRAINERS = {
+    "sft": lambda model, run: SFTTrainer(model, args=sft_config(run), train_dataset=ROWS),
+    "grpo": lambda model, run: GRPOTrainer(model, reward_funcs=[first_word_is_a], args=grpo_config(run),
+                                           train_dataset=ROWS),
+    "dpo": lambda model, run: preference_trainer(DPOTrainer, DPOConfig, model, run),
+    "rm": lambda model, run: preference_trainer(RewardTrainer, RMConfig, model, run),
+}
+
+
+@pytest.mark.parametrize("command", list(TRAINERS))
+def test_a_module_without_processing_class_trains_with_the_tokenizer_of_its_folder(user_model, tmp_path, command):
+    trainer = TRAINERS[command](loaded(user_model), tmp_path)
+    assert trainer.tokenizer.get_vocab() == word_tokenizer().get_vocab()  # 11 words, not 262 bytes
+    if command == "sft":
+        assert trainer.train_examples[0]["input_ids"][:4] == [1, 3, 4, 5]  # <bos> a b c
 
 
 def test_a_module_built_in_memory_without_processing_class_is_refused(tmp_path):
