@@ -43,12 +43,13 @@ def word_tokenizer():
 
 def llama_config():
     return LlamaConfig(vocab_size=11, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                       num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+                       num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                       initializer_range=0.2)  # O(1) logits: a wrong or missing adapter cannot hide below 1e-5
 
 
 @pytest.fixture(scope="module")
 def user_model(tmp_path_factory):
-    """The folder of the user's model: a randomized tiny Llama and its word-level tokenizer."""
+    """The folder of the user's model: a random tiny Llama and its word-level tokenizer."""
     path = tmp_path_factory.mktemp("user_model")
     torch.manual_seed(0)
     LlamaForCausalLM(llama_config()).save_pretrained(path)
@@ -189,6 +190,9 @@ def test_a_runs_adapters_load_in_peft_with_the_trained_logits(user_model, tmp_pa
     with torch.no_grad():
         out = trainer.model(ids)
         expected = out if torch.is_tensor(out) else out.logits
+        with trainer.model.disable_adapter():
+            out = trainer.model(ids)
+            assert (expected - (out if torch.is_tensor(out) else out.logits)).abs().max() > 1e-3  # the adapter acts
         for folder in ("final/adapter", "checkpoints/step-2"):
             adapter = peft.AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "run" / folder))
             torch.testing.assert_close(adapter(ids).logits, expected, atol=1e-5, rtol=1e-5)
