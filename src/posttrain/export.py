@@ -54,6 +54,7 @@ from posttrain.checkpoint import (
     find_latest_checkpoint,
     save_tokenizer,
 )
+from posttrain.models.factory import TOKENIZER_FILES
 from posttrain.models.llama_checkpoint import DTYPE_NAMES, checkpoint_dtype
 from posttrain.models.lora import ADAPTER_CONFIG, peft_adapter_config
 
@@ -64,7 +65,6 @@ SEQUENCE_CLASSIFIER = "sequence_classifier"
 LORA_ADAPTER = "lora_adapter"
 CRITIC_DIR = "critic"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # Recomputed buffers some checkpoints carry; dropping them loses nothing.
 _HARMLESS_UNEXPECTED = ("rotary_emb.inv_freq",)
 

@@ -68,7 +68,8 @@ def sft_config(run_dir, *overrides):
 def grpo_config(run_dir, *overrides):
     return build_config(GRPOConfig, None, [
         f"trainer.output_dir={run_dir}", "trainer.max_steps=1", "rollout.n=2", "rollout.max_new_tokens=2",
-        "data.train_batch_size=2", "actor.micro_batch_size=4", "trainer.report_to=[]", "trainer.progress=false", *overrides,
+        "data.train_batch_size=2", "actor.micro_batch_size=4", "trainer.report_to=[]", "trainer.progress=false",
+        *overrides,
     ])
 
 
@@ -113,7 +114,8 @@ def test_a_module_built_in_memory_without_processing_class_is_refused(tmp_path):
 
 def test_a_module_whose_folder_has_no_tokenizer_is_refused(tmp_path):
     LlamaForCausalLM(llama_config()).save_pretrained(tmp_path / "weights_only")
-    with pytest.raises(ConfigError, match=r"processing_class: the model passed in was loaded from .*weights_only"):
+    with pytest.raises(ConfigError, match=r"processing_class: the model passed in was loaded from .*weights_only, "
+                                          r"but .*weights_only holds no tokenizer"):
         SFTTrainer(loaded(tmp_path / "weights_only"), args=sft_config(tmp_path / "run"), train_dataset=ROWS)
 
 
@@ -134,8 +136,8 @@ def lora_names(model):
 
 
 def test_lora_on_a_module_passed_to_sft_trains_only_adapters_and_saves_one(user_model, tmp_path, caplog):
-    trainer = SFTTrainer(loaded(user_model), args=sft_config(tmp_path, "model.lora.r=2", "model.lora.target_modules=[q_proj,v_proj]"),
-                         train_dataset=ROWS)
+    args = sft_config(tmp_path, "model.lora.r=2", "model.lora.target_modules=[q_proj,v_proj]")
+    trainer = SFTTrainer(loaded(user_model), args=args, train_dataset=ROWS)
     assert is_peft(trainer.model)
     names = lora_names(trainer.model)
     assert len(names) == 4 and all("lora_" in n for n in names)  # A and B of q_proj and v_proj, one layer

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,6 +15,9 @@ from posttrain.models.loading import load_causal_lm, resolve_device, resolve_dty
 from posttrain.models.lora import apply_lora, is_peft, source_of
 
 logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""A folder with none of these holds no tokenizer (as `posttrain export` looks for one)."""
 
 
 def load_tokenizer(cfg: ModelConfig, model: nn.Module | None = None) -> Any:
@@ -66,12 +70,15 @@ def _tokenizer_from(source: str, key: str, context: str = "") -> Any:
     """AutoTokenizer of the local folder (or cached hub name) `source`; an error naming `key`."""
     from transformers import AutoTokenizer
 
+    fix = "; pass the tokenizer as processing_class= or set model.tokenizer=DIR" if key == "processing_class" else ""
+    folder = Path(source)
+    if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(f"{key}: {context}{source} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}){fix}")
     try:
         tok = AutoTokenizer.from_pretrained(source, local_files_only=True)
     except (OSError, ValueError) as err:
-        fix = "pass the tokenizer as processing_class= or set model.tokenizer=DIR" if key == "processing_class" else ""
         raise ConfigError(f"{key}: {context}cannot load a tokenizer from {source} (nothing is downloaded): "
-                          f"{err}{'; ' + fix if fix else ''}") from None
+                          f"{err}{fix}") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
         logger.info("tokenizer has no pad token; using its eos token %r", tok.eos_token)
