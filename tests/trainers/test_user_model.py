@@ -84,10 +84,10 @@ def loaded(path):
 # --- item 1: the tokenizer ---------------------------------------------------------------
 
 
-def preference_trainer(cls, config_cls, model, run_dir):
+def preference_trainer(cls, config_cls, model, run_dir, **kwargs):
     args = build_config(config_cls, None, [f"trainer.output_dir={run_dir}", "trainer.report_to=[]",
                                            "data.train_batch_size=2", "trainer.micro_batch_size=2"])
-    return cls(model, args=args, train_dataset=PAIRS)
+    return cls(model, args=args, train_dataset=PAIRS, **kwargs)
 
 
 TRAINERS = {
@@ -177,7 +177,7 @@ def test_a_peft_model_with_model_lora_too_is_refused(user_model, tmp_path):
 
 
 @pytest.mark.parametrize("given", ["model.path", "module by a relative path"])
-def test_a_runs_adapters_load_in_peft_with_the_trained_logits(user_model, tmp_path, monkeypatch, given):
+def test_a_runs_adapters_load_in_peft_with_the_trained_logits(user_model, tmp_path, monkeypatch, caplog, given):
     """model.path of a Llama runs the built-in implementation (peft would record BuiltinLM as
     the base class); a module loaded from a relative path would leave that path as the base."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # peft looks for a tokenizer on the Hub otherwise
@@ -187,7 +187,10 @@ def test_a_runs_adapters_load_in_peft_with_the_trained_logits(user_model, tmp_pa
     else:
         monkeypatch.chdir(user_model.parent)
         trainer = SFTTrainer(loaded(user_model.name), args=sft_config(tmp_path / "run", *lora), train_dataset=ROWS)
-    trainer.train()
+    with caplog.at_level(logging.INFO, logger="posttrain.trainers.sft"):
+        trainer.train()
+    trained = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    assert f"({trained:,} trained)" in caplog.text  # the SFT log line counts the adapters, not only the total
     ids = torch.tensor([[1, 3, 4, 5, 6]])
     with torch.no_grad():
         out = trainer.model(ids)
@@ -238,6 +241,12 @@ def test_trainers_take_peft_config(user_model, tmp_path):
     trainer = SFTTrainer(str(user_model), args=sft_config(tmp_path), train_dataset=ROWS, peft_config=given)
     assert trainer.args.model.lora == LoraConfig(r=2, alpha=4.0, target_modules=["q_proj"])  # config.yaml shows it
     assert len(lora_names(trainer.model)) == 2
+    # A reward model takes TRL's sequence-classification config; its score head trains in full.
+    rm_config = peft.LoraConfig(r=2, target_modules=["q_proj"], task_type="SEQ_CLS", modules_to_save=["score"])
+    rm = preference_trainer(RewardTrainer, RMConfig, str(user_model), tmp_path / "rm", peft_config=rm_config)
+    names = lora_names(rm.model)  # q_proj's A and B, and the score head
+    assert len(names) == 3 and sum("q_proj.lora_" in n for n in names) == 2
+    assert any("score.modules_to_save" in n for n in names)
     with pytest.raises(ConfigError, match="model.lora.r: is 4 and peft_config is given too"):
         SFTTrainer(str(user_model), args=sft_config(tmp_path, "model.lora.r=4"), train_dataset=ROWS,
                    peft_config=given)
