@@ -47,8 +47,16 @@ from typing import Any
 
 import torch
 
-from posttrain.checkpoint import CHECKPOINTS, FINAL, atomic_dir, find_latest_checkpoint
+from posttrain.checkpoint import (
+    CHECKPOINTS,
+    FINAL,
+    atomic_dir,
+    find_latest_checkpoint,
+    save_tokenizer,
+)
+from posttrain.models.factory import TOKENIZER_FILES
 from posttrain.models.llama_checkpoint import DTYPE_NAMES, checkpoint_dtype
+from posttrain.models.lora import ADAPTER_CONFIG, peft_adapter_config
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +64,7 @@ CAUSAL_LM = "causal_lm"
 SEQUENCE_CLASSIFIER = "sequence_classifier"
 LORA_ADAPTER = "lora_adapter"
 CRITIC_DIR = "critic"
-ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # Recomputed buffers some checkpoints carry; dropping them loses nothing.
 _HARMLESS_UNEXPECTED = ("rotary_emb.inv_freq",)
 
@@ -223,11 +229,7 @@ def _export_adapter(
     if dtype is not None:
         tensors = {k: v.to(DTYPE_NAMES[dtype]) for k, v in tensors.items()}
     save_file(tensors, out / ADAPTER_WEIGHTS, metadata={"format": "pt"})
-    adapter_config["auto_mapping"] = None  # it names posttrain's classes
-    if base_dir is not None:
-        adapter_config["base_model_name_or_path"] = str(base_dir.resolve())
-    if adapter_config.get("task_type") is None and target == CAUSAL_LM:
-        adapter_config["task_type"] = "CAUSAL_LM"
+    adapter_config = peft_adapter_config(adapter_config, base_dir, classifier=target == SEQUENCE_CLASSIFIER)
     (out / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
     note = (
         "a LoRA adapter, not a full model: load it with "
@@ -346,7 +348,7 @@ def _write_tokenizer(folder: Path | None, out: Path, result: ExportResult) -> No
         return
     from transformers import AutoTokenizer
 
-    AutoTokenizer.from_pretrained(str(folder), local_files_only=True).save_pretrained(str(out))
+    save_tokenizer(AutoTokenizer.from_pretrained(str(folder), local_files_only=True), out)
 
 
 def _check_out(out: Path, source: Path, overwrite: bool) -> None:

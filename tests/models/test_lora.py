@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 from peft import PeftModel
+from transformers import AutoModelForCausalLM
 
 from posttrain import SFTConfig, SFTTrainer
 from posttrain.config import ConfigError, LoraConfig, ModelConfig, build_config
@@ -40,8 +41,6 @@ def test_merge_for_export_matches_the_adapted_model_and_loads_in_transformers(tm
         with model.disable_adapter():  # the training model still has its adapter
             assert not torch.allclose(model(ids), merged(ids), atol=1e-4)
     merged.save_pretrained(tmp_path)
-    from transformers import AutoModelForCausalLM
-
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True)
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, merged(ids), atol=1e-4, rtol=1e-4)
@@ -65,12 +64,15 @@ def test_sft_with_lora_writes_merged_final_and_adapter(tmp_path):
     final = BuiltinLM.from_pretrained(tmp_path / "final")
     with torch.no_grad():
         torch.testing.assert_close(final(ids), trainer.model(ids), atol=1e-5, rtol=1e-5)
-    # The saved adapter, loaded onto the frozen base, reproduces the trained model.
+    # The saved adapter, loaded by peft onto the frozen base in transformers, reproduces the
+    # trained model (model.init has no base folder: it is saved here).
     base = BuiltinLM(trainer.model.get_base_model().config)
     base.load_state_dict({k.replace(".base_layer", ""): v for k, v in base_after.items() if "lora_" not in k})
-    reloaded = PeftModel.from_pretrained(base, tmp_path / "final" / "adapter")
+    base.save_pretrained(tmp_path / "base")
+    hf_base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", local_files_only=True)
+    reloaded = PeftModel.from_pretrained(hf_base, tmp_path / "final" / "adapter")
     with torch.no_grad():
-        torch.testing.assert_close(reloaded(ids), trainer.model(ids), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(reloaded(ids).logits, trainer.model(ids), atol=1e-5, rtol=1e-5)
 
 
 def test_qlora_without_cuda_is_a_clear_error(tmp_path):

@@ -15,6 +15,7 @@ from posttrain.checkpoint.files import (
     resolve_resume,
     save_checkpoint,
     save_final,
+    save_tokenizer,
 )
 from posttrain.checkpoint.runs import (
     BUILT_MODEL,
@@ -49,4 +50,5 @@ __all__ = [
     "resolve_resume",
     "save_checkpoint",
     "save_final",
+    "save_tokenizer",
 ]

@@ -283,6 +283,7 @@ class RunModels:
     `critic` is a role object with `model`, `optimizer`, `scheduler` and `steps`.
     """
 
+    ADAPTER = "adapter"
     CRITIC = "critic"
     CRITIC_STATE = "optimizer.pt"
     REFERENCE = "reference"
@@ -294,9 +295,9 @@ class RunModels:
 
     def save_pretrained(self, directory: str | Path) -> None:
         directory = Path(directory)
-        _unwrap(self.policy).save_pretrained(directory)
+        _save_model(self.policy, directory)
         if self.adapter is not None:
-            self.adapter.save_pretrained(directory / "adapter")
+            _save_model(self.adapter, directory / self.ADAPTER)
         if self.reference is not None:
             _unwrap(self.reference).save_pretrained(directory / self.REFERENCE)
         if self.critic is None:
@@ -342,9 +343,40 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _save_pretrained(directory: Path, model: torch.nn.Module, tokenizer: Any) -> None:
-    _unwrap(model).save_pretrained(directory)
+    _save_model(model, directory)
     if tokenizer is not None:
-        tokenizer.save_pretrained(directory)
+        save_tokenizer(tokenizer, directory)
+
+
+def _save_model(model: torch.nn.Module, directory: Path) -> None:
+    """`save_pretrained`; a peft model's adapter through `save_adapter`, so that peft's
+    `AutoPeftModelForCausalLM` loads it (as `posttrain export` writes it)."""
+    from posttrain.models.lora import is_peft, save_adapter
+
+    model = _unwrap(model)
+    if is_peft(model):
+        save_adapter(model, directory)
+    else:
+        model.save_pretrained(directory)
+
+
+LOAD_ONLY_TOKENIZER_KEYS = ("local_files_only", "is_local")
+"""What transformers 5 keeps of a tokenizer's loading arguments and writes into its
+tokenizer_config.json: how it was loaded, not what it is."""
+
+
+def save_tokenizer(tokenizer: Any, directory: str | Path) -> None:
+    """`tokenizer.save_pretrained(directory)`, without `LOAD_ONLY_TOKENIZER_KEYS` in
+    tokenizer_config.json (a copy loaded `local_files_only` would make every later load of the
+    saved folder local-only)."""
+    tokenizer.save_pretrained(str(directory))
+    file = Path(directory) / "tokenizer_config.json"
+    if not file.is_file():
+        return
+    config = json.loads(file.read_text())
+    if any(k in config for k in LOAD_ONLY_TOKENIZER_KEYS):
+        kept = {k: v for k, v in config.items() if k not in LOAD_ONLY_TOKENIZER_KEYS}
+        file.write_text(json.dumps(kept, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
 def _weight_files(path: Path) -> list[Path]:

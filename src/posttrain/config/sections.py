@@ -27,7 +27,7 @@ class LoraConfig:
 
     r: int = field(default=0, metadata=aliases(
         trl("lora_r"), verl("actor_rollout_ref.model.lora_rank"), openrlhf("lora_rank")))
-    """LoRA rank; 0 turns LoRA off (full fine-tuning)."""
+    """LoRA rank; 0 turns LoRA off (full fine-tuning). Python API: TRL's `peft_config=peft.LoraConfig(...)` sets r, alpha, dropout and target_modules."""
     alpha: float = field(default=16.0, metadata=aliases(
         trl("lora_alpha"), verl("actor_rollout_ref.model.lora_alpha"), openrlhf("lora_alpha")))
     """LoRA scaling numerator: the update is scaled by alpha / r."""
@@ -64,7 +64,7 @@ class ModelConfig:
     init: Literal["tiny", "small"] | None = None
     """Start from a freshly initialised built-in model of this size (with the built-in tokenizer)."""
     tokenizer: str | None = None
-    """Tokenizer directory; defaults to `model.path`, or the built-in tokenizer with `model.init`."""
+    """Tokenizer directory; defaults to `model.path` (Python API: the folder a model passed in was loaded from, else `processing_class=` is needed), or the built-in tokenizer with `model.init`."""
     impl: Literal["auto", "builtin", "hf"] = "auto"
     """Model code: `builtin` (our Llama implementation, fast native rollout), `hf` (transformers), or `auto` (builtin for Llama checkpoints)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(default="auto", metadata=aliases(

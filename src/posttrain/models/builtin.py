@@ -422,6 +422,7 @@ class BuiltinLM(nn.Module):
         model.load_state_dict(state, strict=False, assign=True)
         model.tie_weights()
         model.model.rotary_emb.reset_inv_freq()
+        model.name_or_path = str(path)  # as transformers: the tokenizer's and a LoRA base's folder
         return model.to(device or "cpu")
 
 

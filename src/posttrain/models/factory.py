@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -11,32 +12,73 @@ from torch import nn
 from posttrain.config import ConfigError, ModelConfig
 from posttrain.models.builtin import BuiltinLM
 from posttrain.models.loading import load_causal_lm, resolve_device, resolve_dtype
-from posttrain.models.lora import apply_lora
+from posttrain.models.lora import apply_lora, is_peft, source_of
 
 logger = logging.getLogger(__name__)
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""A folder with none of these holds no tokenizer (as `posttrain export` looks for one)."""
 
 
-def load_tokenizer(cfg: ModelConfig) -> Any:
-    """The tokenizer of `model.tokenizer`, else of `model.path`, else the built-in one."""
-    source = cfg.tokenizer or cfg.path
-    if source is None:
-        from posttrain.data.tokenizer import build_tokenizer
+def load_tokenizer(cfg: ModelConfig, model: nn.Module | None = None) -> Any:
+    """The tokenizer to train `model` (a module passed in; None: the one `cfg` builds) with.
 
-        return build_tokenizer()
-    if cfg.tokenizer is None:  # a folder that is no model gets that error, not a tokenizer's
+    In order: `model.tokenizer`; for a module, the folder it was loaded from (its
+    `name_or_path`, as TRL takes it; `source_of`); `model.path`; the built-in byte tokenizer,
+    which only a built-in model may use (`model.init`, or a `BuiltinLM` made in memory). Any
+    other module is refused: its tokenizer is unknown, so the caller must pass it
+    (`processing_class=`). Nothing is downloaded (`local_files_only`).
+    """
+    if cfg.tokenizer is not None:
+        return _tokenizer_from(cfg.tokenizer, "model.tokenizer")
+    source = source_of(model) if model is not None else None
+    if source is not None:
+        logger.info("tokenizer: the one in %s, where the model passed in was loaded from", source)
+        return _tokenizer_from(source, "processing_class", f"the model passed in was loaded from {source}, but ")
+    if cfg.path is not None:  # a folder that is no model gets that error, not a tokenizer's
         from posttrain.models.llama_checkpoint import read_config_json
 
         try:
-            read_config_json(source)
+            read_config_json(cfg.path)
         except FileNotFoundError as err:
             raise ConfigError(f"model.path: {err}") from None
+        return _tokenizer_from(cfg.path, "model.tokenizer")
+    from posttrain.data.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    if model is not None:
+        _check_builtin_tokenizer_fits(model, len(tokenizer))
+    return tokenizer
+
+
+def _check_builtin_tokenizer_fits(model: nn.Module, n_tokens: int) -> None:
+    """Refuse the built-in tokenizer for a module that is no built-in model, or whose
+    embedding has fewer rows than the tokenizer has ids."""
+    base = model.get_base_model() if is_peft(model) else model
+    builtin = isinstance(base, BuiltinLM) or getattr(base, "is_builtin", False)
+    vocab = base.config.vocab_size if builtin else None
+    if builtin and vocab >= n_tokens:
+        return
+    why = (f"its vocabulary ({vocab} ids) is smaller than the built-in tokenizer's ({n_tokens})" if builtin else
+           f"it is a {type(base).__name__} built in memory (no name_or_path), and the built-in byte "
+           "tokenizer is only for posttrain's built-in models")
+    raise ConfigError(f"processing_class: no tokenizer for the model passed in: {why}. Pass its tokenizer "
+                      "as processing_class= (or set model.tokenizer=DIR)")
+
+
+def _tokenizer_from(source: str, key: str, context: str = "") -> Any:
+    """AutoTokenizer of the local folder (or cached hub name) `source`; an error naming `key`."""
     from transformers import AutoTokenizer
 
+    fix = "; pass the tokenizer as processing_class= or set model.tokenizer=DIR" if key == "processing_class" else ""
+    folder = Path(source)
+    if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(f"{key}: {context}{source} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}){fix}")
     try:
         tok = AutoTokenizer.from_pretrained(source, local_files_only=True)
     except (OSError, ValueError) as err:
-        raise ConfigError(f"model.tokenizer: cannot load a tokenizer from {source}: {err}") from None
+        raise ConfigError(f"{key}: {context}cannot load a tokenizer from {source} (nothing is downloaded): "
+                          f"{err}{fix}") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
         logger.info("tokenizer has no pad token; using its eos token %r", tok.eos_token)

@@ -284,6 +284,7 @@ class ScalarHeadModel(nn.Module):
             _load_score(model, stored, path, init_std)
         elif init_std is not None:  # "fresh": `cls(...)` made a default-initialised head
             model.init_score(init_std)
+        model.name_or_path = str(path)  # as transformers: the tokenizer's and a LoRA base's folder
         return model.to(device or "cpu")
 
     @classmethod

@@ -1,9 +1,13 @@
-"""LoRA through `peft`: wrap a model with adapters, and merge them for export."""
+"""LoRA through `peft`: wrap a model with adapters, save them as peft loads them, merge them
+for export, and read a TRL-style `peft_config` into `model.lora`."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 import logging
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -14,6 +18,9 @@ from posttrain.models.builtin import BuiltinLM
 logger = logging.getLogger(__name__)
 
 LLAMA_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAPTER_CONFIG = "adapter_config.json"
+SCORE_HEAD = "score"
+"""The scalar head of a reward model / critic (`ScalarHeadModel.score`), trained in full."""
 
 
 def is_peft(model: nn.Module) -> bool:
@@ -21,24 +28,46 @@ def is_peft(model: nn.Module) -> bool:
 
 
 def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
-    """Wrap `model` with peft LoRA adapters when `cfg.r > 0`; the base weights are frozen."""
+    """Wrap `model` with peft LoRA adapters when `cfg.r > 0`; the base weights are frozen.
+
+    The one place every trainer (SFT, RM, DPO, GRPO/PPO, local and Ray) adds adapters, to a
+    model it built or one it was given. A causal LM (BuiltinLM or transformers) gets adapters
+    on `cfg.target_modules`; a reward model / critic (`ScalarHeadModel`, which has `scores`)
+    also trains its score head in full (peft `modules_to_save`, as TRL does for sequence
+    classification). `all-linear` never takes the LM or score head. A model that is already
+    peft-wrapped is returned as is when `cfg.r == 0` and refused otherwise (a second adapter
+    would be silently stacked on the first).
+    """
     if cfg.r == 0:
         return model
+    if is_peft(model):
+        raise ConfigError(
+            f"model.lora.r={cfg.r}: the model passed in already has peft adapters; set model.lora.r=0 "
+            "(and pass no peft_config) to train them, or pass the base model to add new ones"
+        )
     import peft
 
+    scalar_head = hasattr(model, "scores")
     targets: Any = cfg.target_modules
     if targets == ["all-linear"]:
         # peft cannot tell the output head of a non-transformers module apart: name the Llama linears.
-        targets = LLAMA_LINEARS if isinstance(model, BuiltinLM) else "all-linear"
-    lora = peft.LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets)
+        builtin = isinstance(model, BuiltinLM) or getattr(model, "is_builtin", False)
+        targets = LLAMA_LINEARS if builtin else "all-linear"
+    lora = peft.LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
+                           modules_to_save=[SCORE_HEAD] if scalar_head else None)
     try:
         model = peft.get_peft_model(model, lora)
     except ValueError as err:
         raise ConfigError(f"model.lora.target_modules: {err}") from None
-    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    n_all = sum(p.numel() for p in model.parameters())
-    logger.info("LoRA r=%d on %s: %d of %d parameters train", cfg.r, targets, n_train, n_all)
+    logger.info("LoRA r=%d on %s: %s", cfg.r, targets, parameter_counts(model))
     return model
+
+
+def parameter_counts(model: nn.Module) -> str:
+    """"N parameters", plus "(M trained)" when some are frozen (LoRA: M counts the adapters)."""
+    params = list(model.parameters())
+    total, trained = sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+    return f"{total:,} parameters" + (f" ({trained:,} trained)" if trained != total else "")
 
 
 def merged_for_export(model: nn.Module) -> nn.Module:
@@ -47,3 +76,108 @@ def merged_for_export(model: nn.Module) -> nn.Module:
     if not is_peft(model):
         return model
     return copy.deepcopy(model).merge_and_unload()
+
+
+# --- saved adapters --------------------------------------------------------------------
+
+
+def source_of(model: nn.Module) -> str | None:
+    """The folder (or hub name) `model` was loaded from: the `name_or_path` transformers and
+    `BuiltinLM.from_pretrained` set, looked up through a peft wrapper; None for a model built
+    in memory (transformers gives those "")."""
+    base = model.get_base_model() if is_peft(model) else model
+    name = base.__dict__.get("name_or_path") or getattr(getattr(base, "config", None), "_name_or_path", None)
+    return str(name) if name else None
+
+
+def peft_adapter_config(config: dict, base: Path | None, classifier: bool) -> dict:
+    """adapter_config.json as `peft.AutoPeftModelForCausalLM.from_pretrained(folder)` loads it.
+
+    peft records `auto_mapping` with posttrain's classes (BuiltinLM, ScalarHeadModel) and no
+    task type when it wraps a module that is not a transformers model, and the base path as
+    it was given (maybe relative to the training's working folder). Here: no auto_mapping,
+    `base_model_name_or_path` = `base` made absolute (when known), and `task_type` CAUSAL_LM
+    for a causal LM's adapter (`classifier`: a reward model's or critic's, left as it is).
+    """
+    config = {**config, "auto_mapping": None}
+    if base is not None:
+        config["base_model_name_or_path"] = str(Path(base).resolve())
+    if config.get("task_type") is None and not classifier:
+        config["task_type"] = "CAUSAL_LM"
+    return config
+
+
+def save_adapter(model: nn.Module, directory: str | Path) -> None:
+    """`model.save_pretrained(directory)` of a peft model (adapter_config.json and
+    adapter_model.safetensors), its config made loadable by peft (`peft_adapter_config`): the
+    base is the local folder the model was loaded from (None for a fresh built-in model,
+    whose base weights exist nowhere else: use the merged model in `final/`)."""
+    directory = Path(directory)
+    # No embedding copy: the trainers never resize or fully train embeddings, and peft's
+    # "auto" check would read the base's config through BuiltinConfig (which cannot) or the Hub.
+    model.save_pretrained(directory, save_embedding_layers=False)
+    base = source_of(model)
+    base_dir = Path(base) if base is not None and (Path(base) / "config.json").is_file() else None
+    file = directory / ADAPTER_CONFIG
+    config = peft_adapter_config(json.loads(file.read_text()), base_dir, classifier=hasattr(model, "scores"))
+    file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+# --- TRL's peft_config -----------------------------------------------------------------
+
+_HONOURED = {"r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout", "target_modules": "target_modules"}
+_LEFT_TO_PEFT = {"peft_type", "peft_version", "task_type", "modules_to_save"}  # checked by kind below
+
+
+def lora_from_peft(peft_config: Any, current: LoraConfig, model_type: str, classifier: bool = False) -> LoraConfig:
+    """`model.lora` for a TRL-style `peft_config=peft.LoraConfig(...)`: r, lora_alpha, lora_dropout
+    and target_modules map onto r, alpha, dropout, target_modules of `current` (which keeps its
+    `quantize`). target_modules None is peft's default for `model_type` (the checkpoint's,
+    e.g. llama: q_proj, v_proj).
+
+    Refused, naming the field: another adapter type, a regex target_modules, a task_type
+    other than the trainer's (CAUSAL_LM; SEQ_CLS for a reward model, `classifier`), and any
+    other field set away from its peft default (bias, use_dora, modules_to_save, ...): those
+    are not applied, and ignoring them would train something else than asked.
+    """
+    import peft
+    from peft.utils.constants import (
+        TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_TARGETS,
+    )
+
+    if not isinstance(peft_config, peft.LoraConfig):
+        raise ConfigError(f"peft_config: only a peft.LoraConfig is supported, got {type(peft_config).__name__}")
+    task = "SEQ_CLS" if classifier else "CAUSAL_LM"
+    if peft_config.task_type not in (None, task):
+        raise ConfigError(f"peft_config.task_type={peft_config.task_type!r}: this trainer trains a {task} model; "
+                          f"set task_type={task!r} or leave it unset")
+    saved = peft_config.modules_to_save
+    if saved and not (classifier and list(saved) == [SCORE_HEAD]):
+        raise ConfigError(f"peft_config.modules_to_save={saved}: not supported"
+                          + ("; the score head always trains in full" if classifier else "")
+                          + ". Leave it unset")
+    default = peft.LoraConfig()
+    unhonoured = [f.name for f in dataclasses.fields(peft_config)
+                  if f.name not in _HONOURED and f.name not in _LEFT_TO_PEFT
+                  and getattr(peft_config, f.name) != getattr(default, f.name)]
+    if unhonoured:
+        raise ConfigError(
+            f"peft_config: {', '.join(unhonoured)} {'is' if len(unhonoured) == 1 else 'are'} not supported "
+            "(only r, lora_alpha, lora_dropout, target_modules and task_type are applied); leave "
+            f"{'it' if len(unhonoured) == 1 else 'them'} at peft's default, or use model.lora.*"
+        )
+    targets = peft_config.target_modules
+    if targets is None:
+        if model_type not in PEFT_TARGETS:
+            raise ConfigError(f"peft_config.target_modules: peft has no default for model type {model_type!r}; "
+                              "name the layers (e.g. ['q_proj', 'v_proj'] or 'all-linear')")
+        targets = list(PEFT_TARGETS[model_type])
+    elif isinstance(targets, str):
+        if targets != "all-linear":
+            raise ConfigError(f"peft_config.target_modules={targets!r}: a regex is not supported; give a list "
+                              "of module names or 'all-linear'")
+        targets = ["all-linear"]
+    else:
+        targets = sorted(targets)
+    return dataclasses.replace(current, r=peft_config.r, alpha=float(peft_config.lora_alpha),
+                               dropout=peft_config.lora_dropout, target_modules=targets)

@@ -162,8 +162,8 @@ class DPOTrainer:
         trainer = DPOTrainer(model, args=DPOConfig(...), train_dataset=pairs, eval_dataset=pairs)
         trainer.train()
 
-    `model` is a loaded causal LM (given `args.model.lora` adapters when `lora.r > 0` and it
-    is not peft-wrapped yet), a local model directory, or None (then `args.model` says what
+    `model` is a loaded causal LM (given `args.model.lora` adapters when `lora.r > 0`, or
+    TRL's `peft_config`), a local model directory, or None (then `args.model` says what
     to build). `ref_model` is an optional separate reference (default: see the module
     doc). Datasets are preference rows in anything `posttrain.data.sources.load_rows` reads;
     when omitted, `args.data.train_files` / `eval_files` are read.
@@ -177,10 +177,11 @@ class DPOTrainer:
         train_dataset: Any = None,
         eval_dataset: Any = None,
         processing_class: Any = None,
+        peft_config: Any = None,
     ):
         self.args = args = args if args is not None else DPOConfig()
         train_source, eval_source, self.tokenizer = prepare_run(
-            args, model, train_dataset, eval_dataset, processing_class
+            args, model, train_dataset, eval_dataset, processing_class, peft_config=peft_config
         )
         _, self.train_examples, stats = prepare_pairs(train_source, self.tokenizer, args.data)
         self.data_stats = {f"data/{k}": float(v) for k, v in stats.as_dict().items()}
@@ -190,7 +191,7 @@ class DPOTrainer:
         if args.eval.task is not None:
             self._check_task_rows()
         if isinstance(model, torch.nn.Module):
-            self.model = model if is_peft(model) else apply_lora(model, args.model.lora)
+            self.model = apply_lora(model, args.model.lora)
         else:
             self.model = build_model(args.model, self.tokenizer, train=True)
         disable_dropout(self.model, "policy")  # before the reference is copied from it

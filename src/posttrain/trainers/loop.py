@@ -403,10 +403,9 @@ class OptimizerTask:
     def save_final(self, run_dir: Path) -> Path:
         full = self.wrapped.full_model()  # collective under fsdp2; None on ranks but 0
         final_dir = Path(run_dir) / FINAL
-        if full is not None:
-            final_dir = save_final(run_dir, merged_for_export(full), self.tokenizer)
-            if is_peft(full):
-                full.save_pretrained(final_dir / "adapter")  # the adapter alone, for peft users
+        if full is not None:  # with LoRA: the merged model, and the adapter alone in adapter/ for peft users
+            models = RunModels(merged_for_export(full), adapter=full if is_peft(full) else None)
+            final_dir = save_final(run_dir, models, self.tokenizer)
         if self.collective is not None:
             self.collective.barrier()
         return final_dir

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from posttrain.algos import bradley_terry_loss
-from posttrain.config import ConfigError, LoraConfig, ModelConfig
+from posttrain.config import ConfigError, ModelConfig
 from posttrain.config.core import check
 from posttrain.config.preference import RMConfig
 from posttrain.data.batch import PairBatch
@@ -52,7 +52,7 @@ from posttrain.models.builtin import BuiltinLM
 from posttrain.models.factory import build_model, weights_dtype
 from posttrain.models.heads import ScalarHeadModel
 from posttrain.models.loading import resolve_device
-from posttrain.models.lora import LLAMA_LINEARS, is_peft
+from posttrain.models.lora import apply_lora, parameter_counts
 from posttrain.trainers.batches import EpochBatches
 from posttrain.trainers.loop import FitResult, fit
 from posttrain.trainers.setup import prepare_run
@@ -118,27 +118,7 @@ def build_reward_model(cfg: ModelConfig, tokenizer: Any) -> torch.nn.Module:
     text_config = model.config if model.is_builtin else model.config.get_text_config()
     if text_config.pad_token_id is None:  # saved config.json needs one (see heads.save_pretrained)
         text_config.pad_token_id = tokenizer.pad_token_id
-    return with_lora(model, cfg.lora)
-
-
-def with_lora(model: ScalarHeadModel, cfg: LoraConfig) -> torch.nn.Module:
-    """LoRA adapters on the backbone's linears and a fully trained score head (peft's
-    `modules_to_save`, saved with the adapter); the model itself when `cfg.r == 0`."""
-    if cfg.r == 0:
-        return model
-    import peft
-
-    targets: Any = cfg.target_modules
-    if targets == ["all-linear"]:  # peft's all-linear would put an adapter on the score head
-        targets = LLAMA_LINEARS if model.is_builtin else "all-linear"
-    lora = peft.LoraConfig(
-        r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
-        modules_to_save=["score"],
-    )
-    try:
-        return peft.get_peft_model(model, lora)
-    except ValueError as err:
-        raise ConfigError(f"model.lora.target_modules: {err}") from None
+    return apply_lora(model, cfg.lora)
 
 
 class RewardTrainer:
@@ -149,7 +129,8 @@ class RewardTrainer:
 
     `model` is a `ScalarHeadModel` (peft-wrapped or not), a causal LM module (given a fresh
     score head), a local model directory, or None (then `args.model` says what to build). A
-    module that is not peft-wrapped gets `args.model.lora` adapters when `lora.r > 0`.
+    module that is not peft-wrapped gets `args.model.lora` adapters when `lora.r > 0` (or
+    TRL's `peft_config`: `models.lora.apply_lora`).
     Datasets are preference rows in anything `posttrain.data.sources.load_rows` reads; when
     omitted, `args.data.train_files` / `eval_files` are read.
     """
@@ -161,10 +142,11 @@ class RewardTrainer:
         train_dataset: Any = None,
         eval_dataset: Any = None,
         processing_class: Any = None,
+        peft_config: Any = None,
     ):
         self.args = args = args if args is not None else RMConfig()
         train_source, eval_source, self.tokenizer = prepare_run(
-            args, model, train_dataset, eval_dataset, processing_class
+            args, model, train_dataset, eval_dataset, processing_class, peft_config=peft_config, classifier=True
         )
         _, self.train_examples, stats = prepare_pairs(train_source, self.tokenizer, args.data)
         self.data_stats = {f"data/{k}": float(v) for k, v in stats.as_dict().items()}
@@ -176,13 +158,11 @@ class RewardTrainer:
         """Build or adopt the reward model; a given plain model gets LoRA when `model.lora.r > 0`."""
         if model is None or isinstance(model, str):
             return build_reward_model(self.args.model, self.tokenizer)
-        if is_peft(model) and hasattr(model, "scores"):
-            return model
-        if not isinstance(model, ScalarHeadModel):
+        if not hasattr(model, "scores"):  # a ScalarHeadModel, peft-wrapped or not, has them
             if not (isinstance(model, BuiltinLM) or hasattr(model, "base_model")):
                 raise TypeError(f"RewardTrainer needs a ScalarHeadModel or a causal LM, got {type(model).__name__}")
             model = ScalarHeadModel.from_causal_lm(model)
-        return with_lora(model, self.args.model.lora)
+        return apply_lora(model, self.args.model.lora)
 
     def _collate(self, examples: list[dict]) -> PairBatch:
         device = next(self.model.parameters()).device
@@ -205,9 +185,8 @@ class RewardTrainer:
             self._collate, seed=a.trainer.seed, shuffle=a.data.shuffle,
         )
         log.info(
-            "reward model: %d pairs, %d steps of %d, %s parameters",
-            len(self.train_examples), a.trainer.max_steps, a.data.train_batch_size,
-            f"{sum(p.numel() for p in self.model.parameters()):,}",
+            "reward model: %d pairs, %d steps of %d, %s",
+            len(self.train_examples), a.trainer.max_steps, a.data.train_batch_size, parameter_counts(self.model),
         )
         evaluate: Callable | None = partial(RewardTrainer.evaluate, self) if self.eval_examples else None
         return fit(

@@ -94,7 +94,7 @@ from posttrain.data.prompts import load_prompts
 from posttrain.distributed.checkpoint import SHARDS
 from posttrain.logging import get_logger
 from posttrain.logging.timing import StageTimer
-from posttrain.models.lora import is_peft, merged_for_export
+from posttrain.models.lora import is_peft, merged_for_export, parameter_counts
 from posttrain.trainers.batches import EpochBatches
 from posttrain.trainers.loop import SAMPLES_PER_EVAL, FitResult, RefSync, StepOutput, run
 from posttrain.trainers.rl_build import (
@@ -129,8 +129,11 @@ class RLTrainer:
         trainer.train()
 
     `model`: a loaded module, a local model directory, or None (`args.model` says what
-    to build). `reward_funcs`: callables with TRL's signature or spec strings (built-in
-    names, `module:function`); they replace `args.reward.functions`. Datasets are
+    to build); LoRA (`model.lora.r > 0`, or TRL's `peft_config=peft.LoraConfig(...)`)
+    wraps any of them. `processing_class`: the tokenizer; by default that of the folder a
+    module was loaded from, or of `model.path` (`models.factory.load_tokenizer`).
+    `reward_funcs`: callables with TRL's signature or spec strings (built-in names,
+    `module:function`); they replace `args.reward.functions`. Datasets are
     anything `posttrain.data.sources.load_rows` reads; when omitted, `args.data.*_files`.
 
     Multi-turn episodes (TRL's shape): `environment_factory` (a class or callable giving a
@@ -156,6 +159,7 @@ class RLTrainer:
         value_model: torch.nn.Module | None = None,
         environment_factory: Any = None,
         tools: Any = None,
+        peft_config: Any = None,
     ):
         self.args = args = args if args is not None else self.config_class()
         if reward_funcs is not None and not isinstance(reward_funcs, (list, tuple)):
@@ -164,6 +168,7 @@ class RLTrainer:
         train_source, eval_source, self.tokenizer = prepare_run(
             args, model, train_dataset, eval_dataset, processing_class,
             checks=lambda: check_reward_source(args, reward_funcs, episodes=env_factory is not None),
+            peft_config=peft_config,
         )
         self.examples, self.data_stats = load_prompts(train_source, self.tokenizer, args.data)
         self.eval_examples = None
@@ -211,9 +216,7 @@ class RLTrainer:
         base = model.get_base_model() if is_peft(model) else model
         name = a.model.path or (f"built-in {a.model.init}" if a.model.init else type(base).__name__)
         params = list(model.parameters())
-        total, trained = sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
-        count = f"{total:,} parameters" + (f" ({trained:,} trained)" if trained != total else "")
-        return (f"RL ({a.algorithm.adv_estimator}): {name}, {count}; {len(self.examples)} prompts, "
+        return (f"RL ({a.algorithm.adv_estimator}): {name}, {parameter_counts(model)}; {len(self.examples)} prompts, "
                 f"{a.trainer.max_steps} steps of {a.data.train_batch_size} x {a.rollout.n}; rollout engine "
                 f"{self.roles.rollout.engine.kind}, on {params[0].device}, {params[0].dtype}")
 

@@ -18,7 +18,7 @@ from posttrain.config.rl import RLConfig
 from posttrain.data.collate import pad_id_of
 from posttrain.logging import get_logger
 from posttrain.models.heads import ScalarHeadModel
-from posttrain.models.lora import is_peft
+from posttrain.models.lora import apply_lora, is_peft
 from posttrain.rewards import RewardRunner
 from posttrain.rewards.checks import check_reward_signature
 from posttrain.rewards.registry import resolve_reward
@@ -191,8 +191,8 @@ def build_reference(cfg: RLConfig, policy: torch.nn.Module) -> Reference | None:
 def build_roles(cfg: RLConfig, tokenizer: Any, model: Any, reward_funcs: Any, value_model: Any,
                 columns: Sequence[str] | None = None, data: str = "the data", env_factory: Any = None) -> Roles:
     """Reward and critic checks first (cheap, fail early: `build_reward` checks the reward
-    against the data's `columns`, plus `env_reward` for episodes), then the policy,
-    reference, critic, actor, rollout. Dropout is off in every model: see `disable_dropout`.
+    against the data's `columns`, plus `env_reward` for episodes), then the policy (a module
+    passed in gets `model.lora` adapters, as a built one), reference, critic, actor, rollout. Dropout is off in every model: see `disable_dropout`.
     trainer.backend=ray: the policy and a critic's value model go to the workers, which build
     actor, reference, critic and rollout each (`rl_ray`); the reward stays here."""
     from posttrain.models.factory import build_model
@@ -202,7 +202,9 @@ def build_roles(cfg: RLConfig, tokenizer: Any, model: Any, reward_funcs: Any, va
         columns = [*columns, "env_reward"]
     reward = build_reward(cfg, reward_funcs, columns, data, episodes=env_factory is not None)
     check_critic_source(cfg)
-    if not isinstance(model, torch.nn.Module):
+    if isinstance(model, torch.nn.Module):
+        model = apply_lora(model, cfg.model.lora)  # as build_model does, for local and Ray runs
+    else:
         model = build_model(cfg.model, tokenizer, train=True)
     disable_dropout(model, "policy")  # before the reference and a critic are copied from it
     if cfg.trainer.backend == "ray":

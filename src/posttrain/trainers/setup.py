@@ -7,10 +7,12 @@ from typing import Any
 
 import torch
 
-from posttrain.config.core import check, validate_tree
+from posttrain.config.core import ConfigError, check, validate_tree
 from posttrain.distributed import init_from_env
 from posttrain.distributed.env import refuse_launch_of_several
 from posttrain.models.factory import load_tokenizer
+from posttrain.models.llama_checkpoint import read_config_json
+from posttrain.models.lora import is_peft, lora_from_peft
 from posttrain.training.core import set_seed
 
 RL_SCALE_OUT = ("launch it once, without torchrun; RL runs data-parallel on Ray workers: "
@@ -24,17 +26,27 @@ def prepare_run(
     eval_dataset: Any,
     processing_class: Any,
     checks: Callable[[], None] | None = None,
+    peft_config: Any = None,
+    classifier: bool = False,
 ) -> tuple[Any, Any, Any]:
     """Validate `args` (then run the trainer's own `checks`), join torchrun's process group
     (`trainer.strategy`, when launched with WORLD_SIZE > 1; a config without one, RL's, is
     refused there), seed, and resolve the data sources and the tokenizer.
 
-    A string `model` is a local model directory (it becomes `model.path`). Datasets passed
-    in win over `data.train_files` / `data.eval_files`. Returns
-    (train_source, eval_source or None, tokenizer).
+    A string `model` is a local model directory (it becomes `model.path`). A `peft_config`
+    (TRL's: a `peft.LoraConfig`) becomes `model.lora` (`lora_from_peft`; `classifier`: the
+    trainer trains a reward model). Datasets passed in win over `data.train_files` /
+    `data.eval_files`. The tokenizer is `processing_class`, else `load_tokenizer`'s for the
+    module passed in or the model configured. Returns (train_source, eval_source or None,
+    tokenizer).
     """
     if isinstance(model, str):
         args.model.path, args.model.init = model, None
+    if peft_config is not None:
+        check(args.model.lora.r == 0, "model.lora.r",
+              f"is {args.model.lora.r} and peft_config is given too; set one of them")
+        model_type = model_type_of(model if isinstance(model, torch.nn.Module) else None, args.model.path)
+        args.model.lora = lora_from_peft(peft_config, args.model.lora, model_type, classifier)
     validate_tree(args)
     if checks is not None:
         checks()
@@ -49,5 +61,21 @@ def prepare_run(
     else:  # RL: its data parallelism is Ray's
         refuse_launch_of_several(getattr(args, "command", "rl"), RL_SCALE_OUT)
     set_seed(args.trainer.seed)
-    tokenizer = processing_class if processing_class is not None else load_tokenizer(args.model)
-    return train_source, eval_source, tokenizer
+    if processing_class is not None:
+        return train_source, eval_source, processing_class
+    module = model if isinstance(model, torch.nn.Module) else None
+    return train_source, eval_source, load_tokenizer(args.model, module)
+
+
+def model_type_of(model: torch.nn.Module | None, path: str | None) -> str:
+    """config.json's `model_type` of the module passed in, else of `path`; the built-in
+    model's is "llama"."""
+    if model is not None:
+        base = model.get_base_model() if is_peft(model) else model
+        return getattr(base.config, "model_type", None) or "llama"
+    if path is not None:
+        try:
+            return read_config_json(path).get("model_type") or "llama"
+        except FileNotFoundError as err:
+            raise ConfigError(f"model.path: {err}") from None
+    return "llama"

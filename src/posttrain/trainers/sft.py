@@ -34,6 +34,7 @@ from posttrain.evaluation import task_eval
 from posttrain.logging import get_logger
 from posttrain.models.factory import build_model
 from posttrain.models.loading import device_of, forward_logits
+from posttrain.models.lora import apply_lora, parameter_counts
 from posttrain.trainers.batches import EpochBatches
 from posttrain.trainers.loop import FitResult, fit
 from posttrain.trainers.setup import prepare_run
@@ -57,7 +58,10 @@ class SFTTrainer:
         trainer.train()
 
     `model` is a loaded module, a local model directory, or None (then `args.model` says
-    what to build: `model.init=tiny` pretrains the built-in model from scratch).
+    what to build: `model.init=tiny` pretrains the built-in model from scratch). LoRA
+    (`model.lora.r > 0`, or TRL's `peft_config=peft.LoraConfig(...)`) wraps any of them.
+    `processing_class` is the tokenizer; by default that of the folder a module was loaded
+    from, or of `model.path` (see `models.factory.load_tokenizer`).
     Datasets are anything `posttrain.data.sources.load_rows` reads; when omitted,
     `args.data.train_files` / `eval_files` are read.
     """
@@ -69,10 +73,11 @@ class SFTTrainer:
         train_dataset: Any = None,
         eval_dataset: Any = None,
         processing_class: Any = None,
+        peft_config: Any = None,
     ):
         self.args = args = args if args is not None else SFTConfig()
         train_source, eval_source, self.tokenizer = prepare_run(
-            args, model, train_dataset, eval_dataset, processing_class
+            args, model, train_dataset, eval_dataset, processing_class, peft_config=peft_config
         )
         self.train_examples, self.data_stats = self._prepare(*self._load(train_source))
         self.eval_examples, self.eval_rows = None, None
@@ -81,7 +86,10 @@ class SFTTrainer:
             self.eval_examples, _ = self._prepare(self.eval_rows, eval_fmt)
         if args.eval.task is not None:
             check(self.eval_rows is not None, "eval.task", "needs held-out data: set data.eval_files")
-        self.model = model if isinstance(model, torch.nn.Module) else build_model(args.model, self.tokenizer, train=True)
+        if isinstance(model, torch.nn.Module):
+            self.model = apply_lora(model, args.model.lora)
+        else:
+            self.model = build_model(args.model, self.tokenizer, train=True)
 
     def _load(self, source: Any) -> tuple[Any, str]:
         """Read and validate rows; the format is `data.format` or detected."""
@@ -140,9 +148,8 @@ class SFTTrainer:
         rows = int(self.data_stats["data/n_kept"])
         packed = f" packed into {len(self.train_examples)} rows of {a.data.max_length} tokens" if a.data.packing else ""
         log.info(
-            "SFT: %d examples%s, %d steps of %d, %s parameters",
-            rows, packed, a.trainer.max_steps, a.data.train_batch_size,
-            f"{sum(p.numel() for p in self.model.parameters()):,}",
+            "SFT: %d examples%s, %d steps of %d, %s",
+            rows, packed, a.trainer.max_steps, a.data.train_batch_size, parameter_counts(self.model),
         )
         return fit(
             self.model, self.tokenizer, a, batches, lm_loss,
