@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from posttrain.config.core import check, validate_tree
+from posttrain.config.sections import TrainerConfig
 from posttrain.distributed import init_from_env
 from posttrain.models.factory import load_tokenizer
 from posttrain.training.core import set_seed
@@ -45,3 +46,14 @@ def prepare_run(
     set_seed(args.trainer.seed)
     tokenizer = processing_class if processing_class is not None else load_tokenizer(args.model)
     return train_source, eval_source, tokenizer
+
+
+def set_train_length(args: Any, examples: int) -> int:
+    """Fill trainer.max_steps from trainer.num_train_epochs (or the default length) once the
+    trainer knows its `examples` (prompts for RL), at data.train_batch_size per step
+    (`TrainerConfig.set_length`), and run the checks that need it. Returns max_steps."""
+    trainer: TrainerConfig = args.trainer
+    steps = trainer.set_length(examples, args.data.train_batch_size)
+    if hasattr(args, "check_length"):
+        args.check_length()
+    return steps

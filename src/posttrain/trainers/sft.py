@@ -19,6 +19,7 @@ Departures from TRL's SFTTrainer:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -35,8 +36,9 @@ from posttrain.logging import get_logger
 from posttrain.models.factory import build_model
 from posttrain.models.loading import device_of, forward_logits
 from posttrain.trainers.batches import EpochBatches
+from posttrain.trainers.callbacks import Callbacks
 from posttrain.trainers.loop import FitResult, fit
-from posttrain.trainers.setup import prepare_run
+from posttrain.trainers.setup import prepare_run, set_train_length
 
 log = get_logger(__name__)
 
@@ -69,12 +71,15 @@ class SFTTrainer:
         train_dataset: Any = None,
         eval_dataset: Any = None,
         processing_class: Any = None,
+        callbacks: Sequence[Any] | None = None,
     ):
         self.args = args = args if args is not None else SFTConfig()
+        self.callbacks = Callbacks(callbacks, args)
         train_source, eval_source, self.tokenizer = prepare_run(
             args, model, train_dataset, eval_dataset, processing_class
         )
         self.train_examples, self.data_stats = self._prepare(*self._load(train_source))
+        set_train_length(args, len(self.train_examples))
         self.eval_examples, self.eval_rows = None, None
         if eval_source is not None:
             self.eval_rows, eval_fmt = self._load(eval_source)
@@ -82,6 +87,7 @@ class SFTTrainer:
         if args.eval.task is not None:
             check(self.eval_rows is not None, "eval.task", "needs held-out data: set data.eval_files")
         self.model = model if isinstance(model, torch.nn.Module) else build_model(args.model, self.tokenizer, train=True)
+        self.callbacks.init_end(self.model, self.tokenizer)
 
     def _load(self, source: Any) -> tuple[Any, str]:
         """Read and validate rows; the format is `data.format` or detected."""
@@ -147,7 +153,7 @@ class SFTTrainer:
         return fit(
             self.model, self.tokenizer, a, batches, lm_loss,
             evaluate=partial(SFTTrainer.evaluate, self) if has_eval else None,
-            start_metrics=self.data_stats, desc="sft",
+            start_metrics=self.data_stats, desc="sft", callbacks=self.callbacks,
         )
 
 

@@ -1,0 +1,143 @@
+"""The TRL-shaped trainer API every command shares: trainer.num_train_epochs (the step count,
+the epoch in metrics, resume) and transformers callbacks (events, state, control).
+
+Each command runs on the tiny built-in model of `test_loop` (16 rows, 4 per step: one epoch
+is 4 steps)."""
+
+import shutil
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from posttrain.config import ConfigError
+from posttrain.data.tokenizer import build_tokenizer
+
+from .test_loop import COMMANDS, metric_lines, weights
+
+BY_EPOCHS = {"trainer.max_steps": "null"}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_num_train_epochs_sets_the_step_count(tok, tmp_path, command):
+    # 16 rows at 4 per step: 0.75 epochs = ceil(0.75 · 16 / 4) = 3 steps, each a quarter epoch
+    trainer = COMMANDS[command](tok, tmp_path, **BY_EPOCHS, **{"trainer.num_train_epochs": 0.75})
+    assert trainer.args.trainer.max_steps == 3  # set before training: the progress bar's total
+    result = trainer.train()
+    lines = [m for m in metric_lines(tmp_path) if "epoch" in m]
+    assert result.step == 3 and [m["step"] for m in lines] == [1, 2, 3]
+    assert [m["epoch"] for m in lines] == [0.25, 0.5, 0.75]
+
+
+def test_max_steps_wins_over_num_train_epochs_and_the_default_is_100_steps(tok, tmp_path):
+    both = COMMANDS["sft"](tok, tmp_path / "a", **{"trainer.max_steps": 2, "trainer.num_train_epochs": 3})
+    assert both.args.trainer.max_steps == 2  # as transformers' max_steps > 0
+    neither = COMMANDS["sft"](tok, tmp_path / "b", **BY_EPOCHS)
+    assert neither.args.trainer.max_steps == 100
+
+
+def test_an_override_of_num_train_epochs_clears_a_recipes_max_steps(tmp_path):
+    from posttrain import GRPOConfig
+    from posttrain.config import build_config
+
+    cfg = build_config(GRPOConfig, "grpo", ["trainer.num_train_epochs=2"])
+    assert cfg.trainer.max_steps is None and cfg.trainer.num_train_epochs == 2
+    with pytest.raises(ConfigError, match="trainer.num_train_epochs: must be > 0"):
+        build_config(GRPOConfig, "grpo", ["trainer.num_train_epochs=0"])
+
+
+@pytest.mark.parametrize("command", ["sft", "grpo"])
+def test_a_run_by_epochs_resumes_exactly(tok, tmp_path, command):
+    opts = {**BY_EPOCHS, "trainer.num_train_epochs": 1, "trainer.save_steps": 2}
+    full = COMMANDS[command](tok, tmp_path / "full", **opts)
+    full.train()
+    cut = tmp_path / "cut"
+    shutil.copytree(tmp_path / "full", cut)
+    shutil.rmtree(cut / "checkpoints" / "step-4")
+    shutil.rmtree(cut / "final")
+    resumed = COMMANDS[command](tok, cut, **opts)
+    resumed.train()
+    a, b = weights(full.model), weights(resumed.model)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-6)
+    assert [(m["step"], m["epoch"]) for m in metric_lines(cut) if "epoch" in m] == [
+        (1, 0.25), (2, 0.5), (3, 0.75), (4, 1.0)]
+
+
+class Recorder(TrainerCallback):
+    """A real transformers callback: records each event with the state it saw; stops at step 2."""
+
+    def __init__(self):
+        self.calls = []
+
+    def _record(self, event, state, **kwargs):
+        self.calls.append((event, state.global_step, round(state.epoch, 4)))
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.max_steps, self.model = state.max_steps, kwargs["model"]
+        self._record("train_begin", state)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._record("step_end", state)
+        if state.global_step == 2:
+            control.should_training_stop = True
+        return control
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self._record("log", state)
+        self.last_logs = logs
+
+    def on_save(self, args, state, control, **kwargs):
+        self._record("save", state)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self._record("epoch_end", state)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._record("train_end", state)
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_a_transformers_callback_sees_the_events_and_stops_the_run(tok, tmp_path, command):
+    cb = Recorder()
+    trainer = COMMANDS[command](tok, tmp_path, callbacks=[cb], **{"trainer.max_steps": 10})
+    result = trainer.train()
+    assert cb.calls == [("train_begin", 0, 0.0), ("step_end", 1, 0.25), ("log", 1, 0.25), ("step_end", 2, 0.5),
+                        ("log", 2, 0.5), ("save", 2, 0.5), ("train_end", 2, 0.5)]
+    assert cb.max_steps == 10 and cb.model is trainer.model
+    assert result.step == 2 and (tmp_path / "checkpoints" / "step-2").is_dir() and (tmp_path / "final").is_dir()
+    assert cb.last_logs["epoch"] == 0.5 and ("loss" in cb.last_logs or "reward/mean" in cb.last_logs)
+
+
+def test_callback_control_asks_for_a_checkpoint_and_epoch_end_fires(tok, tmp_path):
+    class SaveAtOne(Recorder):
+        def on_step_end(self, args, state, control, **kwargs):
+            self._record("step_end", state)
+            control.should_save = state.global_step == 1
+
+    cb = SaveAtOne()
+    COMMANDS["sft"](tok, tmp_path, callbacks=[cb], **{"trainer.max_steps": 5}).train()
+    assert ("save", 1, 0.25) in cb.calls and ("epoch_end", 4, 1.0) in cb.calls
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-1", "step-5"]
+
+
+def test_a_callback_event_the_loop_never_calls_is_refused(tok, tmp_path):
+    class OnOptimizerStep(TrainerCallback):
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            pass
+
+    with pytest.raises(ConfigError, match="OnOptimizerStep.on_optimizer_step would never be called"):
+        COMMANDS["sft"](tok, tmp_path, callbacks=[OnOptimizerStep])
