@@ -141,3 +141,18 @@ def test_a_callback_event_the_loop_never_calls_is_refused(tok, tmp_path):
 
     with pytest.raises(ConfigError, match="OnOptimizerStep.on_optimizer_step would never be called"):
         COMMANDS["sft"](tok, tmp_path, callbacks=[OnOptimizerStep])
+
+
+def test_a_reward_function_reads_the_trainer_state_and_logs_its_own_metric(tok, tmp_path):
+    seen = []
+
+    def shaped(completions, trainer_state, log_metric, **kwargs):  # TRL's reward arguments
+        seen.append((trainer_state.global_step, trainer_state.epoch, trainer_state.max_steps))
+        for i in range(len(completions)):
+            log_metric("parity", i % 2)
+        return [float(i % 2) for i in range(len(completions))]
+
+    COMMANDS["grpo"](tok, tmp_path, reward=shaped, **{"trainer.max_steps": 3}).train()
+    assert seen == [(0, 0.0, 3), (1, 0.25, 3), (2, 0.5, 3)]  # as TRL: the steps done before this one
+    lines = [m for m in metric_lines(tmp_path) if "epoch" in m]
+    assert [m["reward/shaped/parity"] for m in lines] == [0.5, 0.5, 0.5]  # the mean of 16 logged 0/1s

@@ -177,6 +177,8 @@ class RLTrainer:
         data = "train_dataset" if train_dataset is not None else f"data.train_files {list(args.data.train_files)}"
         self.roles = build_roles(args, self.tokenizer, model, reward_funcs, value_model,
                                  columns=list(self.examples[0]["columns"]), data=data, env_factory=env_factory)
+        self.roles.reward.runner.trainer_state = self.callbacks.state  # TRL's reward argument (both backends:
+        # the reward runs in this process)
         self.stream = EpochBatches(self.examples, args.data.train_batch_size, args.data.train_batch_size,
                                    partial(RLBatch.from_prompts, pad_id=pad_id_of(self.tokenizer)), seed=args.trainer.seed, shuffle=args.data.shuffle)
         kl = args.algorithm.kl
