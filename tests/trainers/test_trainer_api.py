@@ -1,5 +1,7 @@
 """The TRL-shaped trainer API every command shares: trainer.num_train_epochs (the step count,
-the epoch in metrics, resume) and transformers callbacks (events, state, control).
+the epoch in metrics, resume), transformers callbacks (events, state, control), TRL's reward
+arguments (trainer_state, log_metric), and SFT's formatting_func, dataset_text_field and
+ShareGPT rows.
 
 Each command runs on the tiny built-in model of `test_loop` (16 rows, 4 per step: one epoch
 is 4 steps)."""
@@ -10,10 +12,11 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from posttrain.config import ConfigError
+from posttrain import GRPOConfig, SFTConfig, SFTTrainer
+from posttrain.config import ConfigError, build_config
 from posttrain.data.tokenizer import build_tokenizer
 
-from .test_loop import COMMANDS, metric_lines, weights
+from .test_loop import COMMANDS, metric_lines, overrides, tiny_lm, weights
 
 BY_EPOCHS = {"trainer.max_steps": "null"}
 
@@ -50,9 +53,6 @@ def test_max_steps_wins_over_num_train_epochs_and_the_default_is_100_steps(tok, 
 
 
 def test_an_override_of_num_train_epochs_clears_a_recipes_max_steps(tmp_path):
-    from posttrain import GRPOConfig
-    from posttrain.config import build_config
-
     cfg = build_config(GRPOConfig, "grpo", ["trainer.num_train_epochs=2"])
     assert cfg.trainer.max_steps is None and cfg.trainer.num_train_epochs == 2
     with pytest.raises(ConfigError, match="trainer.num_train_epochs: must be > 0"):
@@ -156,3 +156,37 @@ def test_a_reward_function_reads_the_trainer_state_and_logs_its_own_metric(tok, 
     assert seen == [(0, 0.0, 3), (1, 0.25, 3), (2, 0.5, 3)]  # as TRL: the steps done before this one
     lines = [m for m in metric_lines(tmp_path) if "epoch" in m]
     assert [m["reward/shaped/parity"] for m in lines] == [0.5, 0.5, 0.5]  # the mean of 16 logged 0/1s
+
+
+# ---------------------------------------------------------------------------- SFT data, TRL's ways
+
+QA = [{"q": f"{a}+{b}=", "a": str(a + b)} for a in range(4) for b in range(4)]
+
+
+def sft_examples(tok, tmp_path, rows, **kwargs):
+    over = kwargs.pop("over", {})
+    cfg = build_config(SFTConfig, None, overrides(tmp_path, **{"trainer.micro_batch_size": 2, **over}))
+    trainer = SFTTrainer(tiny_lm(tok), args=cfg, train_dataset=rows, processing_class=tok, **kwargs)
+    return [ex["input_ids"] for ex in trainer.train_examples]
+
+
+def test_formatting_func_and_dataset_text_field_give_the_text_rows(tok, tmp_path):
+    texts = sft_examples(tok, tmp_path / "t", [{"text": r["q"] + r["a"]} for r in QA])
+    assert sft_examples(tok, tmp_path / "f", QA, formatting_func=lambda ex: ex["q"] + ex["a"]) == texts
+    body = [{"body": r["q"] + r["a"], "id": i} for i, r in enumerate(QA)]
+    assert sft_examples(tok, tmp_path / "d", body, over={"data.dataset_text_field": "body"}) == texts
+
+
+def test_formatting_func_and_dataset_text_field_errors_name_the_row(tok, tmp_path):
+    with pytest.raises(ValueError, match=r"list: row 1: formatting_func .*returned list, not a str"):
+        sft_examples(tok, tmp_path / "f", QA, formatting_func=lambda ex: [ex["q"]])
+    with pytest.raises(ValueError, match=r"list: row 1: data.dataset_text_field=body: the row has no column 'body'"):
+        sft_examples(tok, tmp_path / "d", QA, over={"data.dataset_text_field": "body"})
+
+
+def test_sharegpt_rows_train_as_their_messages(tok, tmp_path):
+    roles = {"human": "user", "gpt": "assistant"}
+    share = [{"conversations": [{"from": "human", "value": r["q"]}, {"from": "gpt", "value": r["a"]}]} for r in QA]
+    chat = [{"messages": [{"role": roles[m["from"]], "content": m["value"]} for m in s["conversations"]]}
+            for s in share]
+    assert sft_examples(tok, tmp_path / "s", share) == sft_examples(tok, tmp_path / "m", chat)
