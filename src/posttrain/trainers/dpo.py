@@ -167,7 +167,8 @@ class DPOTrainer:
     is not peft-wrapped yet), a local model directory, or None (then `args.model` says what
     to build). `ref_model` is an optional separate reference (default: see the module
     doc). Datasets are preference rows in anything `posttrain.data.sources.load_rows` reads;
-    when omitted, `args.data.train_files` / `eval_files` are read.
+    when omitted, `args.data.train_files` / `eval_files` are read. `callbacks`: transformers
+    `TrainerCallback`s (`posttrain.trainers.callbacks`).
     """
 
     def __init__(

@@ -152,7 +152,8 @@ class RewardTrainer:
     score head), a local model directory, or None (then `args.model` says what to build). A
     module that is not peft-wrapped gets `args.model.lora` adapters when `lora.r > 0`.
     Datasets are preference rows in anything `posttrain.data.sources.load_rows` reads; when
-    omitted, `args.data.train_files` / `eval_files` are read.
+    omitted, `args.data.train_files` / `eval_files` are read. `callbacks`: transformers
+    `TrainerCallback`s (`posttrain.trainers.callbacks`).
     """
 
     def __init__(

@@ -143,6 +143,8 @@ class RLTrainer:
                     environment_factory=MyEnv)              # or tools=[calculator]
 
     Without reward functions the environment's rewards are the reward (`env_reward`).
+    Reward functions may read TRL's `trainer_state` and `log_metric` (`rewards.runner`).
+    `callbacks`: transformers `TrainerCallback`s (`posttrain.trainers.callbacks`).
     """
 
     config_class: type[RLConfig] = RLConfig
