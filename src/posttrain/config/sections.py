@@ -147,7 +147,7 @@ class TrainerConfig:
     as transformers' max_steps > 0 does. null: num_train_epochs decides, or, when that is null
     too, 100 steps."""
     num_train_epochs: float | None = field(default=None, metadata=aliases(
-        trl("num_train_epochs"), verl("trainer.total_epochs"), openrlhf("max_epochs")))
+        trl("num_train_epochs"), verl("trainer.total_epochs")))
     """Passes over the training data (RL: over the prompts), used when max_steps is null:
     max_steps = ceil(num_train_epochs × examples / data.train_batch_size), examples after
     filtering (and packing), set by the trainer once the data is loaded (the log says it,
