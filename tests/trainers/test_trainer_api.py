@@ -57,6 +57,11 @@ def test_an_override_of_num_train_epochs_clears_a_recipes_max_steps(tmp_path):
     assert cfg.trainer.max_steps is None and cfg.trainer.num_train_epochs == 2
     with pytest.raises(ConfigError, match="trainer.num_train_epochs: must be > 0"):
         build_config(GRPOConfig, "grpo", ["trainer.num_train_epochs=0"])
+    for theirs in ("num_train_epochs=2", "trainer.total_epochs=2"):  # TRL's and veRL's names
+        with pytest.raises(ConfigError, match=r"Did you mean trainer\.num_train_epochs=2\?"):
+            build_config(GRPOConfig, "grpo", [theirs])
+    with pytest.raises(ConfigError, match=r"Did you mean data\.dataset_text_field=body\?"):
+        build_config(SFTConfig, None, ["dataset_text_field=body"])
 
 
 @pytest.mark.parametrize("command", ["sft", "grpo"])
