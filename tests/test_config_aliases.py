@@ -156,7 +156,7 @@ def test_the_docs_table_and_help_show_the_aliases(capsys):
 
 def test_a_bad_value_of_our_own_key_stays_a_type_error():
     # max_steps is also TRL's name: the value, not the key, is wrong here.
-    assert config_error("sft", "trainer.max_steps=ten") == "trainer.max_steps: expected int, got 'ten' (str)"
+    assert config_error("sft", "trainer.max_steps=ten") == "trainer.max_steps: expected int | null, got 'ten' (str)"
     assert "Did you mean algorithm.filter_groups=true?" in config_error("grpo", "algorithm.filter_groups.enable=true")
     # veRL's algorithm.adv_estimator is ours, but one of its values is spelt differently.
     assert config_error("grpo", "algorithm.adv_estimator=reinforce_plus_plus") == (

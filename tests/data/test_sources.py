@@ -193,3 +193,29 @@ def test_bad_sources(tmp_path):
 def test_rows_locate_falls_back_to_row_numbers():
     rows = Rows([{"text": "a"}], "mem")
     assert rows.locate(0) == "mem: row 1"
+
+
+# ShareGPT: {"conversations": [{"from", "value"}]} reads as messages, from files and datasets alike
+SHAREGPT = {"conversations": [
+    {"from": "system", "value": "Be brief."}, {"from": "human", "value": "2+2?"},
+    {"from": "gpt", "value": "4"}, {"from": "tool", "value": "ok"}], "id": 7}
+CHATML = {"messages": [
+    {"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "4"}, {"role": "tool", "content": "ok"}], "id": 7}
+
+
+def test_sharegpt_conversations_read_as_messages_from_a_file_and_a_dataset(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps(SHAREGPT) + "\n")
+    for source in (path, datasets.Dataset.from_list([SHAREGPT]), [SHAREGPT]):
+        rows, fmt = load_and_validate(source)
+        assert fmt == "messages" and list(rows) == [CHATML]
+    assert "conversations" in SHAREGPT  # the caller's rows are not changed
+
+
+def test_an_unknown_sharegpt_role_names_the_row(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    bad = {"conversations": [{"from": "human", "value": "hi"}, {"from": "bot", "value": "x"}]}
+    path.write_text(json.dumps(SHAREGPT) + "\n" + json.dumps(bad) + "\n")
+    with pytest.raises(DataFormatError, match=r"chat.jsonl:2: column 'messages': message 1 is from 'bot'.*human"):
+        load_rows(path)

@@ -87,8 +87,8 @@ def test_columns_arrive_as_keyword_lists():
         "completions": ["x", "y"],
         "ids": [[1], [2, 3]],
         "answer": ["x", "z"],
-        "extra": {"task": ["t", "t"]},
-    }
+        "extra": {"task": ["t", "t"], "trainer_state": None, "log_metric": seen["extra"]["log_metric"]},
+    }  # **kwargs also takes TRL's run arguments (no trainer outside a run: trainer_state None)
 
 
 def test_bad_construction_and_misaligned_columns_raise():
@@ -353,3 +353,48 @@ def test_a_wrong_length_return_is_the_first_failure_without_a_traceback():
     runner = RewardRunner([("short", const([1.0]))])
     score(runner)
     assert runner.first_failure("short") == "returned [1.0] for 3 completions; expected a list of 3 floats or None"
+
+
+# ---------------------------------------------------------------- TRL's run arguments
+
+
+def test_trainer_state_and_log_metric_reach_the_functions_that_take_them():
+    from types import SimpleNamespace
+
+    seen = {}
+
+    def shaped(completions, trainer_state, log_metric, **kwargs):
+        seen["step"] = trainer_state.global_step
+        for c in completions:
+            log_metric("len", len(c))  # logged per sample: the metric is their mean
+        log_metric("calls", 1.0)
+        return [1.0] * len(completions)
+
+    def plain(prompts, completions, completion_ids, answer):  # names neither: gets neither
+        return [float(a) for a in answer]
+
+    runner = RewardRunner([("shaped", shaped), ("plain", plain)])
+    runner.trainer_state = SimpleNamespace(global_step=7, epoch=0.5)
+    m = runner.score(["p"] * 3, ["a", "bb", "cccccc"], [[1]] * 3, {"answer": [1, 0, 1]}).metrics
+    assert seen == {"step": 7}
+    assert m["reward/shaped/len"] == 3.0 and m["reward/shaped/calls"] == 1.0  # (1 + 2 + 6) / 3
+    assert m["reward/plain/mean"] == pytest.approx(2 / 3) and "reward/plain/len" not in m
+
+
+def test_a_per_sample_retry_still_gets_the_run_arguments():
+    def fails_on_batches(completions, log_metric, **kwargs):
+        if len(completions) > 1:
+            raise RuntimeError("batch")
+        log_metric("retried", 2.0)
+        return [0.5]
+
+    m = score(RewardRunner([("f", fails_on_batches)]), n=2).metrics
+    assert m["reward/f/mean"] == 0.5 and m["reward/f/retried"] == 2.0 and m["reward/f/errors"] == 0.0
+
+
+def test_builtin_row_rewards_ignore_the_run_arguments():
+    runner = RewardRunner.from_specs([{"name": "task_reward", "task": "arithmetic"}])
+    runner.trainer_state = object()  # not a column: indexing it per row would fail every sample
+    result = runner.score(["2+3="] * 2, ["Answer: 5", "Answer: 6"], [[1], [1]], {"answer": ["5", "5"]})
+    assert result.metrics["reward/task_reward/errors"] == 0.0
+    assert result.per_function["task_reward"][0] > result.per_function["task_reward"][1]

@@ -79,18 +79,19 @@ def overrides(run_dir, **extra):
 
 
 def offline(cls, config_class, rows, **extra):
-    def make(tok, run_dir, model=None, **over):
+    def make(tok, run_dir, model=None, callbacks=None, **over):
         cfg = build_config(config_class, None, overrides(run_dir, **{"trainer.micro_batch_size": 2, **extra, **over}))
-        return cls(model if model is not None else tiny_lm(tok), args=cfg, train_dataset=rows, processing_class=tok)
+        return cls(model if model is not None else tiny_lm(tok), args=cfg, train_dataset=rows, processing_class=tok,
+                   callbacks=callbacks)
     return make
 
 
 def rl(cls, config_class, **extra):
-    def make(tok, run_dir, model=None, reward=starts_with_digit, **over):
+    def make(tok, run_dir, model=None, reward=starts_with_digit, callbacks=None, **over):
         opts = {"rollout.n": 4, "rollout.max_new_tokens": 3, "actor.micro_batch_size": 8, **extra, **over}
         cfg = build_config(config_class, None, overrides(run_dir, **opts))
         return cls(model if model is not None else tiny_lm(tok), reward_funcs=[reward], args=cfg,
-                   train_dataset=PROMPTS, processing_class=tok)
+                   train_dataset=PROMPTS, processing_class=tok, callbacks=callbacks)
     return make
 
 

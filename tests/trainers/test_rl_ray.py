@@ -689,3 +689,28 @@ def test_cli_run_whose_worker_dies_stops_naming_it_and_leaves_no_ray_process(tmp
     assert f"The last complete checkpoint is {tmp_path / 'ray' / 'checkpoints' / 'step-1'}" in stderr
     assert not wait_gone(raylets(f"/tmp/ptray-{proc.pid}-")), "the failed run left a raylet behind"
     assert not wait_gone(set(pids)), "a worker outlived the failed run"
+
+
+def test_epochs_callbacks_and_reward_arguments_on_the_ray_roles(tmp_path):
+    """trainer.backend=ray's driver-side roles (over a local worker group, no Ray): the reward
+    runs in the driver, so trainer_state and log_metric reach it as on the local backend; the
+    loop's epochs and callbacks (any object with TrainerCallback's methods) are the driver's too."""
+    seen = []
+
+    def shaped(completion_ids, trainer_state, log_metric, **columns):
+        seen.append((trainer_state.global_step, trainer_state.epoch))
+        log_metric("first_is_a", sum(bool(ids) and ids[0] == 3 for ids in completion_ids) / len(completion_ids))
+        return starts_with_a(None, None, completion_ids)
+
+    class StopAtTwo:
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 2
+
+    by_epochs = {"trainer.max_steps": "null", "trainer.num_train_epochs": 0.5}  # 32 prompts, 4 per step: 4 steps
+    cfg = grpo_config(tmp_path, **by_epochs)
+    pools = grpo_config(tmp_path, **{"trainer.backend": "ray", "trainer.max_steps": 4})
+    train(tiny_model_f64(), cfg, local_group=True, pools=pools, reward_funcs=[shaped], callbacks=[StopAtTwo()])
+    assert cfg.trainer.max_steps == 4 and seen == [(0, 0.0), (1, 0.125)]
+    steps = lines(tmp_path)
+    assert [m["step"] for m in steps] == [1, 2] and [m["epoch"] for m in steps] == [0.125, 0.25]
+    assert [m["reward/shaped/first_is_a"] for m in steps] == [m["reward/shaped/mean"] for m in steps]

@@ -772,7 +772,12 @@ class RLConfig:
               "a value head on a LoRA policy's backbone is not supported; use a separate critic")
         check(not (c.share_backbone and self.actor.policy_loss.loss_agg_mode == "seq-mean-token-sum-norm"),
               "critic.share_backbone", "the joint loss needs a loss_agg_mode other than seq-mean-token-sum-norm")
-        check(c.warmup_steps < self.trainer.max_steps, "critic.warmup_steps",
+        if self.trainer.max_steps is not None:
+            self.check_length()
+
+    def check_length(self) -> None:
+        """The checks that need trainer.max_steps (set, or filled from num_train_epochs by the trainer)."""
+        check(self.critic.warmup_steps < self.trainer.max_steps, "critic.warmup_steps",
               f"must be < trainer.max_steps={self.trainer.max_steps}")
 
     def _validate_ray(self, mini_rows: int) -> None:

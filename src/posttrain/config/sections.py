@@ -7,6 +7,7 @@ are generated from it.
 from __future__ import annotations
 
 import logging
+import math
 import re
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
@@ -132,12 +133,26 @@ class DataConfig:
 class TrainerConfig:
     """The optimisation loop: steps, optimizer, schedule, precision, logging, checkpoints."""
 
+    # Setting one of these on the command line clears the other where a YAML file set it
+    # (`build_config`): `trainer.num_train_epochs=1` on a recipe with max_steps trains one epoch.
+    one_of: ClassVar[tuple[str, ...]] = ("max_steps", "num_train_epochs")
+
     output_dir: str = field(default="runs/run", metadata=aliases(
         trl("output_dir"), verl("trainer.default_local_dir"), openrlhf("save_path")))
     """Run directory: config.yaml, metrics.jsonl, checkpoints/, final/ are written here. It
     holds one run: each command defaults to its own (runs/sft, runs/rm, runs/dpo, ...)."""
-    max_steps: int = field(default=100, metadata=aliases(trl("max_steps"), verl("trainer.total_training_steps")))
-    """Number of optimizer steps."""
+    max_steps: int | None = field(default=None, metadata=aliases(
+        trl("max_steps"), verl("trainer.total_training_steps")))
+    """Number of optimizer steps (RL: RL steps). Wins over num_train_epochs when both are set,
+    as transformers' max_steps > 0 does. null: num_train_epochs decides, or, when that is null
+    too, 100 steps."""
+    num_train_epochs: float | None = field(default=None, metadata=aliases(
+        trl("num_train_epochs"), verl("trainer.total_epochs")))
+    """Passes over the training data (RL: over the prompts), used when max_steps is null:
+    max_steps = ceil(num_train_epochs × examples / data.train_batch_size), examples after
+    filtering (and packing), set by the trainer once the data is loaded (the log says it,
+    config.yaml records it). A fraction trains part of an epoch. Unlike transformers (3 epochs)
+    the default is null: 100 steps."""
     max_time_s: float | None = None
     """Wall-clock budget of this process's training loop, in seconds: the run ends at the
     first step that finishes past it (training, evaluation and checkpoints count), then
@@ -220,7 +235,10 @@ class TrainerConfig:
     """Show a progress bar with ETA on the console."""
 
     def validate(self) -> None:
-        check(self.max_steps > 0, "trainer.max_steps", f"must be > 0, got {self.max_steps}")
+        check(self.max_steps is None or self.max_steps > 0, "trainer.max_steps",
+              f"must be > 0, or null to train trainer.num_train_epochs epochs (transformers' -1), got {self.max_steps}")
+        check(self.num_train_epochs is None or self.num_train_epochs > 0, "trainer.num_train_epochs",
+              f"must be > 0 (or null), got {self.num_train_epochs}")
         check(self.max_time_s is None or self.max_time_s > 0, "trainer.max_time_s",
               f"must be > 0 seconds (or null for no budget), got {self.max_time_s}")
         check(self.learning_rate > 0, "trainer.learning_rate", f"must be > 0, got {self.learning_rate}")
@@ -231,15 +249,50 @@ class TrainerConfig:
               "save_steps and eval_steps must be >= 0 (0: only at the end)")
         check(len(self.adam_betas) == 2, "trainer.adam_betas", "needs two values, e.g. [0.9,0.999]")
         check(0.0 <= self.min_lr_ratio <= 1.0, "trainer.min_lr_ratio", "must be in [0, 1]")
+        allowed = {"tensorboard", "wandb", "mlflow"}
+        unknown = sorted(set(self.report_to) - allowed)
+        check(not unknown, "trainer.report_to", f"unknown sink(s) {unknown}; choose from {sorted(allowed)}")
+        if self.max_steps is not None:
+            self.check_length()
+
+    def check_length(self) -> None:
+        """The checks that need the run's length (max_steps known: set, or resolved by `set_length`)."""
+        assert self.max_steps is not None
         check(self.lr_schedule_steps is None or self.lr_schedule_steps >= self.max_steps,
               "trainer.lr_schedule_steps", f"must be >= trainer.max_steps={self.max_steps} (or null), "
               f"got {self.lr_schedule_steps}")
         if self.warmup_steps >= self.max_steps:
             log.warning("trainer.warmup_steps=%d >= trainer.max_steps=%d: the run ends before the learning "
                         "rate reaches trainer.learning_rate (warmup is cut short)", self.warmup_steps, self.max_steps)
-        allowed = {"tensorboard", "wandb", "mlflow"}
-        unknown = sorted(set(self.report_to) - allowed)
-        check(not unknown, "trainer.report_to", f"unknown sink(s) {unknown}; choose from {sorted(allowed)}")
+
+    def set_length(self, examples: int, batch_size: int) -> int:
+        """Fill max_steps once the data is loaded (`examples` rows, `batch_size` per step) and
+        return it: max_steps when set (it wins over num_train_epochs, as in transformers), else
+        ceil(num_train_epochs × examples / batch_size), else DEFAULT_MAX_STEPS."""
+        if self.max_steps is not None:
+            if self.num_train_epochs is not None:
+                log.info("trainer.max_steps=%d wins over trainer.num_train_epochs=%g (as in transformers); "
+                         "set trainer.max_steps=null to train by epochs", self.max_steps, self.num_train_epochs)
+            return self.max_steps
+        if self.num_train_epochs is None:
+            self.max_steps = DEFAULT_MAX_STEPS
+        else:
+            self.max_steps = steps_for_epochs(self.num_train_epochs, examples, batch_size)
+            log.info("trainer.num_train_epochs=%g: %d examples at %d per step = %d steps", self.num_train_epochs,
+                     examples, batch_size, self.max_steps)
+        self.check_length()
+        return self.max_steps
+
+
+DEFAULT_MAX_STEPS = 100
+"""The run's length when neither trainer.max_steps nor trainer.num_train_epochs is set."""
+
+
+def steps_for_epochs(epochs: float, examples: int, batch_size: int) -> int:
+    """Optimizer steps that see `epochs` × `examples` rows at `batch_size` rows per step:
+    ceil(epochs · examples / batch_size), at least 1. A step may cross an epoch boundary
+    (`trainers.batches.EpochBatches`), so no row of the last epoch is dropped."""
+    return max(1, math.ceil(round(epochs * examples / batch_size, 9)))
 
 
 @dataclass

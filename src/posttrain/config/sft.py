@@ -18,6 +18,9 @@ class SFTDataConfig(DataConfig):
     """Train only on completion tokens of prompt/completion data; `null` means yes for that format (as TRL)."""
     assistant_only_loss: bool = field(default=False, metadata=aliases(trl("assistant_only_loss")))
     """Train only on assistant turns of conversational data (needs `{% generation %}` marks in the chat template)."""
+    dataset_text_field: str = field(default="text", metadata=aliases(trl("dataset_text_field")))
+    """The column that holds the text of `text` data: another name is read as `text` (the row's
+    other columns are left out)."""
     packing: bool = field(default=False, metadata=aliases(trl("packing"), openrlhf("packing_samples")))
     """Pack several examples into each row of `max_length` tokens (best-fit decreasing); no attention crosses examples."""
     environment_markers: list[str] = field(default_factory=lambda: ["<result>", "</result>"])
@@ -27,6 +30,9 @@ class SFTDataConfig(DataConfig):
 
     def validate(self) -> None:
         super().validate()
+        check(bool(self.dataset_text_field), "data.dataset_text_field", "must name a column, e.g. text")
+        check(self.dataset_text_field == "text" or self.format in ("auto", "text"), "data.dataset_text_field",
+              f"names the column of text data, and data.format={self.format}; set data.format=auto (or text)")
         check(len(self.environment_markers) in (0, 2) and all(self.environment_markers), "data.environment_markers",
               f"must be [] or [start, end], got {self.environment_markers}")
 

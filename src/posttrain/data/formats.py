@@ -13,7 +13,8 @@ or a list of `{"role", "content"}` messages ("conversational"), as in TRL:
 | `prompt`              | prompt (+ any extra column) | online RL                |
 
 Extra columns are kept in every format (RL reward functions receive them as keyword
-arguments). Validation checks every row, never just the first, and names the row's
+arguments). ShareGPT rows (`{"conversations": [{"from": "human", "value": ...}, ...]}`) are
+read as `messages` (`chatml_row`, TRL's `maybe_convert_to_chatml`). Validation checks every row, never just the first, and names the row's
 source and line, the column, what was expected and what was found.
 """
 
@@ -48,6 +49,45 @@ _TEXT_ONLY_COLUMNS = {"text"}
 
 class DataFormatError(ValueError):
     """A dataset does not match its format; the message names the source, row and column."""
+
+
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "tool": "tool", "function": "tool", "observation": "tool"}
+"""ShareGPT's `from` → the chat `role` (observation and function are tool results)."""
+_MESSAGE_COLUMNS = ("messages", "prompt", "completion", "chosen", "rejected")
+
+
+def chatml_row(row: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A ShareGPT row in chat-message form, as TRL's `maybe_convert_to_chatml`: the column
+    `conversations` becomes `messages`, and in it (and in any format column holding messages)
+    each {"from", "value"} becomes {"role": SHAREGPT_ROLES[from], "content": value}, other keys
+    kept. Any other row is returned as it is. Raises DataFormatError for an unknown `from`."""
+    if "conversations" not in row and not any(_is_sharegpt(row.get(c)) for c in _MESSAGE_COLUMNS):
+        return row
+    out = dict(row)
+    if "conversations" in out:
+        if "messages" in out:
+            raise DataFormatError("has both `conversations` (ShareGPT) and `messages`; keep one")
+        out["messages"] = out.pop("conversations")
+    for col in _MESSAGE_COLUMNS:
+        if _is_sharegpt(out.get(col)):
+            out[col] = [_chatml_message(m, col, j) for j, m in enumerate(out[col])]
+    return out
+
+
+def _is_sharegpt(value: Any) -> bool:
+    return isinstance(value, list) and any(isinstance(m, Mapping) and "from" in m for m in value)
+
+
+def _chatml_message(message: Any, col: str, j: int) -> Any:
+    if not isinstance(message, Mapping) or "from" not in message:
+        return message  # validate_rows names what is wrong with it
+    role = SHAREGPT_ROLES.get(message["from"])
+    if role is None:
+        raise DataFormatError(f"column {col!r}: message {j} is from {message['from']!r}, not a ShareGPT role; "
+                              f"expected one of {', '.join(SHAREGPT_ROLES)}")
+    rest = {k: v for k, v in message.items() if k not in ("from", "value")}
+    return {"role": role, "content": message.get("value"), **rest}
 
 
 def detect_format(columns: Iterable[str], first_row: Mapping[str, Any] | None = None) -> str:

@@ -10,6 +10,9 @@ remembers where each row came from, so validation errors can say `train.jsonl:17
 - a glob pattern (`data/*.jsonl`) or a list of paths, concatenated in order;
 - a Python list of dicts, a `datasets.Dataset` or `datasets.DatasetDict`.
 
+ShareGPT rows (`conversations` of {"from", "value"}) come out as `messages` rows
+(`formats.chatml_row`), from files and datasets alike.
+
 Nothing is dropped silently: a bad line, an empty file or a missing file is an error that
 names the file (and line). Only blank lines in JSON Lines are skipped.
 
@@ -29,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from posttrain.data.formats import DataFormatError, detect_format, validate_rows
+from posttrain.data.formats import DataFormatError, chatml_row, detect_format, validate_rows
 
 logger = logging.getLogger(__name__)
 
@@ -271,7 +274,23 @@ def load_rows(source: Any, *, split_name: str | None = None) -> Rows:
     for part in parts:
         if len(part) == 0:
             raise DataFormatError(f"{part.name}: no rows")
-    return parts[0] if len(parts) == 1 else Rows.concat(parts)
+    return map_rows(parts[0] if len(parts) == 1 else Rows.concat(parts), chatml_row)
+
+
+def map_rows(rows: Rows, fn: Callable[[dict], Any]) -> Rows:
+    """`[fn(row) for row in rows]`, each row keeping its origin; a DataFormatError from `fn`
+    names the row (`Rows.locate`). Rows `fn` returns unchanged are not copied."""
+    out = []
+    for i, row in enumerate(rows):
+        try:
+            out.append(fn(row))
+        except DataFormatError as e:
+            raise DataFormatError(f"{rows.locate(i)}: {e}") from None
+    if all(a is b for a, b in zip(out, rows)):
+        return rows
+    mapped = Rows(out, rows.name)
+    mapped.segments = list(rows.segments)
+    return mapped
 
 
 def load_and_validate(
@@ -281,7 +300,11 @@ def load_and_validate(
 
     Returns the rows and the format name (see `posttrain.data.formats`).
     """
-    rows = load_rows(source, split_name=split_name)
+    return validate_loaded(load_rows(source, split_name=split_name), format)
+
+
+def validate_loaded(rows: Rows, format: str | None = None) -> tuple[Rows, str]:
+    """Detect the format of loaded `rows` (or take `format`) and validate every row."""
     if format is None:
         format = detect_format(rows[0].keys(), rows[0])
         logger.info("%s: %d rows, detected format %r", rows.name, len(rows), format)

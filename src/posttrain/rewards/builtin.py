@@ -37,6 +37,7 @@ import torch
 from posttrain.algos.dapo import overlong_penalty as _dapo_overlong_penalty
 from posttrain.rewards.judge import llm_judge
 from posttrain.rewards.reward_model import reward_model
+from posttrain.rewards.runner import RUN_KWARGS
 
 __all__ = [
     "BUILTIN_REWARDS",
@@ -275,7 +276,7 @@ def task_reward(task: str | None = None) -> Callable[..., Rewards]:
             if not name:
                 out.append(None)
                 continue
-            row = {k: v[i] for k, v in columns.items() if v is not None}
+            row = {k: v[i] for k, v in columns.items() if v is not None and k not in RUN_KWARGS}
             text, prompt = completion_text(completion), completion_text(prompts[i])
             out.append(_scorer(name)(text, answer[i], prompt, row))
         return out

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from posttrain.config.core import RunStopped
-from posttrain.rewards.runner import RewardRunner
+from posttrain.rewards.runner import RUN_KWARGS, RewardRunner, run_kwargs_of
 
 __all__ = ["RewardFailureGuard", "RewardFunctionError", "check_reward_signature"]
 
@@ -49,7 +49,9 @@ def check_reward_signature(name: str, fn: Callable[..., Any], columns: Sequence[
         return
     given = [*ARGUMENTS, *columns]
     missing = [p.name for p in signature.parameters.values()
-               if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty and p.name not in given]
+               if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty
+               and p.name not in given and p.name not in RUN_KWARGS]
+    given += run_kwargs_of(fn)
     if missing:
         raise ValueError(f"reward function {name!r}{signature} needs the column {missing[0]!r}, which {data} does "
                          f"not have (its columns: {have}); add it to the data, or give the parameter a default")

@@ -140,13 +140,13 @@ class LLMJudge:
         **columns: Any,
     ) -> list[float | None | JudgeError]:
         from posttrain.rewards.builtin import completion_text
-        from posttrain.rewards.runner import map_in_daemon_threads
+        from posttrain.rewards.runner import RUN_KWARGS, map_in_daemon_threads
 
         requests = [
             self.render(
                 completion_text(prompts[i]),
                 completion_text(c),
-                {k: v[i] for k, v in columns.items() if v is not None},
+                {k: v[i] for k, v in columns.items() if v is not None and k not in RUN_KWARGS},
             )
             for i, c in enumerate(completions)
         ]

@@ -9,7 +9,13 @@
 
 A reward function has TRL's signature, `fn(prompts, completions, completion_ids, **columns)
 -> list[float | None]`, called with keyword arguments only; every dataset column arrives as a
-list aligned with `completions`.
+list aligned with `completions`. A function that names them or takes **kwargs also gets TRL's
+run arguments (`RUN_KWARGS`):
+  - `trainer_state`: the run's state (`posttrain.trainers.callbacks.TrainerState`: global_step,
+    the steps done before this one, epoch, max_steps, ...), set by the trainer (`trainer_state`
+    attribute); None outside a training run (`posttrain eval`);
+  - `log_metric(name, value)`: a figure of the function's own, logged as `reward/<fn>/<name>`,
+    the mean of the values logged while the step's batch was scored.
 
 What the runner does with what a function gives back (the semantics, in one place):
   - None means "not applicable": the sample is left out of that function's mean/std and adds
@@ -53,7 +59,8 @@ Metrics (TRL logs `reward`, `reward_std`, `rewards/<fn>/mean|std`; the meaning i
   reward/<fn>/none_frac              fraction of samples where fn said None (or NaN)
   reward/<fn>/nan                    samples where fn returned NaN
   reward/<fn>/time_s                 wall time of the function's batch call
-  reward/<fn>/<key>                  whatever `fn.pop_metrics()` returns, if fn has it
+  reward/<fn>/<key>                  whatever `fn.pop_metrics()` returns, if fn has it, and the
+                                     mean of what fn gave `log_metric(key, value)` on this batch
   reward/hung_threads                abandoned calls still running
 Standard deviations are Bessel-corrected, as TRL's `nanstd`, and 0.0 for fewer than two values.
 `tallies` add up samples, errors and NaNs over every batch scored; `summary()` says them.
@@ -61,6 +68,7 @@ Standard deviations are Bessel-corrected, as TRL's `nanstd`, and 0.0 for fewer t
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import numbers
@@ -80,6 +88,38 @@ logger = logging.getLogger(__name__)
 
 RewardFn = Callable[..., Sequence[Any]]
 MAX_LOGGED_ERRORS = 3
+RUN_KWARGS = ("trainer_state", "log_metric")
+"""TRL's keyword arguments of the run, not of the data: given to a function that names them or
+takes **kwargs (a function that builds per-row dicts from **kwargs must leave them out)."""
+
+
+def run_kwargs_of(fn: RewardFn) -> tuple[str, ...]:
+    """The `RUN_KWARGS` that `fn` accepts (named, or through **kwargs)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return RUN_KWARGS
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return tuple(k for k in RUN_KWARGS if k in names)
+
+
+class MetricLog:
+    """`log_metric(name, value)` of one function for one batch: the values, averaged by `means`.
+    Thread-safe (the per-sample retries call the function from several threads)."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, list[float]] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, name: str, value: float) -> None:
+        with self._lock:
+            self._values.setdefault(str(name), []).append(float(value))
+
+    def means(self) -> dict[str, float]:
+        with self._lock:
+            return {k: sum(v) / len(v) for k, v in self._values.items()}
 
 
 @dataclass
@@ -218,6 +258,9 @@ class RewardRunner:
         self._hung: list[threading.Thread] = []
         self.tallies = {name: Tally() for name in names}
         self._first_failure: dict[str, str] = {}
+        self._run_kwargs = {name: run_kwargs_of(fn) for name, fn in self.functions}
+        self.trainer_state: Any = None
+        """TRL's `trainer_state` reward argument: the trainer sets it to its `TrainerState`."""
 
     def first_failure(self, name: str) -> str | None:
         """What went wrong the first time `name` failed a sample, or None: the exception's
@@ -251,14 +294,16 @@ class RewardRunner:
         n = len(completions)
         kwargs = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids}
         for key, values in (columns or {}).items():
-            if key in kwargs:
+            if key in kwargs or key in RUN_KWARGS:
                 raise ValueError(f"column {key!r} clashes with a reward-function argument")
             kwargs[key] = values
         for key, values in kwargs.items():
             if values is not None and len(values) != n:
                 raise ValueError(f"{key} has {len(values)} entries for {n} completions")
 
-        calls = [_Call(fn, kwargs) for _, fn in self.functions]
+        logs = {name: MetricLog() for name in self.names}
+        run = {name: self._run_arguments(name, logs[name]) for name in self.names}
+        calls = [_Call(fn, {**kwargs, **run[name]}) for name, fn in self.functions]
         deadline = time.monotonic() + self.timeout_s
         for call in calls:
             call.done.wait(max(0.0, deadline - time.monotonic()))
@@ -282,14 +327,22 @@ class RewardRunner:
             else:
                 per_function[name], counts[name] = self._check(name, call.value, n)
         if retry:
-            self._retry_per_sample(retry, kwargs, n, per_function, counts)
+            self._retry_per_sample(retry, kwargs, n, per_function, counts, run)
 
         ordered = {name: per_function[name] for name in self.names}
         times = {
             name: call.seconds if call.done.is_set() else self.timeout_s
             for name, call in zip(self.names, calls)
         }
-        return self._combine(ordered, counts, times)
+        result = self._combine(ordered, counts, times)
+        for name, log in logs.items():
+            result.metrics.update({f"reward/{name}/{k}": v for k, v in log.means().items()})
+        return result
+
+    def _run_arguments(self, name: str, log: MetricLog) -> dict[str, Any]:
+        """The `RUN_KWARGS` function `name` accepts, with this batch's values."""
+        values = {"trainer_state": self.trainer_state, "log_metric": log}
+        return {k: values[k] for k in self._run_kwargs[name]}
 
     def _retry_per_sample(
         self,
@@ -298,13 +351,15 @@ class RewardRunner:
         n: int,
         per_function: dict[str, list[float | None]],
         counts: dict[str, tuple[int, int]],
+        run: Mapping[str, Mapping[str, Any]],
     ) -> None:
-        """Call each failed function once per sample, all at once, under one fresh timeout."""
-        jobs = [(fn, i) for _, fn in failed for i in range(n)]
+        """Call each failed function once per sample, all at once, under one fresh timeout
+        (`run`: each function's `RUN_KWARGS`, passed whole)."""
+        jobs = [(name, fn, i) for name, fn in failed for i in range(n)]
 
-        def one(job: tuple[RewardFn, int]) -> Any:
-            fn, i = job
-            out = fn(**{k: (v if v is None else v[i : i + 1]) for k, v in kwargs.items()})
+        def one(job: tuple[str, RewardFn, int]) -> Any:
+            name, fn, i = job
+            out = fn(**{k: (v if v is None else v[i : i + 1]) for k, v in kwargs.items()}, **run[name])
             if isinstance(out, torch.Tensor):
                 out = out.reshape(-1).tolist()
             if isinstance(out, (str, bytes)) or not hasattr(out, "__len__") or len(out) != 1:

@@ -84,3 +84,8 @@ class EpochBatches:
     def epoch_progress(self) -> float:
         """Epochs done, fractional."""
         return self.epoch + self.index / len(self._order)
+
+    @property
+    def steps_per_epoch(self) -> float:
+        """Steps of one pass over the examples: len(examples) / batch_size (fractional)."""
+        return len(self.examples) / self.batch_size

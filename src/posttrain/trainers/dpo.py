@@ -43,7 +43,7 @@ Departures from TRL's DPOTrainer:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -61,9 +61,10 @@ from posttrain.models.factory import build_model
 from posttrain.models.loading import device_of, disable_dropout, forward_logits
 from posttrain.models.lora import apply_lora, is_peft
 from posttrain.trainers.batches import EpochBatches
+from posttrain.trainers.callbacks import Callbacks
 from posttrain.trainers.loop import FitResult, RefSync, fit
 from posttrain.trainers.reward import pairwise_eval
-from posttrain.trainers.setup import prepare_run
+from posttrain.trainers.setup import prepare_run, set_train_length
 from posttrain.training.core import autocast
 from posttrain.workers.reference import Reference
 
@@ -166,7 +167,8 @@ class DPOTrainer:
     TRL's `peft_config`), a local model directory, or None (then `args.model` says what
     to build). `ref_model` is an optional separate reference (default: see the module
     doc). Datasets are preference rows in anything `posttrain.data.sources.load_rows` reads;
-    when omitted, `args.data.train_files` / `eval_files` are read.
+    when omitted, `args.data.train_files` / `eval_files` are read. `callbacks`: transformers
+    `TrainerCallback`s (`posttrain.trainers.callbacks`).
     """
 
     def __init__(
@@ -178,12 +180,15 @@ class DPOTrainer:
         eval_dataset: Any = None,
         processing_class: Any = None,
         peft_config: Any = None,
+        callbacks: Sequence[Any] | None = None,
     ):
         self.args = args = args if args is not None else DPOConfig()
+        self.callbacks = Callbacks(callbacks, args)
         train_source, eval_source, self.tokenizer = prepare_run(
             args, model, train_dataset, eval_dataset, processing_class, peft_config=peft_config
         )
         _, self.train_examples, stats = prepare_pairs(train_source, self.tokenizer, args.data)
+        set_train_length(args, len(self.train_examples))
         self.data_stats = {f"data/{k}": float(v) for k, v in stats.as_dict().items()}
         self.eval_examples, self.eval_rows = [], None
         if eval_source is not None:
@@ -205,6 +210,7 @@ class DPOTrainer:
         else:
             self.reference = Reference.for_policy(self.model, ref_model)
         self.loss_fn = partial(dpo_step_loss, reference=self.reference, algo=args.algorithm)
+        self.callbacks.init_end(self.model, self.tokenizer)
 
     def _initial_policy_reference(self) -> Reference:
         """The policy as it is now (its initial weights), adapter off with LoRA: no copy."""
@@ -271,6 +277,7 @@ class DPOTrainer:
             evaluate=partial(DPOTrainer.evaluate, self) if has_eval else None,
             start_metrics=self.data_stats, desc="dpo", reference=self.reference,
             ref_sync=RefSync(a.algorithm.ref_sync_steps, a.algorithm.ref_sync_alpha), unit="pairs",
+            callbacks=self.callbacks,
         )
 
     def _reference_kind(self) -> str:

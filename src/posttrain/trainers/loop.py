@@ -13,7 +13,12 @@ follows the same rules:
   new run never shares its folder with another (`checkpoint.claim_run_dir`,
   `trainer.overwrite`); config.yaml is written once these checks pass; then the task
   restores everything in the checkpoint, and every checkpoint it saves records the run;
-- the wall-clock budget (`trainer.max_time_s`) and `trainer.max_steps`;
+- the wall-clock budget (`trainer.max_time_s`) and `trainer.max_steps` (filled from
+  `trainer.num_train_epochs` by the trainer once its data is loaded); `epoch` (passes over
+  the data, fractional) in every command's metrics;
+- the user's callbacks (`trainers/callbacks.py`, transformers' TrainerCallback events and
+  TrainerControl flags: a callback may stop the run, or ask for an eval, a checkpoint or a
+  metrics line at a step);
 - the eval cadence (`trainer.eval_steps`, and always once at the end), samples.jsonl;
 - metric sinks and the progress bar; `nonfinite_steps` in every command's metrics;
 - the bad-step guard: a step whose loss or gradient was NaN/inf is skipped by the
@@ -38,6 +43,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -59,6 +65,7 @@ from posttrain.checkpoint import (
 from posttrain.config import ConfigError, TrainerConfig, save_config, to_dict
 from posttrain.logging import MetricsLogger, Progress, get_logger
 from posttrain.models.lora import is_peft, merged_for_export
+from posttrain.trainers.callbacks import Callbacks
 from posttrain.training.core import (
     BadStepGuard,
     LossFn,
@@ -117,6 +124,11 @@ class Task(Protocol):
 
     @property
     def model(self) -> torch.nn.Module: ...
+    @property
+    def epoch(self) -> float:
+        """Passes over the training data so far (fractional)."""
+    @property
+    def steps_per_epoch(self) -> float: ...
     def step(self, step: int) -> StepOutput: ...
     def evaluate(self, step: int) -> tuple[dict[str, float], list[dict]]: ...
     def save(self, run_dir: Path, step: int, metrics: dict[str, float], keep: int, run: RunRecord) -> Path: ...
@@ -172,10 +184,11 @@ class Budget:
         return True
 
 
-def run(task: Task, config: Any, ref_sync: RefSync | None = None) -> FitResult:
+def run(task: Task, config: Any, ref_sync: RefSync | None = None, callbacks: Callbacks | None = None) -> FitResult:
     """Train `task` for `config.trainer.max_steps` steps; see the module doc. `config` is the
     command's whole config tree (its class names the command, e.g. `SFTConfig.command`)."""
     cfg: TrainerConfig = config.trainer
+    hooks = callbacks if callbacks is not None else Callbacks([], config)
     run_dir = Path(cfg.output_dir)
     ref_sync = ref_sync or RefSync()
     collective = getattr(task, "collective", None)
@@ -191,34 +204,44 @@ def run(task: Task, config: Any, ref_sync: RefSync | None = None) -> FitResult:
     last_eval: dict[str, float] = {}
     evaluated_at = None
     budget = Budget(cfg.max_time_s, collective)
+    hooks.begin(task, config, step, main)
+    asked = partial(hooks.agreed, collective=collective)  # a callback's control flag, agreed over ranks
     with sink, Progress(cfg.max_steps, task.desc, initial=step, enabled=cfg.progress and main,
                         max_seconds=cfg.max_time_s) as progress:
         while step < cfg.max_steps:
+            hooks.step_begin()
             out = task.step(step + 1)
             step += 1
             guard.update(out, step, last_ckpt)
-            metrics.update(out.metrics, nonfinite_steps=guard.total)
+            metrics.update(out.metrics, nonfinite_steps=guard.total, epoch=task.epoch)
             if ref_sync.due(step) and not out.nonfinite:
                 task.reference.sync(task.model, ref_sync.alpha)
-            if task.has_eval and cfg.eval_steps and step % cfg.eval_steps == 0:
-                last_eval = _timed_eval(task, step, sink)
+            hooks.step_end(step, task.epoch)
+            if task.has_eval and (cfg.eval_steps and step % cfg.eval_steps == 0 or asked("should_evaluate")):
+                last_eval = _timed_eval(task, step, sink, hooks)
                 metrics.update(last_eval)
                 evaluated_at = step
-            last = step == cfg.max_steps or budget.spent(step)
-            if step % cfg.logging_steps == 0 or evaluated_at == step or last:
+            last = step == cfg.max_steps or budget.spent(step) or asked("should_training_stop")
+            if step % cfg.logging_steps == 0 or evaluated_at == step or last or asked("should_log"):
                 sink.log(step, metrics)
+                hooks.log(step, metrics)
+                last = last or asked("should_training_stop")
             progress.update(1, **out.progress, **_eval_view(last_eval))
-            due = cfg.save_steps and step % cfg.save_steps == 0 or last
+            due = cfg.save_steps and step % cfg.save_steps == 0 or last or asked("should_save")
             if due and not out.nonfinite:  # a checkpoint is only ever a good state
                 last_ckpt = task.save(run_dir, step, metrics, cfg.save_total_limit, record)
-            if last:
+                hooks.fire("on_save")
+            if last or asked("should_training_stop"):
                 break
             metrics = {}
         if task.has_eval and evaluated_at != step:
-            last_eval = _timed_eval(task, step, sink)
+            last_eval = _timed_eval(task, step, sink, hooks)
             sink.log(step, last_eval)
             metrics.update(last_eval)
+    if step < cfg.max_steps:
+        log.info("stopped at step %d of %d", step, cfg.max_steps)
     final_dir = task.save_final(run_dir)
+    hooks.fire("on_train_end")
     log.info("finished at step %d; model in %s", step, final_dir)
     return FitResult(run_dir, final_dir, step, metrics)
 
@@ -259,12 +282,14 @@ class _NoSink:
     def __exit__(self, *exc: object) -> None: ...
 
 
-def _timed_eval(task: Task, step: int, sink: MetricsLogger) -> dict[str, float]:
+def _timed_eval(task: Task, step: int, sink: MetricsLogger, hooks: Callbacks) -> dict[str, float]:
     t0 = time.perf_counter()
     metrics, samples = task.evaluate(step)
     if samples:
         sink.log_samples(step, samples)
-    return {**metrics, "timing/eval": time.perf_counter() - t0}
+    out = {**metrics, "timing/eval": time.perf_counter() - t0}
+    hooks.fire("on_evaluate", metrics=dict(out))
+    return out
 
 
 def _eval_view(metrics: Mapping[str, float]) -> dict[str, float]:
@@ -279,6 +304,10 @@ class BatchStream(Protocol):
     """Yields each optimizer step's micro-batches; its state is saved in checkpoints."""
 
     def next_step(self) -> list[Any]: ...
+    @property
+    def epoch_progress(self) -> float: ...
+    @property
+    def steps_per_epoch(self) -> float: ...
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
@@ -332,6 +361,14 @@ class OptimizerTask:
     @property
     def model(self) -> torch.nn.Module:
         return self._model
+
+    @property
+    def epoch(self) -> float:
+        return self.batches.epoch_progress
+
+    @property
+    def steps_per_epoch(self) -> float:
+        return self.batches.steps_per_epoch
 
     def _loss(self, model: torch.nn.Module, batch: Any) -> Any:
         return self.wrapped.loss(self.loss_fn, batch)
@@ -423,12 +460,13 @@ def fit(
     reference: Any = None,
     ref_sync: RefSync | None = None,
     unit: str = "tokens",
+    callbacks: Callbacks | None = None,
 ) -> FitResult:
     """`run` an `OptimizerTask` (see both); `config` is the command's config tree; `unit`
     names what loss_fn's n_units count."""
     task = OptimizerTask(model, tokenizer, config.trainer, batches, loss_fn, evaluate, start_metrics, desc, reference,
                          unit)
-    return run(task, config, ref_sync)
+    return run(task, config, ref_sync, callbacks)
 
 
 def _throughput(micro_batches: list[Any], seconds: float, collective: Any = None) -> dict[str, float]:

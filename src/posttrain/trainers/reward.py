@@ -35,7 +35,7 @@ Departures from TRL's RewardTrainer:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any
 
@@ -54,8 +54,9 @@ from posttrain.models.heads import ScalarHeadModel
 from posttrain.models.loading import resolve_device
 from posttrain.models.lora import apply_lora, parameter_counts
 from posttrain.trainers.batches import EpochBatches
+from posttrain.trainers.callbacks import Callbacks
 from posttrain.trainers.loop import FitResult, fit
-from posttrain.trainers.setup import prepare_run
+from posttrain.trainers.setup import prepare_run, set_train_length
 from posttrain.training.core import LossFn, merge_metrics
 
 log = get_logger(__name__)
@@ -132,7 +133,8 @@ class RewardTrainer:
     module that is not peft-wrapped gets `args.model.lora` adapters when `lora.r > 0` (or
     TRL's `peft_config`: `models.lora.apply_lora`).
     Datasets are preference rows in anything `posttrain.data.sources.load_rows` reads; when
-    omitted, `args.data.train_files` / `eval_files` are read.
+    omitted, `args.data.train_files` / `eval_files` are read. `callbacks`: transformers
+    `TrainerCallback`s (`posttrain.trainers.callbacks`).
     """
 
     def __init__(
@@ -143,16 +145,20 @@ class RewardTrainer:
         eval_dataset: Any = None,
         processing_class: Any = None,
         peft_config: Any = None,
+        callbacks: Sequence[Any] | None = None,
     ):
         self.args = args = args if args is not None else RMConfig()
+        self.callbacks = Callbacks(callbacks, args)
         train_source, eval_source, self.tokenizer = prepare_run(
             args, model, train_dataset, eval_dataset, processing_class, peft_config=peft_config, classifier=True
         )
         _, self.train_examples, stats = prepare_pairs(train_source, self.tokenizer, args.data)
+        set_train_length(args, len(self.train_examples))
         self.data_stats = {f"data/{k}": float(v) for k, v in stats.as_dict().items()}
         self.eval_examples = prepare_pairs(eval_source, self.tokenizer, args.data)[1] if eval_source is not None else []
         self.model = self._model(model)
         self.loss_fn: LossFn = partial(bt_loss, center_rewards_coefficient=args.algorithm.center_rewards_coefficient)
+        self.callbacks.init_end(self.model, self.tokenizer)
 
     def _model(self, model: torch.nn.Module | str | None) -> torch.nn.Module:
         """Build or adopt the reward model; a given plain model gets LoRA when `model.lora.r > 0`."""
@@ -191,7 +197,7 @@ class RewardTrainer:
         evaluate: Callable | None = partial(RewardTrainer.evaluate, self) if self.eval_examples else None
         return fit(
             self.model, self.tokenizer, a, batches, self.loss_fn, evaluate=evaluate,
-            start_metrics=self.data_stats, desc="rm", unit="pairs",
+            start_metrics=self.data_stats, desc="rm", unit="pairs", callbacks=self.callbacks,
         )
 
 

@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,7 @@ from posttrain.logging import get_logger
 from posttrain.logging.timing import StageTimer
 from posttrain.models.lora import is_peft, merged_for_export, parameter_counts
 from posttrain.trainers.batches import EpochBatches
+from posttrain.trainers.callbacks import Callbacks
 from posttrain.trainers.loop import SAMPLES_PER_EVAL, FitResult, RefSync, StepOutput, run
 from posttrain.trainers.rl_build import (
     build_roles,
@@ -113,7 +115,7 @@ from posttrain.trainers.rl_steps import (
     mask_truncated,
     step_seed,
 )
-from posttrain.trainers.setup import prepare_run
+from posttrain.trainers.setup import prepare_run, set_train_length
 from posttrain.workers import Reward, RLBatch
 
 log = get_logger(__name__)
@@ -144,6 +146,8 @@ class RLTrainer:
                     environment_factory=MyEnv)              # or tools=[calculator]
 
     Without reward functions the environment's rewards are the reward (`env_reward`).
+    Reward functions may read TRL's `trainer_state` and `log_metric` (`rewards.runner`).
+    `callbacks`: transformers `TrainerCallback`s (`posttrain.trainers.callbacks`).
     """
 
     config_class: type[RLConfig] = RLConfig
@@ -160,8 +164,10 @@ class RLTrainer:
         environment_factory: Any = None,
         tools: Any = None,
         peft_config: Any = None,
+        callbacks: Sequence[Any] | None = None,
     ):
         self.args = args = args if args is not None else self.config_class()
+        self.callbacks = Callbacks(callbacks, args)
         if reward_funcs is not None and not isinstance(reward_funcs, (list, tuple)):
             reward_funcs = [reward_funcs]
         env_factory = episode_source(args, environment_factory, tools)
@@ -171,12 +177,15 @@ class RLTrainer:
             peft_config=peft_config,
         )
         self.examples, self.data_stats = load_prompts(train_source, self.tokenizer, args.data)
+        set_train_length(args, len(self.examples))
         self.eval_examples = None
         if eval_source is not None:
             self.eval_examples = load_prompts(eval_source, self.tokenizer, args.data)[0][: args.eval.num_examples]
         data = "train_dataset" if train_dataset is not None else f"data.train_files {list(args.data.train_files)}"
         self.roles = build_roles(args, self.tokenizer, model, reward_funcs, value_model,
                                  columns=list(self.examples[0]["columns"]), data=data, env_factory=env_factory)
+        self.roles.reward.runner.trainer_state = self.callbacks.state  # TRL's reward argument (both backends:
+        # the reward runs in this process)
         self.stream = EpochBatches(self.examples, args.data.train_batch_size, args.data.train_batch_size,
                                    partial(RLBatch.from_prompts, pad_id=pad_id_of(self.tokenizer)), seed=args.trainer.seed, shuffle=args.data.shuffle)
         kl = args.algorithm.kl
@@ -188,10 +197,20 @@ class RLTrainer:
         self.has_eval, self.reference = self.eval_examples is not None, self.roles.ref
         self.at_step = 0  # the step running (a worker failure names it)
         self.worker_restarts: int | None = None  # trainer.on_worker_failure=restart: the metric worker_restarts
+        self.callbacks.init_end(self.model, self.tokenizer)
 
     @property
     def model(self) -> torch.nn.Module:
         return self.roles.actor.model
+
+    @property
+    def epoch(self) -> float:
+        """Passes over the prompts so far (fractional; DAPO's extra generation rounds count)."""
+        return self.stream.epoch_progress
+
+    @property
+    def steps_per_epoch(self) -> float:
+        return self.stream.steps_per_epoch
 
     def train(self) -> FitResult:
         """Run the RL loop (`trainers/loop.run`): trainer.max_steps steps of `rl_step`; on Ray, a
@@ -208,7 +227,7 @@ class RLTrainer:
 
     def _run(self, config: RLConfig) -> FitResult:
         a = config.algorithm
-        return run(self, config, RefSync(a.ref_sync_steps, a.ref_sync_alpha))
+        return run(self, config, RefSync(a.ref_sync_steps, a.ref_sync_alpha), self.callbacks)
 
     def setup_line(self) -> str:
         """What is trained, on what, with what (as `posttrain sft` logs it)."""

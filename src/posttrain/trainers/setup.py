@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from posttrain.config.core import ConfigError, check, validate_tree
+from posttrain.config.sections import TrainerConfig
 from posttrain.distributed import init_from_env
 from posttrain.distributed.env import refuse_launch_of_several
 from posttrain.models.factory import load_tokenizer
@@ -79,3 +80,14 @@ def model_type_of(model: torch.nn.Module | None, path: str | None) -> str:
         except FileNotFoundError as err:
             raise ConfigError(f"model.path: {err}") from None
     return "llama"
+
+
+def set_train_length(args: Any, examples: int) -> int:
+    """Fill trainer.max_steps from trainer.num_train_epochs (or the default length) once the
+    trainer knows its `examples` (prompts for RL), at data.train_batch_size per step
+    (`TrainerConfig.set_length`), and run the checks that need it. Returns max_steps."""
+    trainer: TrainerConfig = args.trainer
+    steps = trainer.set_length(examples, args.data.train_batch_size)
+    if hasattr(args, "check_length"):
+        args.check_length()
+    return steps

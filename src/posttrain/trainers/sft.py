@@ -19,6 +19,7 @@ Departures from TRL's SFTTrainer:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -28,16 +29,18 @@ from posttrain.config import ConfigError, SFTConfig
 from posttrain.config.core import check
 from posttrain.data.batch import LMBatch
 from posttrain.data.collate import causal_lm_loss_sum, pad_collate, tokenize_dataset
+from posttrain.data.formats import DataFormatError
 from posttrain.data.packing import pack_collate, pack_examples, packing_efficiency
-from posttrain.data.sources import load_and_validate
+from posttrain.data.sources import load_rows, map_rows, validate_loaded
 from posttrain.evaluation import task_eval
 from posttrain.logging import get_logger
 from posttrain.models.factory import build_model
 from posttrain.models.loading import device_of, forward_logits
 from posttrain.models.lora import apply_lora, parameter_counts
 from posttrain.trainers.batches import EpochBatches
+from posttrain.trainers.callbacks import Callbacks
 from posttrain.trainers.loop import FitResult, fit
-from posttrain.trainers.setup import prepare_run
+from posttrain.trainers.setup import prepare_run, set_train_length
 
 log = get_logger(__name__)
 
@@ -62,8 +65,11 @@ class SFTTrainer:
     (`model.lora.r > 0`, or TRL's `peft_config=peft.LoraConfig(...)`) wraps any of them.
     `processing_class` is the tokenizer; by default that of the folder a module was loaded
     from, or of `model.path` (see `models.factory.load_tokenizer`).
-    Datasets are anything `posttrain.data.sources.load_rows` reads; when omitted,
-    `args.data.train_files` / `eval_files` are read.
+    Datasets are anything `posttrain.data.sources.load_rows` reads (ShareGPT `conversations`
+    included); when omitted, `args.data.train_files` / `eval_files` are read.
+    `formatting_func(example) -> str` (TRL's) turns each row into the text trained on, as
+    `text` data; `data.dataset_text_field` names the text column otherwise. `callbacks`:
+    transformers `TrainerCallback`s (`posttrain.trainers.callbacks`).
     """
 
     def __init__(
@@ -74,12 +80,19 @@ class SFTTrainer:
         eval_dataset: Any = None,
         processing_class: Any = None,
         peft_config: Any = None,
+        callbacks: Sequence[Any] | None = None,
+        formatting_func: Callable[[dict], str] | None = None,
     ):
         self.args = args = args if args is not None else SFTConfig()
+        self.callbacks = Callbacks(callbacks, args)
+        self.formatting_func = formatting_func
+        check(formatting_func is None or args.data.format in ("auto", "text"), "data.format",
+              f"formatting_func makes text data, and data.format={args.data.format}; set data.format=auto")
         train_source, eval_source, self.tokenizer = prepare_run(
             args, model, train_dataset, eval_dataset, processing_class, peft_config=peft_config
         )
         self.train_examples, self.data_stats = self._prepare(*self._load(train_source))
+        set_train_length(args, len(self.train_examples))
         self.eval_examples, self.eval_rows = None, None
         if eval_source is not None:
             self.eval_rows, eval_fmt = self._load(eval_source)
@@ -90,15 +103,22 @@ class SFTTrainer:
             self.model = apply_lora(model, args.model.lora)
         else:
             self.model = build_model(args.model, self.tokenizer, train=True)
+        self.callbacks.init_end(self.model, self.tokenizer)
 
     def _load(self, source: Any) -> tuple[Any, str]:
-        """Read and validate rows; the format is `data.format` or detected."""
+        """Read and validate rows; the format is `data.format` or detected, `text` for rows made
+        by formatting_func or read from data.dataset_text_field."""
         fmt = _FORMATS.get(self.args.data.format, "unsupported")
         if fmt == "unsupported":
             raise ConfigError(
                 f"data.format: SFT trains on text, prompt_completion or messages data, not {self.args.data.format}"
             )
-        return load_and_validate(source, format=fmt)
+        rows, field = load_rows(source), self.args.data.dataset_text_field
+        if self.formatting_func is not None:
+            rows, fmt = map_rows(rows, partial(formatted_text, fn=self.formatting_func)), "text"
+        elif field != "text":
+            rows, fmt = map_rows(rows, partial(text_from_field, field=field)), "text"
+        return validate_loaded(rows, fmt)
 
     def _prepare(self, rows: Any, fmt: str) -> tuple[list[dict], dict[str, float]]:
         """Tokenize (with loss masks) and optionally pack; returns examples and counts."""
@@ -154,8 +174,29 @@ class SFTTrainer:
         return fit(
             self.model, self.tokenizer, a, batches, lm_loss,
             evaluate=partial(SFTTrainer.evaluate, self) if has_eval else None,
-            start_metrics=self.data_stats, desc="sft",
+            start_metrics=self.data_stats, desc="sft", callbacks=self.callbacks,
         )
+
+
+def formatted_text(row: Mapping[str, Any], fn: Callable[[dict], str]) -> dict[str, str]:
+    """{"text": fn(row)}: TRL's per-example formatting_func; an error names the function."""
+    name = getattr(fn, "__qualname__", repr(fn))
+    try:
+        text = fn(dict(row))
+    except Exception as e:  # noqa: BLE001 - the user's function: say which row and function failed
+        raise DataFormatError(f"formatting_func {name} raised {type(e).__name__}: {e}") from e
+    if not isinstance(text, str):
+        raise DataFormatError(f"formatting_func {name} returned {type(text).__name__}, not a str: it takes one "
+                              "example (a dict) and returns its text, as TRL's does")
+    return {"text": text}
+
+
+def text_from_field(row: Mapping[str, Any], field: str) -> dict[str, Any]:
+    """{"text": row[field]}: the text column that data.dataset_text_field names."""
+    if field not in row:
+        raise DataFormatError(f"data.dataset_text_field={field}: the row has no column {field!r} "
+                              f"(its columns: {', '.join(map(str, row))})")
+    return {"text": row[field]}
 
 
 def run_sft(cfg: SFTConfig) -> FitResult:
