@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "posttrain"
 LAYERS = [
     {"algos"},                                  # pure tensor math: imports torch only
     {"config", "logging"},                      # typed configs, metrics sinks, progress
-    {"checkpoint"},                             # save / resume
+    {"checkpoint", "user_code"},                # save / resume; user code's errors in one line
     {"data"},                                   # formats, collators, tasks
     {"models"},                                 # built-in decoder, heads, loading, LoRA
     {"training", "rollout", "rewards"},         # training core, engines, reward functions

@@ -54,9 +54,9 @@ from posttrain.checkpoint import (
     find_latest_checkpoint,
     save_tokenizer,
 )
+from posttrain.checkpoint.adapters import ADAPTER_CONFIG, peft_adapter_config
 from posttrain.models.factory import TOKENIZER_FILES
 from posttrain.models.llama_checkpoint import DTYPE_NAMES, checkpoint_dtype
-from posttrain.models.lora import ADAPTER_CONFIG, peft_adapter_config
 
 log = logging.getLogger(__name__)
 

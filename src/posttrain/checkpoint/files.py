@@ -50,6 +50,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from posttrain.checkpoint.adapters import is_peft, save_adapter
 from posttrain.logging.metrics import jsonable
 
 if TYPE_CHECKING:
@@ -351,8 +352,6 @@ def _save_pretrained(directory: Path, model: torch.nn.Module, tokenizer: Any) ->
 def _save_model(model: torch.nn.Module, directory: Path) -> None:
     """`save_pretrained`; a peft model's adapter through `save_adapter`, so that peft's
     `AutoPeftModelForCausalLM` loads it (as `posttrain export` writes it)."""
-    from posttrain.models.lora import is_peft, save_adapter
-
     model = _unwrap(model)
     if is_peft(model):
         save_adapter(model, directory)

@@ -17,6 +17,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import logging
 import textwrap
 import types
 import typing
@@ -417,12 +418,10 @@ def _override_keys(pairs: list[tuple[str, Any]]) -> set[str]:
 
 def _log_dropped(recipe: str, dropped: dict[str, Any], cfg: Any) -> None:
     """The one line that says what `give_way_to_own_data` dropped, and how to keep it."""
-    from posttrain.logging import get_logger
-
     parts = [f"{k}={aliases.yaml_value(v)}" for k, v in dropped.items()]
     now = (f" (runs go to trainer.output_dir={cfg.trainer.output_dir})"
            if "trainer.output_dir" in dropped else "")
-    get_logger(__name__).info(
+    logging.getLogger(__name__).info(
         "recipe %s: data.train_files names your own data, so the recipe's task settings are dropped: %s%s; "
         "set any of them on the command line to keep it", recipe, ", ".join(parts), now)
 

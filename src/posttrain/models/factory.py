@@ -9,10 +9,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from posttrain.checkpoint.adapters import source_of
 from posttrain.config import ConfigError, ModelConfig
 from posttrain.models.builtin import BuiltinLM
 from posttrain.models.loading import load_causal_lm, resolve_device, resolve_dtype
-from posttrain.models.lora import apply_lora, is_peft, source_of
+from posttrain.models.lora import apply_lora, is_peft
 
 logger = logging.getLogger(__name__)
 
