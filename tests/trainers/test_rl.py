@@ -64,6 +64,9 @@ def starts_with_a(prompts, completions, completion_ids, **columns):
     return [1.0 if ids and ids[0] == TARGET else 0.0 for ids in completion_ids]
 
 
+starts_with_a.is_correctness = True  # reward 1 is right: it defines `accuracy`
+
+
 PROMPTS = [{"prompt": " ".join(WORDS[(i * 7 + k) % 8] for k in range(1 + i % 4)), "answer": "a"} for i in range(64)]
 
 
@@ -482,6 +485,26 @@ def test_rl_logs_its_setup_before_the_loop(tmp_path, caplog):
     first = caplog.messages[0]
     assert first == (f"RL (grpo): BuiltinLM, {n} parameters; 64 prompts, 1 steps of 8 x 8; "
                      "rollout engine native, on cpu, torch.float32"), caplog.messages
+
+
+def test_kl_coef_and_accuracy_are_logged_only_where_they_mean_something(tmp_path, caplog):
+    """Seen: `kl_coef` logged (and plotted) for a run without a KL term, and `accuracy` = "first
+    reward function >= 1" for any function. Now kl_coef only with a KL term, accuracy only from a
+    function that declares correctness, and the log says which."""
+    def length_reward(prompts, completions, completion_ids, **columns):  # no correctness notion
+        return [len(ids) / 3 for ids in completion_ids]
+
+    quick = {"trainer.max_steps": 1, "trainer.save_steps": 0, "data.train_batch_size": 2, "rollout.n": 4,
+             "actor.micro_batch_size": 8}
+    with caplog.at_level("INFO", logger="posttrain.trainers.rl"):
+        trainer_for(config(tmp_path / "plain", **quick), reward=length_reward).train()
+        trainer_for(config(tmp_path / "kl", **quick, **{"algorithm.kl.in_loss": "true",
+                                                        "algorithm.kl.coef": 0.04})).train()
+    (plain,), (kl,) = metric_lines(tmp_path / "plain"), metric_lines(tmp_path / "kl")
+    assert "kl_coef" not in plain and "accuracy" not in plain and plain["reward/mean"] > 0
+    assert kl["kl_coef"] == 0.04 and kl["accuracy"] in {k / 8 for k in range(9)}
+    assert "no accuracy metric: no reward function declares a correctness notion" in caplog.text
+    assert "accuracy: the fraction of samples that the reward function starts_with_a scores >= 1" in caplog.text
 
 
 class RecordingEngine(NativeEngine):

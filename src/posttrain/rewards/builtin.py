@@ -20,6 +20,12 @@ applicable to this sample" (see `posttrain.rewards.runner` for how it is combine
 
 A factory is called to get the function: `format_reward(pattern=...)`. The registry does
 that for you from a name or a `{"name": ..., **options}` dict.
+
+Correctness: math_accuracy, exact_match, task_reward and code_tests set `is_correctness =
+True` (1.0 means right; for code_tests, every test passed). The RL trainers' `accuracy` metric
+comes from the first function that declares it and is absent without one
+(`posttrain.workers.reward_worker`); a user's function declares it the same way:
+`my_reward.is_correctness = True`.
 """
 
 from __future__ import annotations
@@ -135,6 +141,9 @@ def exact_match(completions: Sequence[Any], answer: Sequence[Any], **kwargs: Any
     return out
 
 
+exact_match.is_correctness = True
+
+
 def env_reward(completions: Sequence[Any], env_reward: Sequence[float | None], **kwargs: Any) -> Rewards:
     """The episode's environment reward (the sum of its steps' rewards, `posttrain.envs`), as
     the rollout puts it in the `env_reward` column; None where the environment gave none.
@@ -211,6 +220,9 @@ def math_accuracy(completions: Sequence[Any], answer: Sequence[Any], **kwargs: A
     return out
 
 
+math_accuracy.is_correctness = True
+
+
 def format_reward(
     pattern: str = r"^<think>.*?</think>\s*<answer>.*?</answer>$",
 ) -> Callable[..., Rewards]:
@@ -280,6 +292,7 @@ def task_reward(task: str | None = None) -> Callable[..., Rewards]:
             out.append(_scorer(name)(text, answer[i], prompt, row))
         return out
 
+    task_reward.is_correctness = True
     if task is None:
         task_reward.required_columns = {"task": "add it, or name the task: {name: task_reward, task: arithmetic}"}
     return task_reward
@@ -364,6 +377,9 @@ def code_tests(
 
     values, errors, _ = map_in_daemon_threads(one, range(len(completions)), _cpu_count())
     return [v if e is None else e for v, e in zip(values, errors)]
+
+
+code_tests.is_correctness = True
 
 
 def _cpu_count() -> int:
