@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
@@ -191,19 +192,21 @@ def test_skipping_zero_advantage_rows_and_grouping_by_length_do_not_change_the_r
 ])
 def test_resume_continues_exactly(tmp_path, estimator, extra):
     overrides = {"trainer.max_steps": 4, "trainer.save_steps": 2, "trainer.learning_rate": 3e-3, **extra}
-    full = trainer_for(config(tmp_path / "full", estimator, **overrides))
-    full.train()
-    # An interrupted run: the same run with everything after the step-2 checkpoint lost.
-    run = tmp_path / "cut"
-    shutil.copytree(tmp_path / "full", run)
-    shutil.rmtree(run / "checkpoints" / "step-4")
-    shutil.rmtree(run / "final")
     scored = []
 
     def counting(prompts, completions, completion_ids, **columns):
         scored.append(len(completions))
         return starts_with_a(prompts, completions, completion_ids)
 
+    # The reward functions are the run's (config.yaml records each): both runs score with `counting`.
+    full = trainer_for(config(tmp_path / "full", estimator, **overrides), reward=counting)
+    full.train()
+    # An interrupted run: the same run with everything after the step-2 checkpoint lost.
+    run = tmp_path / "cut"
+    shutil.copytree(tmp_path / "full", run)
+    shutil.rmtree(run / "checkpoints" / "step-4")
+    shutil.rmtree(run / "final")
+    scored.clear()
     resumed = trainer_for(config(run, estimator, **overrides), reward=counting)
     resumed.train()
     assert len(scored) == 2  # only steps 3 and 4 ran
@@ -213,6 +216,48 @@ def test_resume_continues_exactly(tmp_path, estimator, extra):
     assert [m["step"] for m in metric_lines(run)] == [1, 2, 3, 4]
     assert metric_lines(run)[3]["reward/mean"] == metric_lines(tmp_path / "full")[3]["reward/mean"]
     assert metric_lines(run)[0]["kl"] == 0.0  # the policy is the reference before its first update
+
+
+def test_a_python_api_run_records_its_data_and_reward_functions_for_a_rerun(tmp_path):
+    """Seen: config.yaml of a run started from Python said data.train_files: [] and
+    reward.functions: [], so nothing could rerun it. Now it records what was passed; a rerun
+    from it reproduces what is loadable by name and names what is missing; a Python resume on
+    other rows is refused."""
+    from posttrain.data.sources import rows_sha256
+    from posttrain.rewards import format_reward
+
+    def local(prompts, completions, completion_ids, **columns):  # a closure: not loadable by name
+        return [0.0] * len(completions)
+
+    run = tmp_path / "run"
+    quick = {"trainer.max_steps": 1, "trainer.save_steps": 1, "data.train_batch_size": 2, "rollout.n": 4,
+             "actor.micro_batch_size": 8}
+    GRPOTrainer(tiny_model(), reward_funcs=[starts_with_a, format_reward(pattern="^a"), local],
+                args=config(run, **quick), train_dataset=PROMPTS, processing_class=word_tokenizer()).train()
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    here = starts_with_a.__module__
+    assert saved["reward"]["functions"] == [f"{here}:starts_with_a", {"name": "format_reward", "pattern": "^a"},
+                                            f"{here}:{local.__qualname__}"]
+    record = saved["python_api"]
+    assert record["train_dataset"] == {"type": "list", "rows": 64, "sha256": rows_sha256(PROMPTS)}
+    assert [r["spec"] for r in record["reward_funcs"]][2] is None and record["reward_funcs"][0]["file"] == __file__
+    assert saved["data"]["train_files"] == []
+    with pytest.raises(ConfigError, match=r"data\.train_files: .*config\.yaml is the config\.yaml of a run started "
+                       r"from Python with an in-memory train_dataset \(list of 64 rows, sha256 "
+                       + rows_sha256(PROMPTS)[:16]):
+        build_config(GRPOConfig, run / "config.yaml", [])
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(row) + "\n" for row in PROMPTS))
+    with pytest.raises(ConfigError, match=r"reward\.functions: .*cannot be loaded by name: " + here
+                       + r":test_a_python_api.*<locals>\.local \(in " + __file__):
+        build_config(GRPOConfig, run / "config.yaml", [f"data.train_files=[{train}]"])
+    mine = f"reward.functions=[{here}:starts_with_a,{{name: format_reward, pattern: ^a}},{here}:always_one]"
+    rerun = build_config(GRPOConfig, run / "config.yaml", [f"data.train_files=[{train}]", mine])
+    assert rerun.reward.functions[0] == f"{here}:starts_with_a" and rerun.data.train_files == [str(train)]
+    with pytest.raises(ConfigError, match=r"python_api\.train_dataset\.rows: 64 → 32"):  # before weights load
+        GRPOTrainer(tiny_model(), reward_funcs=[starts_with_a, format_reward(pattern="^a"), local],
+                    args=config(run, **{**quick, "trainer.max_steps": 2}), train_dataset=PROMPTS[:32],
+                    processing_class=word_tokenizer()).train()
 
 
 def always_one(prompts, completions, completion_ids, **columns):

@@ -28,6 +28,7 @@ from posttrain.checkpoint.files import (
     _unwrap,
 )
 from posttrain.config import ConfigError
+from posttrain.config.inputs import DESCRIBED_ONLY
 from posttrain.logging.metrics import METRICS_FILE, SAMPLES_FILE, TRACKING_FILE
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,9 @@ RESUME_MAY_CHANGE = (
     "trainer.on_worker_failure", "trainer.max_restarts",
     # held-out evaluation reads the model, it never trains it
     "data.eval_files", "eval.*",
+    # how config.yaml describes what the Python API passed: where a function's file is, the
+    # type that held the rows (their count and sha256 are the run's data, and must match)
+    *DESCRIBED_ONLY,
 )
 """The settings a resumed run may change (`section.*` is a whole section). Every other
 setting of the command's config tree, the model, tokenizer, data, algorithm, loss, LoRA,

@@ -26,10 +26,16 @@ True` (1.0 means right; for code_tests, every test passed). The RL trainers' `ac
 comes from the first function that declares it and is absent without one
 (`posttrain.workers.reward_worker`); a user's function declares it the same way:
 `my_reward.is_correctness = True`.
+
+Each factory's function carries `reward_spec`, the `reward.functions` entry that builds it
+again (`"format_reward"`, `{name: task_reward, task: arithmetic}`), so a run given it from
+Python records it in config.yaml (`posttrain.rewards.registry.describe_reward`).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import logging
 import os
@@ -69,6 +75,28 @@ _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _ANSWER_LINE = re.compile(r"answer\s*(?:is|:)\s*([^\n]+)", re.IGNORECASE)
 _THINK_END = "</think>"
 _MATHY = re.compile(r"[0-9\\]")
+
+
+def _plain(value: Any) -> bool:
+    """A value config.yaml can hold as it is."""
+    if isinstance(value, (list, tuple)):
+        return all(map(_plain, value))
+    return value is None or isinstance(value, (str, int, float, bool))
+
+
+def _records_spec(factory: Callable[..., Any]) -> Callable[..., Any]:
+    """Give the function `factory` makes a `reward_spec`: the factory's name, with the options
+    it was called with, when config.yaml can hold them (else none: it is then not loadable by name)."""
+
+    @functools.wraps(factory)
+    def make(*args: Any, **kwargs: Any) -> Any:
+        fn = factory(*args, **kwargs)
+        options = inspect.signature(factory).bind(*args, **kwargs).arguments
+        if all(map(_plain, options.values())):
+            fn.reward_spec = {"name": factory.__name__, **options} if options else factory.__name__
+        return fn
+
+    return make
 
 
 def completion_text(completion: Any) -> str:
@@ -223,6 +251,7 @@ def math_accuracy(completions: Sequence[Any], answer: Sequence[Any], **kwargs: A
 math_accuracy.is_correctness = True
 
 
+@_records_spec
 def format_reward(
     pattern: str = r"^<think>.*?</think>\s*<answer>.*?</answer>$",
 ) -> Callable[..., Rewards]:
@@ -238,6 +267,7 @@ def format_reward(
     return format_reward
 
 
+@_records_spec
 def overlong_penalty(max_len: int, buffer_len: int, penalty: float = 1.0) -> Callable[..., Rewards]:
     """Factory: DAPO's soft overlong punishment (Yu et al. 2025, eq. 13) on token lengths.
 
@@ -259,6 +289,7 @@ def overlong_penalty(max_len: int, buffer_len: int, penalty: float = 1.0) -> Cal
     return overlong_penalty
 
 
+@_records_spec
 def task_reward(task: str | None = None) -> Callable[..., Rewards]:
     """Factory: score each completion with its task's scorer (1.0 right, 0.0 wrong).
 

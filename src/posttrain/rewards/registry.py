@@ -13,6 +13,11 @@ The name is the built-in's name or the function's `__name__` (for `module:functi
 function part); it keys the metrics (`reward/<name>/mean`). Options given with an import
 path mean the target is a factory: it is called with them and must return the function.
 Options given with a built-in that is a plain function set its keyword defaults.
+
+The other way round, `describe_reward(fn)` says how config.yaml records a function that the
+Python API was given: the spec that loads it again, when it has one (a built-in, a factory's
+function with its `reward_spec`, a top-level function of an importable module or of a file
+loaded by path), its `module:qualname` and its file.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from typing import Any
 
 from posttrain.rewards.builtin import BUILTIN_REWARDS, REWARD_FACTORIES
 
-__all__ = ["load_object", "pickle_file_modules_by_value", "resolve_reward"]
+__all__ = ["describe_reward", "load_object", "pickle_file_modules_by_value", "resolve_reward"]
 
 RewardFn = Callable[..., Any]
 
@@ -90,7 +95,47 @@ def _bind_options(target: str, fn: RewardFn, options: dict[str, Any]) -> RewardF
         )
     bound = functools.partial(fn, **options)
     functools.update_wrapper(bound, fn)
+    bound.reward_spec = {"name": target, **options}  # type: ignore[attr-defined]
     return bound
+
+
+def describe_reward(spec: str | Mapping[str, Any] | RewardFn) -> dict[str, Any]:
+    """How config.yaml records a reward function passed to a trainer from Python:
+
+        {"name": ..., "callable": "module:qualname", "file": path or None, "spec": ...}
+
+    `spec` is what `reward.functions` can hold to load the same function again (a built-in
+    name or options dict, `module:function`, `path/file.py:function`), or None when nothing
+    can (a lambda, a closure, a callable object, a function of the script run as __main__)."""
+    if isinstance(spec, (str, Mapping)):
+        return {"name": spec if isinstance(spec, str) else spec.get("name"), "spec": spec}
+    target = spec.func if isinstance(spec, functools.partial) else spec
+    module = getattr(target, "__module__", None) or type(target).__module__
+    qualname = getattr(target, "__qualname__", None) or f"{type(target).__qualname__} instance"
+    try:
+        file = inspect.getsourcefile(target if inspect.isroutine(target) else type(target))
+    except TypeError:
+        file = None
+    return {"name": resolve_reward(spec)[0], "callable": f"{module}:{qualname}",
+            "file": str(Path(file).resolve()) if file else None, "spec": _spec_of(spec, module, qualname, file)}
+
+
+def _spec_of(fn: RewardFn, module: str, qualname: str, file: str | None) -> Any:
+    """The reward.functions entry that loads `fn` again, or None."""
+    recorded = getattr(fn, "reward_spec", None)
+    if recorded is not None:
+        return recorded
+    builtin = [name for name, obj in BUILTIN_REWARDS.items() if obj is fn]
+    if builtin:
+        return builtin[0]
+    if not inspect.isfunction(fn) or "." in qualname or "<" in qualname or module == "__main__":
+        return None
+    target = f"{file}:{qualname}" if module in FILE_MODULES and file else f"{module}:{qualname}"
+    try:
+        found = load_object(target)
+    except (ValueError, ImportError):
+        return None
+    return target if found is fn else None
 
 
 def load_object(path: str) -> Any:

@@ -63,7 +63,7 @@ from posttrain.models.lora import apply_lora, is_peft
 from posttrain.trainers.batches import EpochBatches
 from posttrain.trainers.loop import FitResult, RefSync, fit
 from posttrain.trainers.reward import pairwise_eval
-from posttrain.trainers.setup import prepare_run
+from posttrain.trainers.setup import prepare_run, python_inputs
 from posttrain.training.core import autocast
 from posttrain.workers.reference import Reference
 
@@ -182,6 +182,7 @@ class DPOTrainer:
         train_source, eval_source, self.tokenizer = prepare_run(
             args, model, train_dataset, eval_dataset, processing_class
         )
+        self.inputs = python_inputs(train_dataset, eval_dataset)  # recorded in config.yaml
         _, self.train_examples, stats = prepare_pairs(train_source, self.tokenizer, args.data)
         self.data_stats = {f"data/{k}": float(v) for k, v in stats.as_dict().items()}
         self.eval_examples, self.eval_rows = [], None
@@ -269,7 +270,7 @@ class DPOTrainer:
             self.model, self.tokenizer, a, batches, self.loss_fn,
             evaluate=partial(DPOTrainer.evaluate, self) if has_eval else None,
             start_metrics=self.data_stats, desc="dpo", reference=self.reference,
-            ref_sync=RefSync(a.algorithm.ref_sync_steps, a.algorithm.ref_sync_alpha), unit="pairs",
+            ref_sync=RefSync(a.algorithm.ref_sync_steps, a.algorithm.ref_sync_alpha), unit="pairs", inputs=self.inputs,
         )
 
     def _reference_kind(self) -> str:

@@ -55,7 +55,7 @@ from posttrain.models.loading import resolve_device
 from posttrain.models.lora import LLAMA_LINEARS, is_peft
 from posttrain.trainers.batches import EpochBatches
 from posttrain.trainers.loop import FitResult, fit
-from posttrain.trainers.setup import prepare_run
+from posttrain.trainers.setup import prepare_run, python_inputs
 from posttrain.training.core import LossFn, merge_metrics
 
 log = get_logger(__name__)
@@ -166,6 +166,7 @@ class RewardTrainer:
         train_source, eval_source, self.tokenizer = prepare_run(
             args, model, train_dataset, eval_dataset, processing_class
         )
+        self.inputs = python_inputs(train_dataset, eval_dataset)  # recorded in config.yaml
         _, self.train_examples, stats = prepare_pairs(train_source, self.tokenizer, args.data)
         self.data_stats = {f"data/{k}": float(v) for k, v in stats.as_dict().items()}
         self.eval_examples = prepare_pairs(eval_source, self.tokenizer, args.data)[1] if eval_source is not None else []
@@ -212,7 +213,7 @@ class RewardTrainer:
         evaluate: Callable | None = partial(RewardTrainer.evaluate, self) if self.eval_examples else None
         return fit(
             self.model, self.tokenizer, a, batches, self.loss_fn, evaluate=evaluate,
-            start_metrics=self.data_stats, desc="rm", unit="pairs",
+            start_metrics=self.data_stats, desc="rm", unit="pairs", inputs=self.inputs,
         )
 
 

@@ -115,7 +115,7 @@ from posttrain.trainers.rl_steps import (
     mask_truncated,
     step_seed,
 )
-from posttrain.trainers.setup import prepare_run
+from posttrain.trainers.setup import prepare_run, python_inputs
 from posttrain.workers import Reward, RLBatch
 
 log = get_logger(__name__)
@@ -167,6 +167,7 @@ class RLTrainer:
             args, model, train_dataset, eval_dataset, processing_class,
             checks=lambda: check_reward_source(args, reward_funcs, episodes=env_factory is not None),
         )
+        self.inputs = python_inputs(train_dataset, eval_dataset, reward_funcs)  # recorded in config.yaml
         self.examples, self.data_stats = load_prompts(train_source, self.tokenizer, args.data)
         self.eval_examples = None
         if eval_source is not None:

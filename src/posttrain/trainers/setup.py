@@ -8,8 +8,10 @@ from typing import Any
 import torch
 
 from posttrain.config.core import check, validate_tree
+from posttrain.data.sources import describe_source
 from posttrain.distributed import init_from_env
 from posttrain.models.factory import load_tokenizer
+from posttrain.rewards.registry import describe_reward
 from posttrain.training.core import set_seed
 
 
@@ -45,3 +47,16 @@ def prepare_run(
     set_seed(args.trainer.seed)
     tokenizer = processing_class if processing_class is not None else load_tokenizer(args.model)
     return train_source, eval_source, tokenizer
+
+
+def python_inputs(train_dataset: Any, eval_dataset: Any, reward_funcs: Any = None) -> dict[str, Any] | None:
+    """What the Python API passed in place of data.train_files, data.eval_files and
+    reward.functions, as config.yaml records it (`posttrain.config.inputs`); None when nothing."""
+    record: dict[str, Any] = {}
+    if train_dataset is not None:
+        record["train_dataset"] = describe_source(train_dataset)
+    if eval_dataset is not None:
+        record["eval_dataset"] = describe_source(eval_dataset)
+    if reward_funcs:
+        record["reward_funcs"] = [describe_reward(fn) for fn in reward_funcs]
+    return record or None

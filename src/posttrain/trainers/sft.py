@@ -36,7 +36,7 @@ from posttrain.models.factory import build_model
 from posttrain.models.loading import device_of, forward_logits
 from posttrain.trainers.batches import EpochBatches
 from posttrain.trainers.loop import FitResult, fit
-from posttrain.trainers.setup import prepare_run
+from posttrain.trainers.setup import prepare_run, python_inputs
 
 log = get_logger(__name__)
 
@@ -74,6 +74,7 @@ class SFTTrainer:
         train_source, eval_source, self.tokenizer = prepare_run(
             args, model, train_dataset, eval_dataset, processing_class
         )
+        self.inputs = python_inputs(train_dataset, eval_dataset)  # recorded in config.yaml
         self.train_examples, self.data_stats = self._prepare(*self._load(train_source))
         self.eval_examples, self.eval_rows = None, None
         if eval_source is not None:
@@ -147,7 +148,7 @@ class SFTTrainer:
         return fit(
             self.model, self.tokenizer, a, batches, lm_loss,
             evaluate=partial(SFTTrainer.evaluate, self) if has_eval else None,
-            start_metrics=self.data_stats, desc="sft",
+            start_metrics=self.data_stats, desc="sft", inputs=self.inputs,
         )
 
 
