@@ -260,6 +260,25 @@ def test_a_python_api_run_records_its_data_and_reward_functions_for_a_rerun(tmp_
                     processing_class=word_tokenizer()).train()
 
 
+@pytest.mark.slow  # ~3 s: two runs of the built-in tiny model (the command line builds it from model.init)
+def test_a_python_api_run_whose_inputs_load_by_name_resumes_from_its_config_yaml(tmp_path, caplog):
+    """The rerun that reproduces: data from a file and a reward function importable by name,
+    so `posttrain grpo --config RUN_DIR/config.yaml` continues the run (same fingerprint)."""
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(row) + "\n" for row in PROMPTS[:8]))
+    run = tmp_path / "run"
+    cfg = config(run, **{"model.init": "tiny", "trainer.max_steps": 1, "trainer.save_steps": 1,
+                         "data.train_batch_size": 2, "rollout.n": 2, "actor.micro_batch_size": 4})
+    GRPOTrainer(args=cfg, reward_funcs=[starts_with_a], train_dataset=str(train)).train()
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["data"]["train_files"] == [str(train.resolve())]
+    assert saved["reward"]["functions"] == [f"{starts_with_a.__module__}:starts_with_a"]
+    with caplog.at_level("INFO", logger="posttrain.trainers.loop"):
+        assert main(["grpo", "--config", str(run / "config.yaml"), "trainer.max_steps=2"]) == 0
+    assert "resuming with changed settings: trainer.max_steps: 1 → 2\n" in caplog.text + "\n"
+    assert [m["step"] for m in metric_lines(run)] == [1, 2]
+
+
 def always_one(prompts, completions, completion_ids, **columns):
     return [1.0] * len(completions)
 

@@ -29,6 +29,7 @@ from posttrain.checkpoint.files import (
 )
 from posttrain.config import ConfigError
 from posttrain.config.inputs import DESCRIBED_ONLY
+from posttrain.config.inputs import SECTION as INPUTS_SECTION
 from posttrain.logging.metrics import METRICS_FILE, SAMPLES_FILE, TRACKING_FILE
 
 log = logging.getLogger(__name__)
@@ -152,7 +153,18 @@ def check_resume(checkpoint: Path, run: RunRecord, resume: str, max_steps: int) 
                           f"or {_start_elsewhere(resume)}.")
     if saved is None:
         return []
-    return _changes(saved.settings, run.settings) + _changes(saved.fingerprint, run.fingerprint)
+    return (_changes(_as_rerun(saved.settings, run.settings), run.settings)
+            + _changes(_as_rerun(saved.fingerprint, run.fingerprint), run.fingerprint))
+
+
+def _as_rerun(old: Mapping[str, Any], new: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`old` without its record of what the Python API passed (`config.inputs`) when `new`
+    has none: a rerun of a Python run from its config.yaml, whose data and reward functions
+    are compared under their config keys."""
+    prefix = f"{INPUTS_SECTION}."
+    if any(k.startswith(prefix) for k in new):
+        return old
+    return {k: v for k, v in old.items() if not k.startswith(prefix)}
 
 
 def claim_run_dir(run_dir: str | Path, resume_from: Path | None, resume: str, overwrite: bool) -> None:

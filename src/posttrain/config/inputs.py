@@ -60,7 +60,8 @@ def recorded_config(config: Mapping[str, Any], inputs: Mapping[str, Any] | None)
     out["data"] = data
     if inputs.get("reward_funcs"):
         out["reward"] = {**out["reward"], "functions": [
-            r["spec"] if r.get("spec") is not None else r["callable"] for r in inputs["reward_funcs"]]}
+            _plain(r["spec"]) if r.get("spec") is not None else r["callable"]  # a copy: no YAML alias
+            for r in inputs["reward_funcs"]]}
     out[SECTION] = inputs
     return out
 
