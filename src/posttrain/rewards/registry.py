@@ -36,7 +36,7 @@ from typing import Any
 
 from posttrain.rewards.builtin import BUILTIN_REWARDS, REWARD_FACTORIES
 
-__all__ = ["describe_reward", "load_object", "pickle_file_modules_by_value", "resolve_reward"]
+__all__ = ["describe_object", "describe_reward", "load_object", "pickle_file_modules_by_value", "resolve_reward"]
 
 RewardFn = Callable[..., Any]
 
@@ -109,33 +109,42 @@ def describe_reward(spec: str | Mapping[str, Any] | RewardFn) -> dict[str, Any]:
     can (a lambda, a closure, a callable object, a function of the script run as __main__)."""
     if isinstance(spec, (str, Mapping)):
         return {"name": spec if isinstance(spec, str) else spec.get("name"), "spec": spec}
-    target = spec.func if isinstance(spec, functools.partial) else spec
+    return {"name": resolve_reward(spec)[0], **describe_object(spec, BUILTIN_REWARDS)}
+
+
+def describe_object(obj: Any, builtins: Mapping[str, Any]) -> dict[str, Any]:
+    """{"callable": "module:qualname", "file": its source file or None, "spec": the name in
+    `builtins`, its `reward_spec`, or the `module:name` / `file.py:name` that `load_object`
+    loads it from again; None when none does}: how config.yaml records a function or class
+    (a reward function, an environment, a tool) that the Python API was given."""
+    target = obj.func if isinstance(obj, functools.partial) else obj
     module = getattr(target, "__module__", None) or type(target).__module__
     qualname = getattr(target, "__qualname__", None) or f"{type(target).__qualname__} instance"
     try:
-        file = inspect.getsourcefile(target if inspect.isroutine(target) else type(target))
+        file = inspect.getsourcefile(target if inspect.isroutine(target) or inspect.isclass(target) else type(target))
     except TypeError:
         file = None
-    return {"name": resolve_reward(spec)[0], "callable": f"{module}:{qualname}",
-            "file": str(Path(file).resolve()) if file else None, "spec": _spec_of(spec, module, qualname, file)}
+    return {"callable": f"{module}:{qualname}", "file": str(Path(file).resolve()) if file else None,
+            "spec": _spec_of(obj, builtins, module, qualname, file)}
 
 
-def _spec_of(fn: RewardFn, module: str, qualname: str, file: str | None) -> Any:
-    """The reward.functions entry that loads `fn` again, or None."""
-    recorded = getattr(fn, "reward_spec", None)
+def _spec_of(obj: Any, builtins: Mapping[str, Any], module: str, qualname: str, file: str | None) -> Any:
+    """The config entry that loads `obj` again, or None."""
+    recorded = getattr(obj, "reward_spec", None)
     if recorded is not None:
         return recorded
-    builtin = [name for name, obj in BUILTIN_REWARDS.items() if obj is fn]
+    builtin = [name for name, known in builtins.items() if known is obj]
     if builtin:
         return builtin[0]
-    if not inspect.isfunction(fn) or "." in qualname or "<" in qualname or module == "__main__":
+    top_level = (inspect.isfunction(obj) or inspect.isclass(obj)) and "." not in qualname and "<" not in qualname
+    if not top_level or module == "__main__":
         return None
     target = f"{file}:{qualname}" if module in FILE_MODULES and file else f"{module}:{qualname}"
     try:
         found = load_object(target)
     except (ValueError, ImportError):
         return None
-    return target if found is fn else None
+    return target if found is obj else None
 
 
 def load_object(path: str) -> Any:

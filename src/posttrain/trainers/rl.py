@@ -167,7 +167,8 @@ class RLTrainer:
             args, model, train_dataset, eval_dataset, processing_class,
             checks=lambda: check_reward_source(args, reward_funcs, episodes=env_factory is not None),
         )
-        self.inputs = python_inputs(train_dataset, eval_dataset, reward_funcs)  # recorded in config.yaml
+        self.inputs = python_inputs(train_dataset, eval_dataset, reward_funcs, environment_factory,
+                                    tools)  # recorded in config.yaml
         self.examples, self.data_stats = load_prompts(train_source, self.tokenizer, args.data)
         self.eval_examples = None
         if eval_source is not None:

@@ -49,10 +49,14 @@ def prepare_run(
     return train_source, eval_source, tokenizer
 
 
-def python_inputs(train_dataset: Any, eval_dataset: Any, reward_funcs: Any = None) -> dict[str, Any] | None:
-    """What the Python API passed in place of data.train_files, data.eval_files and
-    reward.functions, as config.yaml records it (`posttrain.config.inputs`); None when nothing."""
-    record: dict[str, Any] = {}
+def python_inputs(train_dataset: Any, eval_dataset: Any, reward_funcs: Any = None, environment_factory: Any = None,
+                  tools: Any = None) -> dict[str, Any] | None:
+    """What the Python API passed in place of data.train_files, data.eval_files,
+    reward.functions, rollout.env and rollout.tools, as config.yaml records it
+    (`posttrain.config.inputs`); None when nothing."""
+    from posttrain.envs.registry import describe_episodes
+
+    record: dict[str, Any] = describe_episodes(environment_factory, tools)
     if train_dataset is not None:
         record["train_dataset"] = describe_source(train_dataset)
     if eval_dataset is not None:
