@@ -65,7 +65,9 @@ def test_eval_with_a_reward_file_and_a_threshold(model_dir, test_file, tmp_path,
     base = ["eval", str(model_dir), "--data", str(test_file), "--reward", f"{rewards}:half",
             "--max-new-tokens", "2", "--num-examples", "2"]
     assert main([*base, "--out", str(tmp_path / "a")]) == 0
+    assert "note: no reward function here (half) declares a correctness notion" in capsys.readouterr().err
     assert main([*base, "--out", str(tmp_path / "b"), "--correct-threshold", "0.5"]) == 0
+    assert "correctness notion" not in capsys.readouterr().err  # the user said what correct means
     a = json.loads((tmp_path / "a" / "eval.json").read_text())["metrics"]
     b = json.loads((tmp_path / "b" / "eval.json").read_text())["metrics"]
     assert a["num_samples"] == 2 and a["reward/half/mean"] == 0.5

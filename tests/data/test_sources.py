@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from posttrain.data.formats import DataFormatError
-from posttrain.data.sources import Rows, load_and_validate, load_rows
+from posttrain.data.sources import Rows, describe_source, load_and_validate, load_rows, rows_sha256
 
 # Awkward on purpose: a numeric-looking completion, a comma, a quote, newlines, non-ASCII
 # (U+2028 is a line break to str.splitlines, not to JSON Lines).
@@ -49,6 +49,19 @@ def test_every_file_kind_loads_the_same_rows(tmp_path, kind):
     rows = load_rows(path)
     assert rows == ROWS
     assert isinstance(rows[0]["completion"], str) and isinstance(rows[0]["answer"], int)
+
+
+def test_describe_source_names_files_or_the_type_and_fingerprints_the_rows(tmp_path):
+    """What config.yaml records of a dataset passed from Python: the same rows give the same
+    sha256 from a list, a datasets.Dataset or a file; files are listed by absolute path."""
+    path = _write(tmp_path / "train.jsonl", ROWS, "jsonl")
+    digest = rows_sha256(ROWS)
+    assert describe_source(ROWS) == {"type": "list", "rows": len(ROWS), "sha256": digest}
+    hf = describe_source(datasets.Dataset.from_list(ROWS))
+    assert hf["type"] == "datasets.Dataset" and hf["sha256"] == digest and hf["hf_fingerprint"]
+    assert describe_source(str(tmp_path / "*.jsonl")) == {"files": [str(path.resolve())], "rows": len(ROWS),
+                                                          "sha256": digest}
+    assert rows_sha256(ROWS[::-1]) != digest and rows_sha256([dict(reversed(ROWS[0].items()))]) == rows_sha256(ROWS[:1])
 
 
 def test_in_memory_sources_load_the_same_rows():

@@ -9,9 +9,10 @@ import math
 
 import pytest
 import torch
+import yaml
 
 from posttrain import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
-from posttrain.config import ConfigError, build_config
+from posttrain.config import ConfigError, build_config, to_dict
 from posttrain.data.collate import pad_id_of
 from posttrain.envs import ToolEnvironment, calculator, episode_factory
 from posttrain.rollout import MultiTurnLimits, SamplingParams, make_engine
@@ -127,6 +128,30 @@ def test_environment_rewards_combine_with_reward_functions_by_weight(taught, tok
     r = trainer.last_batch.rewards
     assert not r["env_reward"].isnan().any() and not r["exact_match"].isnan().any()
     torch.testing.assert_close(r["total"], r["env_reward"] + 0.5 * r["exact_match"])
+    # config.yaml records the Python API's environment_factory as the rollout.env that loads it again
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["rollout"]["env"] == f"{__name__}:Arithmetic"
+
+
+def test_a_python_api_environment_or_tool_that_cannot_be_loaded_by_name_stops_a_rerun(tmp_path):
+    """config.yaml of a run given a closure as a tool: a rerun from it names rollout.tools."""
+    from posttrain.config.core import save_config
+    from posttrain.config.inputs import recorded_config
+    from posttrain.trainers.setup import python_inputs
+
+    def lookup(query: str) -> str:
+        return query
+
+    inputs = python_inputs(None, None, environment_factory=Arithmetic, tools=["calculator", lookup])
+    saved = recorded_config(to_dict(GRPOConfig()), inputs)
+    assert saved["rollout"]["env"] == f"{__name__}:Arithmetic"
+    assert saved["rollout"]["tools"] == ["calculator", f"{__name__}:{lookup.__qualname__}"]
+    save_config(saved, tmp_path / "config.yaml")
+    with pytest.raises(ConfigError, match=r"rollout\.tools: .* with tools that cannot be loaded by name: "
+                       + f"{__name__}:test_a_python_api.*lookup"):
+        build_config(GRPOConfig, tmp_path / "config.yaml", ["reward.functions=[exact_match]"])
+    rerun = build_config(GRPOConfig, tmp_path / "config.yaml",
+                         ["reward.functions=[exact_match]", "rollout.tools=[calculator]"])
+    assert rerun.rollout.env == f"{__name__}:Arithmetic"
 
 
 def test_rollout_tools_in_the_config_make_a_tool_environment(taught, tok, tmp_path):

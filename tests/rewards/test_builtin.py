@@ -267,3 +267,38 @@ def test_every_builtin_is_registered():
         "reward_model",
         "env_reward",
     }
+
+
+def brevity(completions, **kwargs):
+    return [1.0 / (1 + len(c)) for c in completions]
+
+
+def test_describe_reward_gives_the_spec_that_loads_a_python_callable_again(tmp_path):
+    """How config.yaml records reward functions passed from Python (`describe_reward`): a
+    built-in by name, a factory's function with its options, a top-level function of an
+    importable module or of a file by module:function / file.py:function, and no spec for what
+    cannot be loaded by name (a lambda, a callable object)."""
+    from posttrain.rewards import format_reward, math_accuracy
+    from posttrain.rewards.registry import describe_reward, load_object, resolve_reward
+
+    assert describe_reward(math_accuracy)["spec"] == "math_accuracy"
+    assert describe_reward(format_reward(pattern="^a"))["spec"] == {"name": "format_reward", "pattern": "^a"}
+    assert describe_reward(format_reward())["spec"] == "format_reward"
+    assert describe_reward(resolve_reward({"name": "code_tests", "timeout_s": 2.0})[1])["spec"] == {
+        "name": "code_tests", "timeout_s": 2.0}
+    mine = describe_reward(brevity)
+    assert mine == {"name": "brevity", "callable": f"{__name__}:brevity", "file": __file__,
+                    "spec": f"{__name__}:brevity"}
+    path = tmp_path / "my_rewards.py"
+    path.write_text("def short(completions, **kw):\n    return [0.0] * len(completions)\n")
+    by_file = describe_reward(load_object(f"{path}:short"))
+    assert by_file["spec"] == f"{path}:short" and load_object(by_file["spec"]) is load_object(f"{path}:short")
+    assert describe_reward(lambda completions, **kw: [0.0])["spec"] is None
+    judge_like = describe_reward(RewardObject())
+    assert judge_like["spec"] is None and judge_like["callable"].endswith(":RewardObject instance")
+    assert describe_reward("exact_match") == {"name": "exact_match", "spec": "exact_match"}
+
+
+class RewardObject:
+    def __call__(self, completions, **kwargs):
+        return [0.0] * len(completions)

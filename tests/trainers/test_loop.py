@@ -11,6 +11,7 @@ import shutil
 
 import pytest
 import torch
+import yaml
 
 from posttrain import (
     DPOConfig,
@@ -25,6 +26,7 @@ from posttrain import (
     SFTTrainer,
 )
 from posttrain.config import ConfigError, LoraConfig, build_config
+from posttrain.data.sources import rows_sha256
 from posttrain.data.tokenizer import build_tokenizer
 from posttrain.models import BuiltinLM
 from posttrain.models.lora import apply_lora
@@ -172,6 +174,10 @@ def test_resume_continues_exactly(tok, tmp_path, command):
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-6)
     assert [m["step"] for m in metric_lines(cut)] == [1, 2, 3, 4]
+    # Every command's config.yaml records the rows the Python API gave it (`config.inputs`).
+    given = yaml.safe_load((cut / "config.yaml").read_text())["python_api"]["train_dataset"]
+    rows = {"sft": TEXTS, "rm": PAIRS, "dpo": PAIRS}.get(command, PROMPTS)
+    assert given == {"type": "list", "rows": len(rows), "sha256": rows_sha256(rows)}
 
 
 # ---------------------------------------------------------------------------- reference sync

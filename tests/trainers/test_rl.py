@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
@@ -62,6 +63,9 @@ def tiny_model(seed=0):
 
 def starts_with_a(prompts, completions, completion_ids, **columns):
     return [1.0 if ids and ids[0] == TARGET else 0.0 for ids in completion_ids]
+
+
+starts_with_a.is_correctness = True  # reward 1 is right: it defines `accuracy`
 
 
 PROMPTS = [{"prompt": " ".join(WORDS[(i * 7 + k) % 8] for k in range(1 + i % 4)), "answer": "a"} for i in range(64)]
@@ -188,19 +192,21 @@ def test_skipping_zero_advantage_rows_and_grouping_by_length_do_not_change_the_r
 ])
 def test_resume_continues_exactly(tmp_path, estimator, extra):
     overrides = {"trainer.max_steps": 4, "trainer.save_steps": 2, "trainer.learning_rate": 3e-3, **extra}
-    full = trainer_for(config(tmp_path / "full", estimator, **overrides))
-    full.train()
-    # An interrupted run: the same run with everything after the step-2 checkpoint lost.
-    run = tmp_path / "cut"
-    shutil.copytree(tmp_path / "full", run)
-    shutil.rmtree(run / "checkpoints" / "step-4")
-    shutil.rmtree(run / "final")
     scored = []
 
     def counting(prompts, completions, completion_ids, **columns):
         scored.append(len(completions))
         return starts_with_a(prompts, completions, completion_ids)
 
+    # The reward functions are the run's (config.yaml records each): both runs score with `counting`.
+    full = trainer_for(config(tmp_path / "full", estimator, **overrides), reward=counting)
+    full.train()
+    # An interrupted run: the same run with everything after the step-2 checkpoint lost.
+    run = tmp_path / "cut"
+    shutil.copytree(tmp_path / "full", run)
+    shutil.rmtree(run / "checkpoints" / "step-4")
+    shutil.rmtree(run / "final")
+    scored.clear()
     resumed = trainer_for(config(run, estimator, **overrides), reward=counting)
     resumed.train()
     assert len(scored) == 2  # only steps 3 and 4 ran
@@ -210,6 +216,67 @@ def test_resume_continues_exactly(tmp_path, estimator, extra):
     assert [m["step"] for m in metric_lines(run)] == [1, 2, 3, 4]
     assert metric_lines(run)[3]["reward/mean"] == metric_lines(tmp_path / "full")[3]["reward/mean"]
     assert metric_lines(run)[0]["kl"] == 0.0  # the policy is the reference before its first update
+
+
+def test_a_python_api_run_records_its_data_and_reward_functions_for_a_rerun(tmp_path):
+    """Seen: config.yaml of a run started from Python said data.train_files: [] and
+    reward.functions: [], so nothing could rerun it. Now it records what was passed; a rerun
+    from it reproduces what is loadable by name and names what is missing; a Python resume on
+    other rows is refused."""
+    from posttrain.data.sources import rows_sha256
+    from posttrain.rewards import format_reward
+
+    def local(prompts, completions, completion_ids, **columns):  # a closure: not loadable by name
+        return [0.0] * len(completions)
+
+    run = tmp_path / "run"
+    quick = {"trainer.max_steps": 1, "trainer.save_steps": 1, "data.train_batch_size": 2, "rollout.n": 4,
+             "actor.micro_batch_size": 8}
+    GRPOTrainer(tiny_model(), reward_funcs=[starts_with_a, format_reward(pattern="^a"), local],
+                args=config(run, **quick), train_dataset=PROMPTS, processing_class=word_tokenizer()).train()
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    here = starts_with_a.__module__
+    assert saved["reward"]["functions"] == [f"{here}:starts_with_a", {"name": "format_reward", "pattern": "^a"},
+                                            f"{here}:{local.__qualname__}"]
+    record = saved["python_api"]
+    assert record["train_dataset"] == {"type": "list", "rows": 64, "sha256": rows_sha256(PROMPTS)}
+    assert [r["spec"] for r in record["reward_funcs"]][2] is None and record["reward_funcs"][0]["file"] == __file__
+    assert saved["data"]["train_files"] == []
+    with pytest.raises(ConfigError, match=r"data\.train_files: .*config\.yaml is the config\.yaml of a run started "
+                       r"from Python with an in-memory train_dataset \(list of 64 rows, sha256 "
+                       + rows_sha256(PROMPTS)[:16]):
+        build_config(GRPOConfig, run / "config.yaml", [])
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(row) + "\n" for row in PROMPTS))
+    with pytest.raises(ConfigError, match=r"reward\.functions: .*cannot be loaded by name: " + here
+                       + r":test_a_python_api.*<locals>\.local \(in " + __file__):
+        build_config(GRPOConfig, run / "config.yaml", [f"data.train_files=[{train}]"])
+    mine = f"reward.functions=[{here}:starts_with_a,{{name: format_reward, pattern: ^a}},{here}:always_one]"
+    rerun = build_config(GRPOConfig, run / "config.yaml", [f"data.train_files=[{train}]", mine])
+    assert rerun.reward.functions[0] == f"{here}:starts_with_a" and rerun.data.train_files == [str(train)]
+    with pytest.raises(ConfigError, match=r"python_api\.train_dataset\.rows: 64 → 32"):  # before weights load
+        GRPOTrainer(tiny_model(), reward_funcs=[starts_with_a, format_reward(pattern="^a"), local],
+                    args=config(run, **{**quick, "trainer.max_steps": 2}), train_dataset=PROMPTS[:32],
+                    processing_class=word_tokenizer()).train()
+
+
+@pytest.mark.slow  # ~3 s: two runs of the built-in tiny model (the command line builds it from model.init)
+def test_a_python_api_run_whose_inputs_load_by_name_resumes_from_its_config_yaml(tmp_path, caplog):
+    """The rerun that reproduces: data from a file and a reward function importable by name,
+    so `posttrain grpo --config RUN_DIR/config.yaml` continues the run (same fingerprint)."""
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(row) + "\n" for row in PROMPTS[:8]))
+    run = tmp_path / "run"
+    cfg = config(run, **{"model.init": "tiny", "trainer.max_steps": 1, "trainer.save_steps": 1,
+                         "data.train_batch_size": 2, "rollout.n": 2, "actor.micro_batch_size": 4})
+    GRPOTrainer(args=cfg, reward_funcs=[starts_with_a], train_dataset=str(train)).train()
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["data"]["train_files"] == [str(train.resolve())]
+    assert saved["reward"]["functions"] == [f"{starts_with_a.__module__}:starts_with_a"]
+    with caplog.at_level("INFO", logger="posttrain.trainers.loop"):
+        assert main(["grpo", "--config", str(run / "config.yaml"), "trainer.max_steps=2"]) == 0
+    assert "resuming with changed settings: trainer.max_steps: 1 → 2\n" in caplog.text + "\n"
+    assert [m["step"] for m in metric_lines(run)] == [1, 2]
 
 
 def always_one(prompts, completions, completion_ids, **columns):
@@ -482,6 +549,26 @@ def test_rl_logs_its_setup_before_the_loop(tmp_path, caplog):
     first = caplog.messages[0]
     assert first == (f"RL (grpo): BuiltinLM, {n} parameters; 64 prompts, 1 steps of 8 x 8; "
                      "rollout engine native, on cpu, torch.float32"), caplog.messages
+
+
+def test_kl_coef_and_accuracy_are_logged_only_where_they_mean_something(tmp_path, caplog):
+    """Seen: `kl_coef` logged (and plotted) for a run without a KL term, and `accuracy` = "first
+    reward function >= 1" for any function. Now kl_coef only with a KL term, accuracy only from a
+    function that declares correctness, and the log says which."""
+    def length_reward(prompts, completions, completion_ids, **columns):  # no correctness notion
+        return [len(ids) / 3 for ids in completion_ids]
+
+    quick = {"trainer.max_steps": 1, "trainer.save_steps": 0, "data.train_batch_size": 2, "rollout.n": 4,
+             "actor.micro_batch_size": 8}
+    with caplog.at_level("INFO", logger="posttrain.trainers.rl"):
+        trainer_for(config(tmp_path / "plain", **quick), reward=length_reward).train()
+        trainer_for(config(tmp_path / "kl", **quick, **{"algorithm.kl.in_loss": "true",
+                                                        "algorithm.kl.coef": 0.04})).train()
+    (plain,), (kl,) = metric_lines(tmp_path / "plain"), metric_lines(tmp_path / "kl")
+    assert "kl_coef" not in plain and "accuracy" not in plain and plain["reward/mean"] > 0
+    assert kl["kl_coef"] == 0.04 and kl["accuracy"] in {k / 8 for k in range(9)}
+    assert "no accuracy metric: no reward function declares a correctness notion" in caplog.text
+    assert "accuracy: the fraction of samples that the reward function starts_with_a scores >= 1" in caplog.text
 
 
 class RecordingEngine(NativeEngine):

@@ -106,6 +106,26 @@ def test_both_kl_placements_warn(caplog):
     assert "penalised twice" in caplog.text
 
 
+def test_a_kl_coefficient_without_a_kl_term_is_refused_naming_the_switches(tmp_path):
+    """TRL's beta > 0 is a KL term in the loss; here the placement is its own switch, so a β set
+    with both placements off would do nothing: refused, before any model loads."""
+    with pytest.raises(ConfigError, match=r"algorithm\.kl\.coef: algorithm\.kl\.coef=0\.04 would do nothing: the "
+                       r"KL term is off\. .*algorithm\.kl\.in_loss=true \(what TRL's GRPOTrainer does for beta > 0"
+                       r".*algorithm\.kl\.in_reward=true"):
+        build("algorithm.kl.coef=0.04")
+    with pytest.raises(ConfigError, match=r"algorithm\.kl\.adaptive"):
+        build("algorithm.kl.adaptive=true")
+    with pytest.raises(ConfigError, match=r"algorithm\.kl\.coef=0\.04"):  # the grpo recipe with its KL term off
+        build_config(GRPOConfig, RECIPES / "grpo.yaml", ["algorithm.kl.in_loss=false"])
+    cfg = GRPOConfig()
+    cfg.algorithm.kl.coef = 0.2  # the Python API: refused when the trainer validates it
+    with pytest.raises(ConfigError, match=r"algorithm\.kl\.coef=0\.2 would do nothing"):
+        GRPOTrainer(args=cfg, reward_funcs=["task_reward"], train_dataset=[{"prompt": "1+1="}])
+    assert build("algorithm.kl.coef=0").algorithm.kl.enabled is False  # TRL's beta=0: no KL
+    assert build("algorithm.kl.coef=0.04", "algorithm.kl.in_loss=true").algorithm.kl.enabled
+    assert not GRPOConfig().algorithm.kl.enabled and not PPOConfig().algorithm.kl.enabled  # the defaults pass
+
+
 def test_errors_come_before_any_model_loads(tmp_path):
     cfg = GRPOConfig()
     cfg.model.path = str(tmp_path / "no-such-model")

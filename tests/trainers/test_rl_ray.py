@@ -104,6 +104,9 @@ def starts_with_a(prompts, completions, completion_ids, **columns):
     return [1.0 if ids and ids[0] == 3 else 0.0 for ids in completion_ids]
 
 
+starts_with_a.is_correctness = True  # reward 1 is right: it defines `accuracy`
+
+
 def grpo_config(run_dir, cls=GRPOConfig, **overrides):
     base = {"rollout.n": 4, "rollout.max_new_tokens": 4, "data.train_batch_size": 4, "actor.micro_batch_size": 4,
             "trainer.max_steps": 3, "trainer.learning_rate": 3e-2, "trainer.lr_scheduler": "constant",

@@ -28,6 +28,8 @@ from posttrain.checkpoint.files import (
     _unwrap,
 )
 from posttrain.config import ConfigError
+from posttrain.config.inputs import DESCRIBED_ONLY
+from posttrain.config.inputs import SECTION as INPUTS_SECTION
 from posttrain.logging.metrics import METRICS_FILE, SAMPLES_FILE, TRACKING_FILE
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,9 @@ RESUME_MAY_CHANGE = (
     "trainer.on_worker_failure", "trainer.max_restarts",
     # held-out evaluation reads the model, it never trains it
     "data.eval_files", "eval.*",
+    # how config.yaml describes what the Python API passed: where a function's file is, the
+    # type that held the rows (their count and sha256 are the run's data, and must match)
+    *DESCRIBED_ONLY,
 )
 """The settings a resumed run may change (`section.*` is a whole section). Every other
 setting of the command's config tree, the model, tokenizer, data, algorithm, loss, LoRA,
@@ -148,7 +153,18 @@ def check_resume(checkpoint: Path, run: RunRecord, resume: str, max_steps: int) 
                           f"or {_start_elsewhere(resume)}.")
     if saved is None:
         return []
-    return _changes(saved.settings, run.settings) + _changes(saved.fingerprint, run.fingerprint)
+    return (_changes(_as_rerun(saved.settings, run.settings), run.settings)
+            + _changes(_as_rerun(saved.fingerprint, run.fingerprint), run.fingerprint))
+
+
+def _as_rerun(old: Mapping[str, Any], new: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`old` without its record of what the Python API passed (`config.inputs`) when `new`
+    has none: a rerun of a Python run from its config.yaml, whose data and reward functions
+    are compared under their config keys."""
+    prefix = f"{INPUTS_SECTION}."
+    if any(k.startswith(prefix) for k in new):
+        return old
+    return {k: v for k, v in old.items() if not k.startswith(prefix)}
 
 
 def claim_run_dir(run_dir: str | Path, resume_from: Path | None, resume: str, overwrite: bool) -> None:

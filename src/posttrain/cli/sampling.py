@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import textwrap
 import unicodedata
 from pathlib import Path
@@ -56,7 +57,9 @@ def _add_eval_commands(sub: Any) -> None:
             --reward '{"name": "format_reward", "pattern": "^<answer>.*</answer>$"}'.
             Default: task_reward when the rows have a `task` column, else env_reward with --env/--tool
             (the environment's reward), else math_accuracy (needs `answer`).
-            A sample is correct when its total (weighted) reward >= --correct-threshold.
+            A sample is correct when its total (weighted) reward >= --correct-threshold (1.0 by default,
+            where a 0/1 verifier such as task_reward or math_accuracy says right; with only functions
+            that declare no correctness notion, e.g. reward_model, say what correct means with it).
             episodes: with --env SPEC and/or --tool SPEC every sample is a multi-turn episode; the report
             adds turns/mean, turns/max, tool_calls/mean, tool/errors, tool/timeouts, env/reward/mean.
 
@@ -73,7 +76,7 @@ def _add_eval_commands(sub: Any) -> None:
     ev.add_argument("--reward-weights", type=float, nargs="+", default=None, metavar="W",
                     help="one weight per reward function, in order (default all 1.0)")
     ev.add_argument("--task", default=None, metavar="NAME", help="score with this task's verifier (overrides the rows' `task`)")
-    ev.add_argument("--correct-threshold", type=float, default=1.0, metavar="X",
+    ev.add_argument("--correct-threshold", type=float, default=None, metavar="X",
                     help="a sample is correct when its total reward >= this (default 1.0)")
     ev.add_argument("--num-examples", type=int, default=None, metavar="N", help="evaluate only the first N rows (default all)")
     ev.add_argument("--batch-size", type=int, default=32, metavar="B", help="prompts per generation call (default 32)")
@@ -226,12 +229,13 @@ def _handle_eval(args: argparse.Namespace) -> int:
     runner = RewardRunner.from_specs(specs, weights=args.reward_weights, timeout_s=args.reward_timeout)
     environment, limits = _episodes(args)
     rows = rows[: args.num_examples] if args.num_examples else rows
+    threshold = _correct_threshold(args.correct_threshold, runner, episodes=environment is not None)
     model, tokenizer = _load_model(args)
     kind, engine = _make_engine(args, model, tokenizer)
     report = evaluate(
         model, tokenizer, rows, runner, n=args.n, temperature=temperature, max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size, engine=engine, seed=args.seed, top_p=args.top_p,
-        correct_threshold=args.correct_threshold, progress=True, environment=environment, limits=limits,
+        correct_threshold=threshold, progress=True, environment=environment, limits=limits,
     )
     report.settings.update({"engine": kind, "model": args.model, "data": args.data, "reward_specs": specs})
     if environment is not None:
@@ -241,6 +245,19 @@ def _handle_eval(args: argparse.Namespace) -> int:
     print(report.table())
     print(f"{'replaced' if replaced else 'wrote'} {paths['eval']} and {paths['samples']} ({len(report.samples)} samples)")
     return 0
+
+
+def _correct_threshold(given: float | None, runner: Any, episodes: bool) -> float:
+    """--correct-threshold, 1.0 when not given; then, unless a reward function declares a
+    correctness notion (`is_correctness`) or episodes score with their environment's reward,
+    a note that accuracy and pass@k are a threshold on scores that define none."""
+    declared = any(getattr(fn, "is_correctness", False) for _, fn in runner.functions)
+    if given is None and not declared and not episodes:
+        print(f"note: no reward function here ({', '.join(runner.names)}) declares a correctness notion "
+              "(is_correctness, as task_reward, math_accuracy, exact_match and code_tests do): accuracy and pass@k "
+              "count samples whose total reward is >= 1.0; pass --correct-threshold X to say what correct means "
+              "for these scores", file=sys.stderr)
+    return 1.0 if given is None else given
 
 
 def _handle_generate(args: argparse.Namespace) -> int:

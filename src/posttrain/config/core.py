@@ -355,12 +355,19 @@ def build_config(
     Where a section allows only one of some keys (`one_of`, e.g. model.path and model.init),
     an override of one clears the others the file set: the later source wins. A shipped
     recipe's task settings (RECIPE_TASK_KEYS) give way to data.train_files on the command
-    line, with one log line (`give_way_to_own_data`)."""
+    line, with one log line (`give_way_to_own_data`).
+
+    The config.yaml of a run started from Python has a `python_api` section (what it was
+    given, `posttrain.config.inputs`): it is no setting; what it says the file lacks must
+    come from the overrides (`check_rerun`)."""
+    from posttrain.config.inputs import SECTION, check_rerun
+
     pairs, key = [parse_override(o) for o in overrides], "config"
-    data, dropped = {}, {}
+    data, dropped, record = {}, {}, None
     if config_file is not None:
         path = resolve_config_file(config_file)
         data = load_yaml(path)
+        record = data.pop(SECTION, None)
         if is_recipe(path):
             data, dropped = give_way_to_own_data(data, pairs)
     try:
@@ -376,6 +383,8 @@ def build_config(
     if dropped:
         _log_dropped(Path(config_file).stem, dropped, cfg)
     validate_tree(cfg)
+    if record:
+        check_rerun(record, cfg, str(config_file))
     return cfg
 
 
@@ -482,9 +491,9 @@ def _plain(x: Any) -> Any:
 
 
 def save_config(cfg: Any, path: str | Path) -> None:
-    """Write the resolved config as YAML (`RUN_DIR/config.yaml`)."""
+    """Write the resolved config (a config tree, or its `to_dict`) as YAML (`RUN_DIR/config.yaml`)."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    Path(path).write_text(yaml.safe_dump(cfg if isinstance(cfg, dict) else to_dict(cfg), sort_keys=False))
 
 
 def check(condition: bool, key: str, message: str) -> None:

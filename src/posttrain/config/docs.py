@@ -75,8 +75,16 @@ def render_config_docs() -> str:
         "Coming from TRL, veRL or OpenRLHF: [their names for these keys](#trl-verl-and-openrlhf-names).\n",
     ]
     parts += [_command(name, cls) for name, cls in COMMANDS.items()]
-    parts.append(render_alias_tables())
+    parts += [render_alias_tables(), _python_api()]
     return "\n".join(parts)
+
+
+def _python_api() -> str:
+    """The section on the `python_api` record of config.yaml (`posttrain.config.inputs`)."""
+    from posttrain.config import inputs
+
+    body = (inputs.__doc__ or "").split("\n\n", 1)[1].strip()  # the module doc past its title line
+    return f"## Runs started from Python\n\n{body}\n"
 
 
 def render_alias_tables() -> str:

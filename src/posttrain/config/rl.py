@@ -371,6 +371,9 @@ class RewardConfig:
               "must be >= 0 (it is subtracted)")
 
 
+KL_COEF_DEFAULT = 0.001
+
+
 @dataclass
 class KLConfig:
     """The KL(π ‖ π_ref) regulariser; the reference model is loaded only when one is on."""
@@ -384,7 +387,7 @@ class KLConfig:
         verl("actor_rollout_ref.actor.kl_loss_type", VERL_KL), verl("algorithm.kl_penalty", VERL_KL),
         trl("kl_estimator"), openrlhf("kl_estimator")))
     """Estimator (`posttrain.algos.kl_penalty`); null = k1 in the reward, k3 in the loss (the anchors' defaults)."""
-    coef: float = field(default=0.001, metadata=aliases(
+    coef: float = field(default=KL_COEF_DEFAULT, metadata=aliases(
         trl("beta", note="the KL term acts only with algorithm.kl.in_loss=true (TRL adds it to the loss when beta > 0)"),
         trl("kl_coef", note="the KL term acts only with algorithm.kl.in_reward=true (TRL's PPO and RLOO "
             "put it in the reward)"),
@@ -393,10 +396,12 @@ class KLConfig:
         verl("algorithm.kl_ctrl.kl_coef", note="acts with use_kl_in_reward=true, here algorithm.kl.in_reward=true"),
         openrlhf("init_kl_coef", note="in the reward (algorithm.kl.in_reward=true), or the loss with use_kl_loss "
                  "(algorithm.kl.in_loss=true)")))
-    """β (veRL's default 0.001)."""
+    """β (veRL's default 0.001). It acts only with in_loss or in_reward on: set apart from its
+    default with both off it is refused, as it would do nothing. TRL GRPO's `beta` > 0 is
+    in_loss=true with coef=beta; TRL's beta=0 (its default) is both off (coef unset or 0)."""
     adaptive: bool = field(default=False, metadata=aliases(
         verl("algorithm.kl_ctrl.type", {"fixed": False, "adaptive": True})))
-    """Adapt β towards `target` (Ziegler et al. 2019) instead of keeping it fixed."""
+    """Adapt β towards `target` (Ziegler et al. 2019) instead of keeping it fixed (needs a KL term)."""
     target: float = field(default=6.0, metadata=aliases(verl("algorithm.kl_ctrl.target_kl"), openrlhf("kl_target")))
     """Target KL of the adaptive controller."""
     horizon: int = field(default=10000, metadata=aliases(verl("algorithm.kl_ctrl.horizon"), openrlhf("kl_horizon")))
@@ -405,6 +410,14 @@ class KLConfig:
     def validate(self) -> None:
         check(self.coef >= 0, "algorithm.kl.coef", f"must be >= 0, got {self.coef}")
         check(self.target > 0 and self.horizon > 0, "algorithm.kl.target", "target and horizon must be > 0")
+        idle = [f"algorithm.kl.coef={self.coef:g}"] if self.coef not in (0.0, KL_COEF_DEFAULT) else []
+        idle += ["algorithm.kl.adaptive=true"] if self.adaptive else []
+        if idle and not self.enabled:
+            check(False, idle[0].partition("=")[0],
+                  f"{' and '.join(idle)} would do nothing: the KL term is off. Put it in the loss with "
+                  "algorithm.kl.in_loss=true (what TRL's GRPOTrainer does for beta > 0; veRL use_kl_loss) or "
+                  "in the reward with algorithm.kl.in_reward=true (veRL use_kl_in_reward, TRL's PPO); for no "
+                  "KL (TRL's beta=0), leave algorithm.kl.coef unset or 0 and adaptive false")
 
     @property
     def enabled(self) -> bool:

@@ -12,6 +12,8 @@ remembers where each row came from, so validation errors can say `train.jsonl:17
 
 ShareGPT rows (`conversations` of {"from", "value"}) come out as `messages` rows
 (`formats.chatml_row`), from files and datasets alike.
+`describe_source` says what a source was (its files, or its type; its rows and `rows_sha256`),
+for the config.yaml of a run given a dataset from Python.
 
 Nothing is dropped silently: a bad line, an empty file or a missing file is an error that
 names the file (and line). Only blank lines in JSON Lines are skipped.
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import glob
+import hashlib
 import json
 import logging
 import os
@@ -310,3 +313,29 @@ def validate_loaded(rows: Rows, format: str | None = None) -> tuple[Rows, str]:
         logger.info("%s: %d rows, detected format %r", rows.name, len(rows), format)
     validate_rows(rows, format, rows.name)
     return rows, format
+
+
+def rows_sha256(rows: Sequence[Mapping[str, Any]]) -> str:
+    """sha256 of the rows, one `json.dumps(row, sort_keys=True, ensure_ascii=False)` line each
+    (non-JSON values as `str`): the same rows give the same digest, wherever they came from."""
+    digest = hashlib.sha256()
+    for row in rows:
+        digest.update(json.dumps(row, sort_keys=True, ensure_ascii=False, default=str).encode() + b"\n")
+    return digest.hexdigest()
+
+
+def describe_source(source: Any) -> dict[str, Any]:
+    """What a dataset source is, as config.yaml records one passed from Python:
+    {"files": [absolute paths]} for files (globs expanded), else {"type": "list" |
+    "datasets.Dataset" | ..., "hf_fingerprint": datasets' own, when it has one}; plus "rows"
+    (how many) and "sha256" (`rows_sha256`). Loads the rows (`load_rows`)."""
+    rows = load_rows(source)
+    paths = [source] if isinstance(source, (str, os.PathLike)) else source
+    if isinstance(paths, (list, tuple)) and paths and all(isinstance(p, (str, os.PathLike)) for p in paths):
+        out: dict[str, Any] = {"files": [str(f.resolve()) for p in paths for f in _expand(p)]}
+    else:
+        kind = type(source)
+        out = {"type": kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__.split('.')[0]}.{kind.__name__}"}
+        if getattr(source, "_fingerprint", None):
+            out["hf_fingerprint"] = source._fingerprint
+    return {**out, "rows": len(rows), "sha256": rows_sha256(rows)}

@@ -24,6 +24,7 @@ from posttrain.envs.games import GuessNumber
 from posttrain.envs.task_envs import ArithmeticTools
 from posttrain.envs.tool_env import ToolEnvironment
 from posttrain.rewards import load_object
+from posttrain.rewards.registry import describe_object
 
 BUILTIN_ENVIRONMENTS: dict[str, Callable[[], Environment]] = {
     "arithmetic_tools": ArithmeticTools,
@@ -79,6 +80,18 @@ def episode_factory(
         return partial(ToolEnvironment, tools=fns)
     factory = resolve_environment(env)
     return partial(factory, tools=fns) if fns else factory
+
+
+def describe_episodes(environment: Any = None, tools: Sequence[Any] | None = None) -> dict[str, Any]:
+    """How config.yaml records the environment factory and tools the Python API was given
+    (`posttrain.rewards.registry.describe_object`: a spec that loads each again, or None)."""
+    record: dict[str, Any] = {}
+    if environment is not None:
+        record["environment_factory"] = ({"spec": environment} if isinstance(environment, str)
+                                         else describe_object(environment, BUILTIN_ENVIRONMENTS))
+    if tools is not None:
+        record["tools"] = [{"spec": t} if isinstance(t, str) else describe_object(t, BUILTIN_TOOLS) for t in tools]
+    return record
 
 
 def _load(spec: str, what: str) -> Any:

@@ -20,10 +20,22 @@ applicable to this sample" (see `posttrain.rewards.runner` for how it is combine
 
 A factory is called to get the function: `format_reward(pattern=...)`. The registry does
 that for you from a name or a `{"name": ..., **options}` dict.
+
+Correctness: math_accuracy, exact_match, task_reward and code_tests set `is_correctness =
+True` (1.0 means right; for code_tests, every test passed). The RL trainers' `accuracy` metric
+comes from the first function that declares it and is absent without one
+(`posttrain.workers.reward_worker`); a user's function declares it the same way:
+`my_reward.is_correctness = True`.
+
+Each factory's function carries `reward_spec`, the `reward.functions` entry that builds it
+again (`"format_reward"`, `{name: task_reward, task: arithmetic}`), so a run given it from
+Python records it in config.yaml (`posttrain.rewards.registry.describe_reward`).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import logging
 import os
@@ -64,6 +76,28 @@ _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _ANSWER_LINE = re.compile(r"answer\s*(?:is|:)\s*([^\n]+)", re.IGNORECASE)
 _THINK_END = "</think>"
 _MATHY = re.compile(r"[0-9\\]")
+
+
+def _plain(value: Any) -> bool:
+    """A value config.yaml can hold as it is."""
+    if isinstance(value, (list, tuple)):
+        return all(map(_plain, value))
+    return value is None or isinstance(value, (str, int, float, bool))
+
+
+def _records_spec(factory: Callable[..., Any]) -> Callable[..., Any]:
+    """Give the function `factory` makes a `reward_spec`: the factory's name, with the options
+    it was called with, when config.yaml can hold them (else none: it is then not loadable by name)."""
+
+    @functools.wraps(factory)
+    def make(*args: Any, **kwargs: Any) -> Any:
+        fn = factory(*args, **kwargs)
+        options = inspect.signature(factory).bind(*args, **kwargs).arguments
+        if all(map(_plain, options.values())):
+            fn.reward_spec = {"name": factory.__name__, **options} if options else factory.__name__
+        return fn
+
+    return make
 
 
 def completion_text(completion: Any) -> str:
@@ -134,6 +168,9 @@ def exact_match(completions: Sequence[Any], answer: Sequence[Any], **kwargs: Any
         pred = text if pred is None else pred
         out.append(float(normalize_answer(pred) == normalize_answer(str(gold))))
     return out
+
+
+exact_match.is_correctness = True
 
 
 def env_reward(completions: Sequence[Any], env_reward: Sequence[float | None], **kwargs: Any) -> Rewards:
@@ -212,6 +249,10 @@ def math_accuracy(completions: Sequence[Any], answer: Sequence[Any], **kwargs: A
     return out
 
 
+math_accuracy.is_correctness = True
+
+
+@_records_spec
 def format_reward(
     pattern: str = r"^<think>.*?</think>\s*<answer>.*?</answer>$",
 ) -> Callable[..., Rewards]:
@@ -227,6 +268,7 @@ def format_reward(
     return format_reward
 
 
+@_records_spec
 def overlong_penalty(max_len: int, buffer_len: int, penalty: float = 1.0) -> Callable[..., Rewards]:
     """Factory: DAPO's soft overlong punishment (Yu et al. 2025, eq. 13) on token lengths.
 
@@ -248,6 +290,7 @@ def overlong_penalty(max_len: int, buffer_len: int, penalty: float = 1.0) -> Cal
     return overlong_penalty
 
 
+@_records_spec
 def task_reward(task: str | None = None) -> Callable[..., Rewards]:
     """Factory: score each completion with its task's scorer (1.0 right, 0.0 wrong).
 
@@ -281,6 +324,7 @@ def task_reward(task: str | None = None) -> Callable[..., Rewards]:
             out.append(_scorer(name)(text, answer[i], prompt, row))
         return out
 
+    task_reward.is_correctness = True
     if task is None:
         task_reward.required_columns = {"task": "add it, or name the task: {name: task_reward, task: arithmetic}"}
     return task_reward
@@ -365,6 +409,9 @@ def code_tests(
 
     values, errors, _ = map_in_daemon_threads(one, range(len(completions)), _cpu_count())
     return [v if e is None else e for v, e in zip(values, errors)]
+
+
+code_tests.is_correctness = True
 
 
 def _cpu_count() -> int:

@@ -13,6 +13,11 @@ The name is the built-in's name or the function's `__name__` (for `module:functi
 function part); it keys the metrics (`reward/<name>/mean`). Options given with an import
 path mean the target is a factory: it is called with them and must return the function.
 Options given with a built-in that is a plain function set its keyword defaults.
+
+The other way round, `describe_reward(fn)` says how config.yaml records a function that the
+Python API was given: the spec that loads it again, when it has one (a built-in, a factory's
+function with its `reward_spec`, a top-level function of an importable module or of a file
+loaded by path), its `module:qualname` and its file.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from typing import Any
 from posttrain.rewards.builtin import BUILTIN_REWARDS, REWARD_FACTORIES
 from posttrain.user_code import user_code
 
-__all__ = ["load_object", "pickle_file_modules_by_value", "resolve_reward"]
+__all__ = ["describe_object", "describe_reward", "load_object", "pickle_file_modules_by_value", "resolve_reward"]
 
 RewardFn = Callable[..., Any]
 
@@ -93,7 +98,56 @@ def _bind_options(target: str, fn: RewardFn, options: dict[str, Any]) -> RewardF
         )
     bound = functools.partial(fn, **options)
     functools.update_wrapper(bound, fn)
+    bound.reward_spec = {"name": target, **options}  # type: ignore[attr-defined]
     return bound
+
+
+def describe_reward(spec: str | Mapping[str, Any] | RewardFn) -> dict[str, Any]:
+    """How config.yaml records a reward function passed to a trainer from Python:
+
+        {"name": ..., "callable": "module:qualname", "file": path or None, "spec": ...}
+
+    `spec` is what `reward.functions` can hold to load the same function again (a built-in
+    name or options dict, `module:function`, `path/file.py:function`), or None when nothing
+    can (a lambda, a closure, a callable object, a function of the script run as __main__)."""
+    if isinstance(spec, (str, Mapping)):
+        return {"name": spec if isinstance(spec, str) else spec.get("name"), "spec": spec}
+    return {"name": resolve_reward(spec)[0], **describe_object(spec, BUILTIN_REWARDS)}
+
+
+def describe_object(obj: Any, builtins: Mapping[str, Any]) -> dict[str, Any]:
+    """{"callable": "module:qualname", "file": its source file or None, "spec": the name in
+    `builtins`, its `reward_spec`, or the `module:name` / `file.py:name` that `load_object`
+    loads it from again; None when none does}: how config.yaml records a function or class
+    (a reward function, an environment, a tool) that the Python API was given."""
+    target = obj.func if isinstance(obj, functools.partial) else obj
+    module = getattr(target, "__module__", None) or type(target).__module__
+    qualname = getattr(target, "__qualname__", None) or f"{type(target).__qualname__} instance"
+    try:
+        file = inspect.getsourcefile(target if inspect.isroutine(target) or inspect.isclass(target) else type(target))
+    except TypeError:
+        file = None
+    return {"callable": f"{module}:{qualname}", "file": str(Path(file).resolve()) if file else None,
+            "spec": _spec_of(obj, builtins, module, qualname, file)}
+
+
+def _spec_of(obj: Any, builtins: Mapping[str, Any], module: str, qualname: str, file: str | None) -> Any:
+    """The config entry that loads `obj` again, or None."""
+    recorded = getattr(obj, "reward_spec", None)
+    if recorded is not None:
+        return recorded
+    builtin = [name for name, known in builtins.items() if known is obj]
+    if builtin:
+        return builtin[0]
+    top_level = (inspect.isfunction(obj) or inspect.isclass(obj)) and "." not in qualname and "<" not in qualname
+    if not top_level or module == "__main__":
+        return None
+    target = f"{file}:{qualname}" if module in FILE_MODULES and file else f"{module}:{qualname}"
+    try:
+        found = load_object(target)
+    except (ValueError, ImportError):
+        return None
+    return target if found is obj else None
 
 
 def load_object(path: str) -> Any:

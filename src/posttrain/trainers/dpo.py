@@ -64,7 +64,7 @@ from posttrain.trainers.batches import EpochBatches
 from posttrain.trainers.callbacks import Callbacks
 from posttrain.trainers.loop import FitResult, RefSync, fit
 from posttrain.trainers.reward import pairwise_eval
-from posttrain.trainers.setup import prepare_run, set_train_length
+from posttrain.trainers.setup import prepare_run, python_inputs, set_train_length
 from posttrain.training.core import autocast
 from posttrain.workers.reference import Reference
 
@@ -187,6 +187,7 @@ class DPOTrainer:
         train_source, eval_source, self.tokenizer = prepare_run(
             args, model, train_dataset, eval_dataset, processing_class, peft_config=peft_config
         )
+        self.inputs = python_inputs(train_dataset, eval_dataset)  # recorded in config.yaml
         _, self.train_examples, stats = prepare_pairs(train_source, self.tokenizer, args.data)
         set_train_length(args, len(self.train_examples))
         self.data_stats = {f"data/{k}": float(v) for k, v in stats.as_dict().items()}
@@ -276,7 +277,7 @@ class DPOTrainer:
             self.model, self.tokenizer, a, batches, self.loss_fn,
             evaluate=partial(DPOTrainer.evaluate, self) if has_eval else None,
             start_metrics=self.data_stats, desc="dpo", reference=self.reference,
-            ref_sync=RefSync(a.algorithm.ref_sync_steps, a.algorithm.ref_sync_alpha), unit="pairs",
+            ref_sync=RefSync(a.algorithm.ref_sync_steps, a.algorithm.ref_sync_alpha), unit="pairs", inputs=self.inputs,
             callbacks=self.callbacks,
         )
 

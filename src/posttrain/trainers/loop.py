@@ -63,6 +63,7 @@ from posttrain.checkpoint import (
     save_final,
 )
 from posttrain.config import ConfigError, TrainerConfig, save_config, to_dict
+from posttrain.config.inputs import recorded_config
 from posttrain.logging import MetricsLogger, Progress, get_logger
 from posttrain.models.lora import is_peft, merged_for_export
 from posttrain.trainers.callbacks import Callbacks
@@ -121,6 +122,8 @@ class Task(Protocol):
     has_eval: bool
     reference: Any
     """A `workers.Reference` when the task has one (for `ref_sync_steps`), else None."""
+    inputs: dict[str, Any] | None
+    """What the Python API passed in place of config keys (`config.inputs`), for config.yaml."""
 
     @property
     def model(self) -> torch.nn.Module: ...
@@ -194,9 +197,9 @@ def run(task: Task, config: Any, ref_sync: RefSync | None = None, callbacks: Cal
     collective = getattr(task, "collective", None)
     main = getattr(task, "is_main", True)
     ref_sync.check(task.reference, getattr(task, "sharded", False))
-    config_dict = to_dict(config)
+    config_dict = recorded_config(to_dict(config), getattr(task, "inputs", None))  # what Python passed, too
     record = RunRecord.of(config.command, config_dict, task.model)
-    step, last_ckpt = _start(task, config, record, main, collective)
+    step, last_ckpt = _start(task, config, config_dict, record, main, collective)
     sink = MetricsLogger(run_dir, cfg.report_to, config_dict) if main else _NoSink()
     sink.truncate_after(step)
     guard = BadStepGuard(cfg.max_bad_steps)
@@ -246,19 +249,19 @@ def run(task: Task, config: Any, ref_sync: RefSync | None = None, callbacks: Cal
     return FitResult(run_dir, final_dir, step, metrics)
 
 
-def _start(task: Task, config: Any, record: RunRecord, main: bool = True,
+def _start(task: Task, config: Any, config_dict: dict[str, Any], record: RunRecord, main: bool = True,
            collective: Any = None) -> tuple[int, Path | None]:
     """The resume step, before anything is written: find the checkpoint `trainer.resume`
     asks for and check that it is one of this run (before any weights load), make the run
-    directory this run's, write config.yaml (rank 0 of data-parallel ranks; the others
-    wait for it), then restore. Returns (step, checkpoint or None)."""
+    directory this run's, write config.yaml (`config_dict`: rank 0 of data-parallel ranks;
+    the others wait for it), then restore. Returns (step, checkpoint or None)."""
     cfg: TrainerConfig = config.trainer
     run_dir = Path(cfg.output_dir)
     resume_from = resolve_resume(run_dir, cfg.resume)
     changed = check_resume(resume_from, record, cfg.resume, cfg.max_steps) if resume_from is not None else []
     if main:
         claim_run_dir(run_dir, resume_from, cfg.resume, cfg.overwrite)
-        save_config(config, run_dir / "config.yaml")
+        save_config(config_dict, run_dir / "config.yaml")
     if collective is not None:
         collective.barrier()
     if resume_from is None:
@@ -340,8 +343,10 @@ class OptimizerTask:
         desc: str = "train",
         reference: Any = None,
         unit: str = "tokens",
+        inputs: dict[str, Any] | None = None,
     ):
         self._model, self.tokenizer, self.cfg = model, tokenizer, cfg
+        self.inputs = inputs
         self.unit = unit  # what the loss's n_units count: the metric n_<unit>
         self.batches, self.loss_fn, self._evaluate = batches, loss_fn, evaluate
         self.start_metrics = dict(start_metrics or {})
@@ -461,11 +466,12 @@ def fit(
     ref_sync: RefSync | None = None,
     unit: str = "tokens",
     callbacks: Callbacks | None = None,
+    inputs: dict[str, Any] | None = None,
 ) -> FitResult:
     """`run` an `OptimizerTask` (see both); `config` is the command's config tree; `unit`
-    names what loss_fn's n_units count."""
+    names what loss_fn's n_units count; `inputs`: what the Python API passed (`config.inputs`)."""
     task = OptimizerTask(model, tokenizer, config.trainer, batches, loss_fn, evaluate, start_metrics, desc, reference,
-                         unit)
+                         unit, inputs)
     return run(task, config, ref_sync, callbacks)
 
 

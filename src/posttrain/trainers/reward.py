@@ -56,7 +56,7 @@ from posttrain.models.lora import apply_lora, parameter_counts
 from posttrain.trainers.batches import EpochBatches
 from posttrain.trainers.callbacks import Callbacks
 from posttrain.trainers.loop import FitResult, fit
-from posttrain.trainers.setup import prepare_run, set_train_length
+from posttrain.trainers.setup import prepare_run, python_inputs, set_train_length
 from posttrain.training.core import LossFn, merge_metrics
 
 log = get_logger(__name__)
@@ -152,6 +152,7 @@ class RewardTrainer:
         train_source, eval_source, self.tokenizer = prepare_run(
             args, model, train_dataset, eval_dataset, processing_class, peft_config=peft_config, classifier=True
         )
+        self.inputs = python_inputs(train_dataset, eval_dataset)  # recorded in config.yaml
         _, self.train_examples, stats = prepare_pairs(train_source, self.tokenizer, args.data)
         set_train_length(args, len(self.train_examples))
         self.data_stats = {f"data/{k}": float(v) for k, v in stats.as_dict().items()}
@@ -197,7 +198,7 @@ class RewardTrainer:
         evaluate: Callable | None = partial(RewardTrainer.evaluate, self) if self.eval_examples else None
         return fit(
             self.model, self.tokenizer, a, batches, self.loss_fn, evaluate=evaluate,
-            start_metrics=self.data_stats, desc="rm", unit="pairs", callbacks=self.callbacks,
+            start_metrics=self.data_stats, desc="rm", unit="pairs", callbacks=self.callbacks, inputs=self.inputs,
         )
 
 

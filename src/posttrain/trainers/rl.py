@@ -71,8 +71,10 @@ Departures from the papers, TRL and veRL, and why:
   TRL needs vLLM for this; here every engine runs it (`posttrain.envs`): native and hf token
   by token, vllm turn by turn (`rollout.episodes.run_turn_episodes`).
 - Every RL metric is written every step: stages that did not run log their neutral
-  value (`rl_steps.NOT_RUN`, timing 0), never NaN. `accuracy` is the fraction of
-  samples whose first reward function gives ≥ 1 (`workers/reward_worker.py`).
+  value (`rl_steps.NOT_RUN`, timing 0), never NaN. Two are logged only where they mean
+  something: `accuracy`, the fraction of samples that the first reward function declaring a
+  correctness notion scores ≥ 1 (`workers/reward_worker.py`; the run's first log lines name
+  it), and `kl_coef`, only with a KL term.
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ from posttrain.trainers.rl_steps import (
     mask_truncated,
     step_seed,
 )
-from posttrain.trainers.setup import prepare_run, set_train_length
+from posttrain.trainers.setup import prepare_run, python_inputs, set_train_length
 from posttrain.workers import Reward, RLBatch
 
 log = get_logger(__name__)
@@ -176,6 +178,8 @@ class RLTrainer:
             checks=lambda: check_reward_source(args, reward_funcs, episodes=env_factory is not None),
             peft_config=peft_config,
         )
+        self.inputs = python_inputs(train_dataset, eval_dataset, reward_funcs, environment_factory,
+                                    tools)  # recorded in config.yaml
         self.examples, self.data_stats = load_prompts(train_source, self.tokenizer, args.data)
         set_train_length(args, len(self.examples))
         self.eval_examples = None
@@ -216,6 +220,7 @@ class RLTrainer:
         """Run the RL loop (`trainers/loop.run`): trainer.max_steps steps of `rl_step`; on Ray, a
         worker death stops the run or restarts its workers (`rl_faults.run_restarting`)."""
         log.info("%s", self.setup_line())
+        log.info("%s", self.accuracy_line())
         try:
             if self.args.trainer.backend == "ray":  # a worker death stops or restarts the run
                 from posttrain.trainers.rl_faults import run_restarting
@@ -239,14 +244,22 @@ class RLTrainer:
                 f"{a.trainer.max_steps} steps of {a.data.train_batch_size} x {a.rollout.n}; rollout engine "
                 f"{self.roles.rollout.engine.kind}, on {params[0].device}, {params[0].dtype}")
 
+    def accuracy_line(self) -> str:
+        """Where `accuracy` comes from (`workers.reward_worker`), or why there is none."""
+        source = self.roles.reward.accuracy_from
+        if source is None:
+            return ("no accuracy metric: no reward function declares a correctness notion (is_correctness = True, "
+                    "as math_accuracy, exact_match, task_reward and code_tests do)")
+        return f"accuracy: the fraction of samples that the reward function {source} scores >= 1"
+
     def step(self, step: int) -> StepOutput:
         self.at_step = step
         metrics, self.last_batch = rl_step(self, step)
         if self.worker_restarts is not None:
             metrics["worker_restarts"] = float(self.worker_restarts)
         nonfinite = metrics.get("actor/nonfinite_steps", 0.0) + metrics.get("critic/nonfinite_steps", 0.0) > 0
-        return StepOutput(metrics, nonfinite, progress={
-            "reward": metrics["reward/mean"], "acc": metrics["accuracy"], "kl": metrics["kl"]})
+        shown = {"reward": metrics["reward/mean"], "acc": metrics.get("accuracy"), "kl": metrics["kl"]}
+        return StepOutput(metrics, nonfinite, progress={k: v for k, v in shown.items() if v is not None})
 
     # ------------------------------------------------------------------ one step's stages
 
@@ -416,8 +429,9 @@ def rl_step(trainer: RLTrainer, step: int) -> tuple[dict[str, float], RLBatch]:
            **actor_metrics}
     trainer.kl_ctrl.update(out["kl"], len(batch))
     elapsed = time.perf_counter() - started
+    if kl.enabled:  # β only acts through a KL term (`config.rl.KLConfig`)
+        out["kl_coef"] = beta
     out.update(timer.metrics(), **{
-        "kl_coef": beta,
         "lr": actor_metrics.get("lr", r.actor.lr),
         "timing/step": elapsed,
         "throughput/tokens_per_s": batch.num_tokens() / max(elapsed, 1e-9),

@@ -262,11 +262,11 @@ def _evaluate_with_rewards(trainer: Any, examples: list[dict], max_new: int, ste
     if not parts:
         raise ConfigError("data.eval_files: no eval prompts")
     scores = torch.cat([p.rewards["total"] for p in parts])
-    correct = torch.cat([p.rewards["correct"] for p in parts])
     lengths = torch.cat([p.lengths for p in parts]).float()
-    metrics = {"reward/mean": float(scores.mean()), "accuracy": float(correct.mean()),
-               "response_length/mean": float(lengths.mean()),
+    metrics = {"reward/mean": float(scores.mean()), "response_length/mean": float(lengths.mean()),
                "truncation_rate": float(torch.cat([p.truncated for p in parts]).float().mean())}
+    if roles.reward.accuracy_from is not None:  # only a declared correctness notion gives accuracy
+        metrics["accuracy"] = float(torch.cat([p.rewards["correct"] for p in parts]).mean())
     samples = [{"prompt": p.prompts[j], "completion": p.completions[j], "score": float(p.rewards["total"][j])}
                for p in parts for j in range(len(p))]
     return metrics, samples

@@ -85,7 +85,8 @@ def collect_rollouts(
 
 
 def generation_metrics(batches: list[RLBatch], reward_metrics: list[dict[str, float]], n: int) -> dict[str, float]:
-    """Rewards, accuracy, lengths and truncation over every generated row of the step; the
+    """Rewards, accuracy (when a function declares correctness), lengths and truncation over
+    every generated row of the step; the
     reward functions' error and NaN counts are summed over the rounds, out of `reward/samples`."""
     b = RLBatch.concat(batches)
     merged = merge_metrics([(len(x), m) for x, m in zip(batches, reward_metrics)])
@@ -97,13 +98,14 @@ def generation_metrics(batches: list[RLBatch], reward_metrics: list[dict[str, fl
         "reward/samples": float(len(b)),
         "reward/mean": float(total.mean()),
         "reward/std": float(total.std()) if len(total) > 1 else 0.0,
-        "accuracy": float(b.rewards["correct"].mean()),
         "score/mean": float(b.scores.mean()),
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
         "truncation_rate": float(b.truncated.float().mean()),
         "zero_std_group_frac": float((~filter_groups(b.scores, n)).float().mean()) if n > 1 else 0.0,
     })
+    if "correct" in b.rewards:  # a function declares correctness (`Reward.accuracy_from`)
+        merged["accuracy"] = float(b.rewards["correct"].mean())
     for name, values in b.rewards.items():
         if name not in ("total", "correct"):
             valid = values[~values.isnan()]

@@ -9,11 +9,13 @@ import torch
 
 from posttrain.config.core import ConfigError, check, validate_tree
 from posttrain.config.sections import TrainerConfig
+from posttrain.data.sources import describe_source
 from posttrain.distributed import init_from_env
 from posttrain.distributed.env import refuse_launch_of_several
 from posttrain.models.factory import load_tokenizer
 from posttrain.models.llama_checkpoint import read_config_json
 from posttrain.models.lora import is_peft, lora_from_peft
+from posttrain.rewards.registry import describe_reward
 from posttrain.training.core import set_seed
 
 RL_SCALE_OUT = ("launch it once, without torchrun; RL runs data-parallel on Ray workers: "
@@ -91,3 +93,20 @@ def set_train_length(args: Any, examples: int) -> int:
     if hasattr(args, "check_length"):
         args.check_length()
     return steps
+
+
+def python_inputs(train_dataset: Any, eval_dataset: Any, reward_funcs: Any = None, environment_factory: Any = None,
+                  tools: Any = None) -> dict[str, Any] | None:
+    """What the Python API passed in place of data.train_files, data.eval_files,
+    reward.functions, rollout.env and rollout.tools, as config.yaml records it
+    (`posttrain.config.inputs`); None when nothing."""
+    from posttrain.envs.registry import describe_episodes
+
+    record: dict[str, Any] = describe_episodes(environment_factory, tools)
+    if train_dataset is not None:
+        record["train_dataset"] = describe_source(train_dataset)
+    if eval_dataset is not None:
+        record["eval_dataset"] = describe_source(eval_dataset)
+    if reward_funcs:
+        record["reward_funcs"] = [describe_reward(fn) for fn in reward_funcs]
+    return record or None

@@ -40,7 +40,7 @@ from posttrain.models.lora import apply_lora, parameter_counts
 from posttrain.trainers.batches import EpochBatches
 from posttrain.trainers.callbacks import Callbacks
 from posttrain.trainers.loop import FitResult, fit
-from posttrain.trainers.setup import prepare_run, set_train_length
+from posttrain.trainers.setup import prepare_run, python_inputs, set_train_length
 
 log = get_logger(__name__)
 
@@ -91,6 +91,7 @@ class SFTTrainer:
         train_source, eval_source, self.tokenizer = prepare_run(
             args, model, train_dataset, eval_dataset, processing_class, peft_config=peft_config
         )
+        self.inputs = python_inputs(train_dataset, eval_dataset)  # recorded in config.yaml
         self.train_examples, self.data_stats = self._prepare(*self._load(train_source))
         set_train_length(args, len(self.train_examples))
         self.eval_examples, self.eval_rows = None, None
@@ -174,7 +175,7 @@ class SFTTrainer:
         return fit(
             self.model, self.tokenizer, a, batches, lm_loss,
             evaluate=partial(SFTTrainer.evaluate, self) if has_eval else None,
-            start_metrics=self.data_stats, desc="sft", callbacks=self.callbacks,
+            start_metrics=self.data_stats, desc="sft", callbacks=self.callbacks, inputs=self.inputs,
         )
 
 

@@ -18,9 +18,13 @@ penalty of the reward: token_rewards[t] −= β · KL_t (k1 by default). That se
 a separate call because in the driver's order (veRL's) the reward is computed before the
 log-prob passes; this is where veRL's `apply_kl_penalty` runs too.
 
-`accuracy`: a sample is correct when the FIRST reward function gives ≥ 1 (its raw value,
-before weights and shaping; TRL's accuracy rewards give 1 for right). With only a
-reward model that is its score ≥ 1.
+`accuracy`: only a reward function that declares a correctness notion (`is_correctness = True`:
+the built-ins math_accuracy, exact_match, task_reward and code_tests; a user's function may
+declare it too) defines one. A sample is correct when the first such function
+(`accuracy_from`) gives ≥ 1 (its raw value, before weights and shaping: 1 is right, and for
+code_tests every test passed). Without one (a reward model, a judge, a format or length
+reward) there is no `correct` term and no accuracy metric: a threshold on their scores would
+mean nothing.
 
 `check_step`: a reward function that failed on every sample of the first step, or of
 `max_bad_steps` steps in a row, stops the run (`posttrain.rewards.checks.RewardFailureGuard`).
@@ -47,6 +51,12 @@ def place_on_last_token(scores: torch.Tensor, lengths: torch.Tensor, width: int)
     return out
 
 
+def correctness_function(runner: RewardRunner) -> str | None:
+    """The name of the first reward function that declares a correctness notion
+    (`fn.is_correctness`), or None: the source of `accuracy`."""
+    return next((name for name, fn in runner.functions if getattr(fn, "is_correctness", False)), None)
+
+
 class Reward:
     """Scores a batch (veRL's reward manager + reward-model worker).
 
@@ -67,6 +77,7 @@ class Reward:
         max_bad_steps: int = 5,
     ):
         self.runner = runner
+        self.accuracy_from = correctness_function(runner)
         self.guard = RewardFailureGuard(runner, max_bad_steps)
         self.max_new_tokens = max_new_tokens
         self.overlong = (overlong_buffer, overlong_penalty)
@@ -94,16 +105,17 @@ class Reward:
         ), metrics
 
     def _reward_terms(self, batch: RLBatch) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        """Each function's values (NaN for None), their weighted `total`, `correct` (0/1)."""
+        """Each function's values (NaN for None), their weighted `total`, and `correct` (0/1)
+        when a function declares correctness (`accuracy_from`)."""
         ids = [row[: int(n)].tolist() for row, n in zip(batch.response_ids, batch.trajectory_lengths)]
         result = self.runner.score(batch.prompts, batch.completions, ids, batch.columns or {})
         terms = {
             name: torch.tensor([math.nan if v is None else float(v) for v in values])
             for name, values in result.per_function.items()
         }
-        first = next(iter(terms.values()))
         terms["total"] = result.total.float().cpu()
-        terms["correct"] = (torch.nan_to_num(first, nan=0.0) >= 1.0).float()
+        if self.accuracy_from is not None:
+            terms["correct"] = (torch.nan_to_num(terms[self.accuracy_from], nan=0.0) >= 1.0).float()
         return terms, dict(result.metrics)
 
     def check_step(self, step: int, metrics: Mapping[str, float]) -> None:
