@@ -65,13 +65,19 @@ class Run:
         return max((int(s.steps[-1]) for s in self.metrics.values() if len(s.steps)), default=None)
 
     @property
-    def kind(self) -> frozenset[str] | None:
-        """The top-level sections of config.yaml; None without a readable one."""
+    def config(self) -> dict[str, Any] | None:
+        """config.yaml as a tree; None without a readable one."""
         try:
             tree = yaml.safe_load(self.config_text) if self.config_text is not None else None
         except yaml.YAMLError:
             return None
-        return frozenset(tree) if isinstance(tree, dict) else None
+        return tree if isinstance(tree, dict) else None
+
+    @property
+    def kind(self) -> frozenset[str] | None:
+        """The top-level sections of config.yaml; None without a readable one."""
+        tree = self.config
+        return frozenset(tree) if tree is not None else None
 
 
 def stages(runs: list[Run]) -> list[list[Run]]:

@@ -108,6 +108,7 @@ from posttrain.trainers.rl_build import (
     evaluate_policy,
 )
 from posttrain.trainers.rl_ray import load_shards, write_shards
+from posttrain.trainers.rl_samples import train_samples
 from posttrain.trainers.rl_steps import (
     NOT_RUN,
     ROLLOUT_LOGPROB_TOL,
@@ -297,10 +298,13 @@ class RLTrainer:
         return batch.replace(old_logp=old), metrics
 
     def evaluate(self, step: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
-        """eval/* metrics; samples: the first eval samples, then the latest training batch's."""
+        """eval/* metrics and the first eval samples."""
         metrics, samples = evaluate_policy(self, step)
-        train = train_samples(self.last_batch) if self.last_batch is not None else []
-        return metrics, samples[:SAMPLES_PER_EVAL] + train
+        return metrics, samples[:SAMPLES_PER_EVAL]
+
+    def train_samples(self) -> list[dict[str, Any]]:
+        """The latest training batch's first rows, with their episodes (`rl_samples`)."""
+        return train_samples(self.last_batch, self.tokenizer) if self.last_batch is not None else []
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -443,16 +447,6 @@ def _prefixed(metrics: dict[str, float], prefix: str) -> dict[str, float]:
     """grad_norm, lr, … of the critic under critic/ (value_loss, a DESIGN.md name, and
     names already under a section stay as they are)."""
     return {k if k == "value_loss" or "/" in k else prefix + k: v for k, v in metrics.items()}
-
-
-def train_samples(batch: RLBatch, k: int = SAMPLES_PER_EVAL) -> list[dict[str, Any]]:
-    """The first k rows of a training batch, for samples.jsonl."""
-    adv = batch.advantages.sum(-1) / batch.response_mask.sum(-1).clamp_min(1)
-    return [
-        {"split": "train", "prompt": batch.prompts[i], "completion": batch.completions[i],
-         "score": float(batch.scores[i]), "advantage": float(adv[i])}
-        for i in range(min(k, len(batch)))
-    ]
 
 
 # ---------------------------------------------------------------------------- CLI entry points

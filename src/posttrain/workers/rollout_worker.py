@@ -13,6 +13,8 @@ episode (`posttrain.envs.play_episodes`), one trajectory per row:
     lengths         model tokens;  total_lengths: model + environment tokens
     completions     the trajectory's text; columns["env_reward"]: the episode's
                     environment reward (None where it gave none)
+    episodes        per row what reset() returned and each turn: its token bounds, text,
+                    tool calls with results, step reward (`episode_record`)
     meta["episode_metrics"]  turns/mean, turns/max, tool_calls/mean, tool/errors, …
 
 so log-probs (old, reference, current) are computed over the whole sequence and every
@@ -131,6 +133,21 @@ def episode_batch(batch: RLBatch, n: int, out: Episodes, env_rewards: torch.Tens
         total_lengths=out.total_lengths,
         truncated=out.truncated.clone(),
         completions=[as_completion(p, t) for p, t in zip(batch.prompts, out.texts)],
+        episodes=[episode_record(out, i) for i in range(len(out))],
         columns={**(batch.columns or {}), "env_reward": rewards},
         meta={**batch.meta, "n": n, "episode_metrics": metrics},
     )
+
+
+def episode_record(out: Episodes, row: int) -> dict[str, Any]:
+    """Row `row` of `out` as samples.jsonl shows it: `reset` (the text `env.reset` added to
+    the prompt, or None) and `turns`, one per model turn: `bounds` (start, model_end, end)
+    in response columns (`Episodes.turn_bounds`), `text` (the turn as the environment read
+    it), `reward` (the step's, or None), `calls` (tool calls with their results), `error`
+    (the step raised or timed out, else None), and the step's other counts."""
+    turns = []
+    for bounds, text, info in zip(out.turn_bounds[row], out.turn_texts[row], out.infos[row]):
+        rest = {k: v for k, v in info.items() if k not in ("reward", "calls", "env_error")}
+        turns.append({"bounds": list(bounds), "text": text, "reward": info.get("reward"),
+                      "calls": list(info.get("calls", [])), "error": info.get("env_error"), **rest})
+    return {"reset": out.resets[row] if out.resets else None, "turns": turns}
