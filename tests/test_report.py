@@ -117,6 +117,16 @@ def test_missing_files_are_notes_and_a_non_run_is_an_error(tmp_path):
         load_run(tmp_path / "nope", "x")
 
 
+def test_a_run_without_eval_data_says_why_it_has_no_samples(tmp_path):
+    run = tmp_path / "sft"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    (run / "config.yaml").write_text("data:\n  train_files: [t.jsonl]\n  eval_files: []\ntrainer:\n  max_steps: 1\n")
+    page = render_page([load_run(run, "sft")], [])
+    assert "No samples: this run had no eval data (data.eval_files is empty)" in page
+    assert "No samples logged" not in page
+
+
 def test_labels_and_default_output_dirs(tmp_path):
     a, b = tmp_path / "x" / "run", tmp_path / "y" / "run"
     assert run_labels([a, b]) == ["x/run", "y/run"]
