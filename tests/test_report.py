@@ -127,6 +127,18 @@ def test_a_run_without_eval_data_says_why_it_has_no_samples(tmp_path):
     assert "No samples logged" not in page
 
 
+def test_a_run_without_a_critic_shows_no_critic_metrics(tmp_path):
+    """Runs logged before GRPO left them out hold the critic's metrics as zeros: not shown."""
+    for name, estimator in (("grpo", "grpo"), ("ppo", "gae")):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "policy_loss": 0.1, "value_loss": 0.0,
+                                                       "critic/grad_norm": 0.0, "timing/values": 0.0}) + "\n")
+        (run / "config.yaml").write_text(f"algorithm:\n  adv_estimator: {estimator}\n")
+    assert list(load_run(tmp_path / "grpo", "grpo").metrics) == ["policy_loss"]
+    assert len(load_run(tmp_path / "ppo", "ppo").metrics) == 4
+
+
 def test_labels_and_default_output_dirs(tmp_path):
     a, b = tmp_path / "x" / "run", tmp_path / "y" / "run"
     assert run_labels([a, b]) == ["x/run", "y/run"]
