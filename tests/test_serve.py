@@ -260,6 +260,27 @@ def test_chat_logprobs_streamed_and_not_are_the_same(client, engine, model_dir):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.message.content
 
 
+def test_token_bytes_of_byte_level_and_sentencepiece_tokenizers():
+    """`bytes` of a logprobs entry: a byte-level token's bytes (half a character each for
+    "é"), a SentencePiece piece with ▁ as a space, its byte fallback's byte."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from posttrain.serve.logprobs import token_bytes
+
+    tok = build_tokenizer()
+    assert [token_bytes(tok, i) for i in tok("é", add_special_tokens=False)["input_ids"]] == [b"\xc3", b"\xa9"]
+    assert token_bytes(tok, tok.eos_token_id) == tok.eos_token.encode()
+    vocab = {"<unk>": 0, "</s>": 1, **{f"<0x{b:02X}>": 2 + b for b in range(256)}, "\u2581": 258, "a": 259, "\u2581a": 260}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[("\u2581", "a")], unk_token="<unk>", byte_fallback=True))
+    core.pre_tokenizer = pre_tokenizers.Metaspace()
+    core.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                      decoders.Strip(" ", 1, 0)])
+    sp = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="</s>", unk_token="<unk>")
+    ids = sp("a é", add_special_tokens=False)["input_ids"]
+    assert [token_bytes(sp, i) for i in ids] == [b" a", b" ", b"\xc3", b"\xa9"]  # the text " a é"
+
+
 def test_stream_is_server_sent_events_ending_with_done(server):
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     body = {"prompt": PROMPTS[3], "max_tokens": 8, "temperature": 0, "stream": True}
