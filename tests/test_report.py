@@ -127,6 +127,13 @@ def test_a_run_without_eval_data_says_why_it_has_no_samples(tmp_path):
     assert "No samples logged" not in page
 
 
+def test_samples_of_many_steps_are_thinned_evenly():
+    from posttrain.report.html import shown_steps
+
+    assert shown_steps([1, 2, 3], 5) == [1, 2, 3]
+    assert shown_steps(list(range(1, 101)), 4) == [1, 34, 67, 100]
+
+
 def test_a_run_without_a_critic_shows_no_critic_metrics(tmp_path):
     """Runs logged before GRPO left them out hold the critic's metrics as zeros: not shown."""
     for name, estimator in (("grpo", "grpo"), ("ppo", "gae")):

@@ -33,6 +33,7 @@ from posttrain.report.plots import EMA_MAX, EMA_MIN, EMA_SPAN, EVAL, SMOOTH_MIN_
 from posttrain.report.runs import Run
 
 MAX_SAMPLE_ROWS = 40  # per run and step
+MAX_SAMPLE_STEPS = 40  # per run: an RL run logs training samples at every logged step
 MAX_COMPARED_ROWS = 25  # per outcome in the before/after comparison
 SMOOTHING_NOTE = (
     f"Smoothing: a train curve of {SMOOTH_MIN_POINTS} or more points is drawn as TensorBoard's debiased "
@@ -328,7 +329,11 @@ def _samples(run: Run, open_last: bool, heading: bool) -> str:
     for row in run.samples:
         by_step.setdefault(row["step"], []).append(row)
     steps = sorted(by_step)
-    for step in reversed(steps):
+    shown = shown_steps(steps, MAX_SAMPLE_STEPS)
+    if len(shown) < len(steps):
+        parts.append(f'<p class="dim">Samples of {len(shown)} of the {len(steps)} steps that logged them, evenly '
+                     f"spaced (the first and the last included); samples.jsonl holds them all.</p>")
+    for step in reversed(shown):
         rows = by_step[step]
         columns = _columns(rows)
         head = "".join(f"<th>{text(c)}</th>" for c in columns)
@@ -346,6 +351,14 @@ def _samples(run: Run, open_last: bool, heading: bool) -> str:
             + f"<table><tr>{head}</tr>{body}</table>{more}</details>"
         )
     return "".join(parts)
+
+
+def shown_steps(steps: list[int], k: int) -> list[int]:
+    """At most k of the sorted `steps`, evenly spaced, the first and the last included."""
+    if len(steps) <= k:
+        return steps
+    picks = sorted({round(i * (len(steps) - 1) / (k - 1)) for i in range(k)})
+    return [steps[i] for i in picks]
 
 
 def _no_samples(run: Run) -> str:
