@@ -24,13 +24,15 @@ class Described(Arithmetic):
 
 
 def test_the_run_writes_episodes_with_authored_spans_and_the_trained_mask(taught, tok, tmp_path):
-    cfg = config(GRPOConfig, tmp_path, **{"rollout.n": 2, "trainer.max_steps": 2})
+    cfg = config(GRPOConfig, tmp_path, **{"rollout.n": 2, "trainer.max_steps": 2, "rollout.multi_turn.max_turns": 2,
+                                          "algorithm.mask_truncated_completions": True})
     trainer = GRPOTrainer(copy.deepcopy(taught), args=cfg, train_dataset=[{**r, "prompt": PROMPT[:-1]} for r in ROWS],
                           processing_class=tok, environment_factory=Described)
     trainer.train()
     lines = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1] * 4 + [2] * 4  # no eval data: the training rows of each step
     batch = trainer.last_batch
+    assert batch.truncated.any() and not batch.truncated.all()  # rows in and out of the loss
     for i, row in enumerate(lines[4:]):
         assert row["split"] == "train" and row["completion"] == batch.completions[i]
         assert "".join(s["text"] for s in row["spans"]) == row["completion"]
@@ -50,14 +52,19 @@ def test_the_run_writes_episodes_with_authored_spans_and_the_trained_mask(taught
                 assert call["name"] == "calculator" and call["result"] == str(eval(call["arguments"]))
         assert [s["text"] for s in tool_spans] == [f"<result>{c['result']}</result>" for c in calls][: len(tool_spans)]
         assert all(not s["trained"] for s in tool_spans)
-        assert all(s["trained"] for s in row["spans"] if s["author"] == "model")
+        truncated = bool(batch.truncated[i])  # the demo's third turn passes max_turns: out of the loss
+        assert all(s["trained"] != truncated for s in row["spans"] if s["author"] == "model")
         assert [t["text"] for t in ep["turns"]][0].endswith("</call>")
 
     assert any(c["arguments"] == "23*47" and c["result"] == "1081" for x in lines for t in x["episode"]["turns"]
                for c in t["calls"])
     html = render_page(load_runs([tmp_path]), plots=[])  # the page without drawing plots
     assert html.count('class="episode"') == 2  # one episode per logged step
-    assert 'class="span tool untrained"' in html and 'class="span model trained"' in html
+    for row in lines:  # every span in the table, marked by author and by whether it was trained on
+        for span in row["spans"]:
+            mark = "trained" if span["trained"] else "untrained"
+            tip = f"{span['author']}, tokens {span['tokens']}, " + ("trained" if span["trained"] else "not trained (mask 0)")
+            assert f'<span class="span {span["author"]} {mark}" title="{tip}">' in html
     assert "&lt;result&gt;1081&lt;/result&gt;" in html and "calculator(23*47)" in html
 
 
