@@ -7,9 +7,9 @@ import copy
 import json
 
 from posttrain import GRPOConfig, GRPOTrainer
+from posttrain.envs.samples import spans, token_authors
 from posttrain.report import load_runs
 from posttrain.report.html import render_page
-from posttrain.trainers.rl_samples import spans, token_authors
 
 from .conftest import PROMPT
 from .test_rl_on_episodes import ROWS, Arithmetic, config

@@ -33,6 +33,7 @@ from torch import nn
 
 from posttrain.data.collate import left_pad
 from posttrain.envs import Environment, play_episodes
+from posttrain.envs.samples import episode_record
 from posttrain.rollout import Episodes, MultiTurnLimits, RolloutEngine, SamplingParams
 from posttrain.workers.batch import RLBatch
 
@@ -138,16 +139,3 @@ def episode_batch(batch: RLBatch, n: int, out: Episodes, env_rewards: torch.Tens
         meta={**batch.meta, "n": n, "episode_metrics": metrics},
     )
 
-
-def episode_record(out: Episodes, row: int) -> dict[str, Any]:
-    """Row `row` of `out` as samples.jsonl shows it: `reset` (the text `env.reset` added to
-    the prompt, or None) and `turns`, one per model turn: `bounds` (start, model_end, end)
-    in response columns (`Episodes.turn_bounds`), `text` (the turn as the environment read
-    it), `reward` (the step's, or None), `calls` (tool calls with their results), `error`
-    (the step raised or timed out, else None), and the step's other counts."""
-    turns = []
-    for bounds, text, info in zip(out.turn_bounds[row], out.turn_texts[row], out.infos[row]):
-        rest = {k: v for k, v in info.items() if k not in ("reward", "calls", "env_error")}
-        turns.append({"bounds": list(bounds), "text": text, "reward": info.get("reward"),
-                      "calls": list(info.get("calls", [])), "error": info.get("env_error"), **rest})
-    return {"reset": out.resets[row] if out.resets else None, "turns": turns}
