@@ -117,6 +117,35 @@ def test_missing_files_are_notes_and_a_non_run_is_an_error(tmp_path):
         load_run(tmp_path / "nope", "x")
 
 
+def test_a_run_without_eval_data_says_why_it_has_no_samples(tmp_path):
+    run = tmp_path / "sft"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    (run / "config.yaml").write_text("data:\n  train_files: [t.jsonl]\n  eval_files: []\ntrainer:\n  max_steps: 1\n")
+    page = render_page([load_run(run, "sft")], [])
+    assert "No samples: this run had no eval data (data.eval_files is empty)" in page
+    assert "No samples logged" not in page
+
+
+def test_samples_of_many_steps_are_thinned_evenly():
+    from posttrain.report.html import shown_steps
+
+    assert shown_steps([1, 2, 3], 5) == [1, 2, 3]
+    assert shown_steps(list(range(1, 101)), 4) == [1, 34, 67, 100]
+
+
+def test_a_run_without_a_critic_shows_no_critic_metrics(tmp_path):
+    """Runs logged before GRPO left them out hold the critic's metrics as zeros: not shown."""
+    for name, estimator in (("grpo", "grpo"), ("ppo", "gae")):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "policy_loss": 0.1, "value_loss": 0.0,
+                                                       "critic/grad_norm": 0.0, "timing/values": 0.0}) + "\n")
+        (run / "config.yaml").write_text(f"algorithm:\n  adv_estimator: {estimator}\n")
+    assert list(load_run(tmp_path / "grpo", "grpo").metrics) == ["policy_loss"]
+    assert len(load_run(tmp_path / "ppo", "ppo").metrics) == 4
+
+
 def test_labels_and_default_output_dirs(tmp_path):
     a, b = tmp_path / "x" / "run", tmp_path / "y" / "run"
     assert run_labels([a, b]) == ["x/run", "y/run"]

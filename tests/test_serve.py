@@ -206,6 +206,81 @@ def test_chat_stream_concatenates_to_the_unstreamed_message(client):
         assert deltas[-1].finish_reason == choice.finish_reason
 
 
+def model_logprobs(model_dir, prompt_ids, completion_ids):
+    """log softmax(logits) of each completion token after the prompt, (T, V), from a forward of
+    the saved model itself (no engine, no server code)."""
+    model = BuiltinLM.from_pretrained(model_dir).eval()
+    ids = torch.tensor([list(prompt_ids) + list(completion_ids)])
+    with torch.no_grad():
+        logits = model(ids)[0, len(prompt_ids) - 1 : -1]
+    return torch.log_softmax(logits.float(), -1)
+
+
+def test_completion_logprobs_are_the_models_log_softmax(client, engine, model_dir):
+    """`logprobs: 3` (sampled at temperature 0.7): each token's log softmax of the model's
+    logits (temperature 1, as vLLM's default), and the 3 most likely with the chosen one."""
+    reply = client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=6, temperature=0.7, seed=5,
+                                      logprobs=3)
+    tok = build_tokenizer()
+    lp = reply.choices[0].logprobs
+    ref = engine.generate([PROMPTS[1]], SamplingParams(temperature=0.7, seed=5, max_new_tokens=6))
+    ids = ref.response_ids[0].tolist()
+    assert lp.tokens == [tok.decode([i]) for i in ids] and len(ids) == reply.usage.completion_tokens == 6
+    assert lp.text_offset == [len(tok.decode(ids[:t], skip_special_tokens=True)) for t in range(6)]
+    want = model_logprobs(model_dir, ref.prompt_ids[0], ids)
+    torch.testing.assert_close(torch.tensor(lp.token_logprobs), want[torch.arange(6), ids], atol=1e-5, rtol=0)
+    for t, (chosen, top) in enumerate(zip(lp.tokens, lp.top_logprobs)):
+        best = want[t].topk(3)
+        expected = {tok.decode([i]): v for i, v in zip(best.indices.tolist(), best.values.tolist())}
+        assert set(top) == set(expected) | {chosen}
+        assert all(abs(top[k] - v) < 1e-5 for k, v in expected.items() if k != chosen)
+    assert client.completions.create(model=NAME, prompt="x", max_tokens=2).choices[0].logprobs is None
+
+
+def test_chat_logprobs_streamed_and_not_are_the_same(client, engine, model_dir):
+    """Chat `logprobs: true, top_logprobs: 2`: OpenAI's content entries, greedy so the chosen
+    token tops its list; streamed, the same entries arrive in one chunk after the text."""
+    body = dict(model=NAME, messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(**body).choices[0]
+    content = whole.logprobs.content
+    ref = greedy(engine, [prompt_input(build_tokenizer(), MESSAGES)], max_tokens=5)
+    ids = ref.response_ids[0].tolist()
+    want = model_logprobs(model_dir, ref.prompt_ids[0], ids)
+    assert [e.token for e in content] == [build_tokenizer().decode([i]) for i in ids]
+    joined = bytes(b for e in content for b in e.bytes).decode("utf-8", errors="replace")  # random bytes: not all UTF-8
+    assert joined == whole.message.content == ref.texts[0]
+    torch.testing.assert_close(torch.tensor([e.logprob for e in content]), want[torch.arange(5), ids],
+                               atol=1e-5, rtol=0)
+    for e, row in zip(content, want):
+        assert [t.token for t in e.top_logprobs][0] == e.token and len(e.top_logprobs) == 2
+        assert e.top_logprobs[1].logprob == pytest.approx(float(row.topk(2).values[1]), abs=1e-5)
+    chunks = list(client.chat.completions.create(**body, stream=True))
+    streamed = [e for c in chunks if c.choices[0].logprobs is not None for e in c.choices[0].logprobs.content]
+    assert streamed == content
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.message.content
+
+
+def test_token_bytes_of_byte_level_and_sentencepiece_tokenizers():
+    """`bytes` of a logprobs entry: a byte-level token's bytes (half a character each for
+    "é"), a SentencePiece piece with ▁ as a space, its byte fallback's byte."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from posttrain.serve.logprobs import token_bytes
+
+    tok = build_tokenizer()
+    assert [token_bytes(tok, i) for i in tok("é", add_special_tokens=False)["input_ids"]] == [b"\xc3", b"\xa9"]
+    assert token_bytes(tok, tok.eos_token_id) == tok.eos_token.encode()
+    vocab = {"<unk>": 0, "</s>": 1, **{f"<0x{b:02X}>": 2 + b for b in range(256)}, "\u2581": 258, "a": 259, "\u2581a": 260}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[("\u2581", "a")], unk_token="<unk>", byte_fallback=True))
+    core.pre_tokenizer = pre_tokenizers.Metaspace()
+    core.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                      decoders.Strip(" ", 1, 0)])
+    sp = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="</s>", unk_token="<unk>")
+    ids = sp("a é", add_special_tokens=False)["input_ids"]
+    assert [token_bytes(sp, i) for i in ids] == [b" a", b" ", b"\xc3", b"\xa9"]  # the text " a é"
+
+
 def test_stream_is_server_sent_events_ending_with_done(server):
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     body = {"prompt": PROMPTS[3], "max_tokens": 8, "temperature": 0, "stream": True}
@@ -324,7 +399,11 @@ BAD_REQUESTS = [
     ("POST", "/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop[0]", "at least 1"),
     ("POST", "/v1/completions", {"prompt": "x", "seed": "1"}, 400, "seed", "valid integer"),
     ("POST", "/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream", "boolean"),
-    ("POST", "/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs", "not supported"),
+    ("POST", "/v1/completions", {"prompt": "x", "echo": True}, 400, "echo", "not supported"),
+    ("POST", "/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", "less than or equal to 20"),
+    ("POST", "/v1/completions", {"prompt": "x", "logprobs": True}, 400, "logprobs", "integer"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+     "top_logprobs", "needs `logprobs`: true"),
     ("POST", "/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "does not exist"),
     (
         "POST",

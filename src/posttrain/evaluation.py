@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from posttrain.envs import merge_episode_metrics, play_episodes
+from posttrain.envs.samples import episode_fields
 from posttrain.logging import Progress
 from posttrain.rewards import RewardResult, RewardRunner, task_reward
 from posttrain.rollout import (
@@ -107,7 +108,8 @@ class EvalReport:
     """See the module docstring for the names."""
     samples: list[dict[str, Any]]
     """B·n records grouped by prompt: prompt_index, sample_index, prompt, completion,
-    answer (when the row has one), reward, rewards ({fn: value}), correct, finish_reason, length."""
+    answer (when the row has one), reward, rewards ({fn: value}), correct, finish_reason, length;
+    an episode's also turns, tool_calls (counts), spans and episode (`envs.samples`)."""
     settings: dict[str, Any] = field(default_factory=dict)
     """Sampling and scoring settings (plus whatever the caller adds, e.g. model and data)."""
 
@@ -195,7 +197,7 @@ def evaluate(
             timing["reward"] += time.monotonic() - t1
             for name in errors:
                 errors[name] += result.metrics.get(f"reward/{name}/errors", 0.0)
-            samples += _records(chunk, out, result, n, start, correct_threshold)
+            samples += _records(chunk, out, result, n, start, correct_threshold, tokenizer, env_rewards)
             bar.update(1, accuracy=sum(s["correct"] for s in samples) / len(samples))
     metrics = summarize(samples, n, reward_runner.names, errors)
     if episode_parts:
@@ -254,8 +256,11 @@ def _records(
     n: int,
     offset: int,
     threshold: float,
+    tokenizer: Any,
+    env_rewards: torch.Tensor | None,
 ) -> list[dict[str, Any]]:
-    """One sample record (see `EvalReport.samples`) per completion of a batch."""
+    """One sample record (see `EvalReport.samples`) per completion of a batch; an episode's
+    also holds its `spans` and `episode` (`envs.samples.episode_fields`)."""
     records = []
     for i, (text, length, reason) in enumerate(zip(out.texts, out.lengths.tolist(), out.finish_reason)):
         row = chunk[i // n]
@@ -275,6 +280,8 @@ def _records(
         if isinstance(out, Episodes):
             record["turns"] = int(out.turns[i])
             record["tool_calls"] = sum(int(info.get("tool_calls", 0)) for info in out.infos[i])
+            env_reward = None if env_rewards is None or math.isnan(env_rewards[i]) else float(env_rewards[i])
+            record.update(episode_fields(tokenizer, out, i, env_reward))
         records.append(record)
     return records
 

@@ -184,6 +184,8 @@ def test_torchrun_of_the_cli_trains_evaluates_and_only_rank_0_writes(tmp_path):
     assert [m["step"] for m in logged] == [1, 2]  # once per step: rank 1 wrote nothing
     assert all("eval/loss" in m and "eval/accuracy" in m for m in logged)
     assert (run / "final" / "model.safetensors").is_file() and (run / "config.yaml").is_file()
+    log = (tmp_path / "torchrun.log").read_text()  # both ranks' stdout and stderr
+    assert log.count("finished at step 2") == 1 and log.count("\nmodel: ") == 1, log[-3000:]  # rank 0 alone
 
 
 def test_what_cannot_run_data_parallel_is_refused_before_training():

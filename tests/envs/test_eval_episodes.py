@@ -36,6 +36,13 @@ def test_eval_plays_episodes_and_reports_turns_and_tool_calls(setup, tmp_path):
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert [s["turns"] for s in samples] == [3] * 4 and [s["tool_calls"] for s in samples] == [2] * 4
     assert "<result>1081</result>" in samples[0]["completion"]
+    for sample, reward in zip(samples, [1.0, 1.0, 0.0, 0.0]):  # each episode in full, as an RL run logs it
+        assert [s["author"] for s in sample["spans"]] == ["model", "tool", "model", "tool", "model"]
+        assert "".join(s["text"] for s in sample["spans"]) == sample["completion"]
+        assert [s["text"] for s in sample["spans"] if s["author"] == "tool"] == ["<result>1081</result>", "<result>1086</result>"]
+        assert sample["episode"]["env_reward"] == reward and sample["episode"]["prompt"] == "<|bos|>" + PROMPT
+        calls = [(c["name"], c["arguments"], c["result"]) for t in sample["episode"]["turns"] for c in t["calls"]]
+        assert calls == [("calculator", "23*47", "1081"), ("calculator", "1081+5", "1086")]
 
 
 def test_evaluate_takes_an_environment_factory(setup, taught, tok):

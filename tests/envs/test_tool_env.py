@@ -34,7 +34,9 @@ def test_a_tool_call_is_answered_and_the_final_answer_ends_the_episode():
     assert isinstance(env, Environment)
     assert env.reset({"prompt": "23*47=?"}).startswith(" Tools: calculator(expression)")
     step = env.step("I will compute <call>calculator(23*47)</call>")
-    assert step == StepResult("<result>1081</result>", None, False, {"tool_calls": 1, "tool_errors": 0, "tool_timeouts": 0})
+    calls = [{"name": "calculator", "arguments": "23*47", "result": "1081", "error": False}]
+    assert step == StepResult("<result>1081</result>", None, False,
+                              {"tool_calls": 1, "tool_errors": 0, "tool_timeouts": 0, "calls": calls})
     final = env.step("The answer is 1081.")
     assert final.done and final.reward is None and final.info == {"tool_calls": 0}
 
@@ -53,7 +55,12 @@ def test_failures_become_error_results_and_are_counted():
     assert results[3] == "<result>error: ZeroDivisionError: division by zero"
     assert results[4].startswith("<result>error: malformed call 'oops'")
     assert results[5] == "<result>error: more than 5 calls in one turn"
+    calls = step.info.pop("calls")
     assert step.info == {"tool_calls": 6, "tool_errors": 5, "tool_timeouts": 1} and not step.done
+    assert [(c["name"], c["arguments"], c["error"]) for c in calls] == [
+        ("define", "cat", False), ("define", "dog", True), ("nap", "5", True), ("calculator", "1/0", True),
+        (None, "oops", True), ("define", "cat", True)]
+    assert [c["result"] for c in calls] == [r.removeprefix("<result>") for r in results]
     assert env.step("It is a feline.").reward == 1.0
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from posttrain.logging import MetricsLogger, Progress, get_logger, log_line
+from posttrain.logging import MetricsLogger, Progress, default_level, get_logger, log_line
 from posttrain.logging.metrics import jsonable, wandb_mode
 from posttrain.logging.progress import format_value
 
@@ -343,3 +343,9 @@ def test_get_logger_is_under_posttrain_and_propagates(caplog):
     with caplog.at_level(logging.INFO):
         log.info("hello %d", 1)
     assert "hello 1" in caplog.text
+
+
+def test_only_rank_0_logs_below_error():
+    """torchrun's RANK: every rank but 0 logs errors only (rank 0 speaks for all)."""
+    assert default_level({}) == default_level({"RANK": "0"}) == logging.INFO
+    assert default_level({"RANK": "1"}) == default_level({"RANK": "7"}) == logging.ERROR

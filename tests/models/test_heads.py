@@ -244,3 +244,18 @@ def test_a_stored_head_is_required_when_asked(lm, rm, tmp_path, impl):
     assert not fresh.score.weight.any()
     with pytest.raises(ValueError, match="unknown head"):
         ScalarHeadModel.from_pretrained(tmp_path / "rm", head="random")
+
+
+def test_a_reward_model_on_an_hf_base_saves_as_that_architecture(tmp_path):
+    """A Qwen2 base gives a Qwen2ForSequenceClassification checkpoint (not Llama's), which
+    transformers loads with the same score."""
+    config = transformers.Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, pad_token_id=0)
+    torch.manual_seed(0)
+    rm = ScalarHeadModel.from_causal_lm(transformers.Qwen2ForCausalLM(config))
+    rm.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["Qwen2ForSequenceClassification"]
+    back = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path)
+    ids = torch.tensor([[3, 4, 5]])
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits[:, 0], rm.scores(ids, torch.ones_like(ids)))

@@ -95,8 +95,9 @@ class RMTrainerConfig(OfflineTrainerConfig):
 @dataclass
 class RMConfig:
     """Reward model: a backbone with a scalar head at the last token, trained on preference
-    pairs with the Bradley-Terry loss; final/ is a LlamaForSequenceClassification-style
-    checkpoint that `posttrain ppo reward.model_path=RUN_DIR/final` scores with."""
+    pairs with the Bradley-Terry loss; final/ is the backbone's *ForSequenceClassification
+    checkpoint (Llama's for the built-in model) that `posttrain ppo reward.model_path=RUN_DIR/final`
+    scores with."""
 
     command: ClassVar[str] = "rm"  # the `posttrain` command; checkpoints record it (resume checks it)
 

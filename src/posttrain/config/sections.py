@@ -225,7 +225,7 @@ class TrainerConfig:
         verl("trainer.test_freq"), openrlhf("eval_steps")))
     """Evaluate every N steps (0: only at the end)."""
     logging_steps: int = field(default=1, metadata=aliases(trl("logging_steps"), openrlhf("logging_steps")))
-    """Write metrics every N steps."""
+    """Write metrics every N steps (RL: also the batch's first training rows to samples.jsonl)."""
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"], metadata=aliases(
         trl("report_to"), verl("trainer.logger", note="console is always on; name tensorboard, wandb or mlflow")))
     """Metric sinks besides metrics.jsonl: any of tensorboard, wandb, mlflow (none: [])."""

@@ -90,6 +90,11 @@ def current() -> DistContext | None:
     return _CONTEXT
 
 
+def is_main_process() -> bool:
+    """Rank 0 of the group joined, or a single process: the one that prints."""
+    return _CONTEXT is None or _CONTEXT.is_main
+
+
 def shutdown() -> None:
     """Leave the group (a no-op when none was joined)."""
     global _CONTEXT

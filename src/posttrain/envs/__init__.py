@@ -19,6 +19,8 @@
 - driver.py: one environment per episode in the rollout's episode loop
   (`rollout.episodes`), environment rewards and the episode metrics.
 - registry.py: environments and tools from built-in names, `module:attr` or `file.py:attr`.
+- samples.py: an episode as samples.jsonl shows it (spans by author and loss mask, turns,
+  tool calls and results).
 
 Layer: above `rollout` and `rewards` (it drives the one and runs tools with the other's
 thread and sandbox machinery), below `workers`.

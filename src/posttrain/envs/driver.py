@@ -54,7 +54,8 @@ class EnvironmentTurns:
                 replies.append(Reply([], done=True, info={"env_error": f"{type(what).__name__}: {what}"}))
                 continue
             tokens = [] if result.done else self.tokenizer(result.observation, add_special_tokens=False)["input_ids"]
-            replies.append(Reply(list(tokens), result.done, {**result.info, "reward": result.reward}))
+            info = {**result.info, "reward": result.reward, "done": result.done}
+            replies.append(Reply(list(tokens), result.done, info))
         return replies
 
 
@@ -75,12 +76,14 @@ def play_episodes(
     n, what = params.n, f"environment {name_of(env_factory)!r}"
     with user_code(what):
         envs = [env_factory() for _ in rows for _ in range(n)]
-    prompts = [_prompt(engine.tokenizer, env, row, what) for env, row in zip(envs, (r for r in rows for _ in range(n)))]
+    started = [_prompt(engine.tokenizer, env, row, what) for env, row in zip(envs, (r for r in rows for _ in range(n)))]
+    prompts = [prompt for prompt, _ in started]
     protocol = getattr(envs[0], "protocol", None)
     stop = tuple(dict.fromkeys([*params.stop, *getattr(protocol, "stop", ())]))
     one = dataclasses.replace(params, n=1, stop=stop)
     out = engine.generate_episodes(prompts, one, limits, EnvironmentTurns(envs, engine.tokenizer, step_timeout_s))
     out.prompt_index = torch.arange(len(out)) // n  # each row was given n times
+    out.resets = [extra for _, extra in started]
     rewards = torch.tensor([_episode_reward(i) for i in out.infos], dtype=torch.float32)
     return out, rewards, episode_metrics(out, rewards)
 
@@ -121,16 +124,17 @@ def merge_episode_metrics(parts: Sequence[tuple[int, dict[str, float]]]) -> dict
     return out
 
 
-def _prompt(tokenizer, env: Environment, row: dict[str, Any], what: str) -> str | list[int]:
+def _prompt(tokenizer, env: Environment, row: dict[str, Any], what: str) -> tuple[str | list[int], str | None]:
+    """(the prompt the model sees, the text `env.reset(row)` returned)."""
     with user_code(what):
         extra = env.reset(row)
     prompt = row["prompt"]
     if isinstance(prompt, str):
-        return prompt + (extra or "")
+        return prompt + (extra or ""), extra
     from posttrain.envs.chat import render_prompt
 
     text = render_prompt(tokenizer, prompt, getattr(env, "schemas", None))
-    return tokenizer(text + (extra or ""), add_special_tokens=False)["input_ids"]
+    return tokenizer(text + (extra or ""), add_special_tokens=False)["input_ids"], extra
 
 
 def _episode_reward(infos: list[dict]) -> float:

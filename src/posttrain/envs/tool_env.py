@@ -16,7 +16,8 @@ the turn is the final answer: done, with reward `score(answer)` (None unless a s
 says otherwise). Otherwise at most `max_calls_per_turn` calls run concurrently, each under
 `timeout_s` (`tools.run_calls`); the observation holds one result per call, an error
 text for a call that failed, and the step's info counts `tool_calls`, `tool_errors`
-(malformed, unknown, bad arguments, raised, timed out) and `tool_timeouts`.
+(malformed, unknown, bad arguments, raised, timed out) and `tool_timeouts`, and `calls`
+lists each call with its result (`call_record`, what samples.jsonl shows).
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ class ToolEnvironment:
             "tool_calls": len(calls),
             "tool_errors": sum(o.error for o in outcomes),
             "tool_timeouts": sum(o.timed_out for o in outcomes),
+            "calls": [call_record(c, o) for c, o in zip(calls, outcomes)],
         }
         return StepResult(observation, reward=None, done=False, info=info)
 
@@ -100,3 +102,11 @@ class ToolEnvironment:
         methods = [getattr(self, name) for name in dir(type(self)) if not name.startswith("_") and name not in own]
         return [as_tool(m) for m in methods if inspect.ismethod(m)]
 
+
+
+def call_record(call: ToolCall | MalformedCall, outcome: ToolOutcome) -> dict[str, Any]:
+    """One call of a step as the run's samples show it: {name, arguments, result, error}
+    (a malformed call: name None, arguments its raw text)."""
+    if isinstance(call, MalformedCall):
+        return {"name": None, "arguments": call.text, "result": outcome.text, "error": True}
+    return {"name": call.name, "arguments": call.arguments, "result": outcome.text, "error": outcome.error}

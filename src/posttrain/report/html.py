@@ -33,6 +33,7 @@ from posttrain.report.plots import EMA_MAX, EMA_MIN, EMA_SPAN, EVAL, SMOOTH_MIN_
 from posttrain.report.runs import Run
 
 MAX_SAMPLE_ROWS = 40  # per run and step
+MAX_SAMPLE_STEPS = 40  # per run: an RL run logs training samples at every logged step
 MAX_COMPARED_ROWS = 25  # per outcome in the before/after comparison
 SMOOTHING_NOTE = (
     f"Smoothing: a train curve of {SMOOTH_MIN_POINTS} or more points is drawn as TensorBoard's debiased "
@@ -44,6 +45,7 @@ SMOOTHING_NOTE = (
 MAX_TEXT_CHARS = 4000  # per cell
 SUMMARY_ROWS_PER_TABLE, SUMMARY_MAX_TABLES = 22, 4  # the summary wraps into side-by-side tables
 TEXT_COLUMNS = ("split", "prompt", "completion", "chosen", "rejected", "answer")
+EPISODE_KEYS = ("spans", "episode")  # shown in the completion cell and the episode block, not as columns
 SCORE_COLUMNS = ("score", "reward", "correct")
 
 _CONTROL_PICTURES = {c: 0x2400 + c for c in range(32) if chr(c) not in "\n\t"} | {127: 0x2421}
@@ -72,6 +74,10 @@ table.headline { font-size: 15px; margin: 8px 0 14px; } table.headline td, table
 table.headline tr:nth-child(2) td { font-weight: 600; }
 table.compare .text { max-width: 360px; }
 pre.config { background: #f6f8fa; padding: 8px 12px; font-size: 12px; max-height: 40em; overflow: auto; }
+.episode { border: 1px solid #d8dde3; border-radius: 4px; padding: 4px 12px 8px; margin: 6px 0 10px; }
+.span.model { background: #e3f4e1; } .span.tool { background: #e3ecfb; } .span.environment { background: #fdf0d5; }
+.span.untrained { text-decoration: line-through dotted #8a939c; color: #5b6570;
+                  background-image: repeating-linear-gradient(135deg, transparent 0 5px, rgba(0,0,0,.06) 5px 7px); }
 """
 
 SCRIPT = """
@@ -308,7 +314,7 @@ def _cell(column: str, value: Any) -> str:
 
 
 def _columns(rows: list[dict[str, Any]]) -> list[str]:
-    keys = list(dict.fromkeys(k for row in rows for k in row if k != "step"))
+    keys = list(dict.fromkeys(k for row in rows for k in row if k not in ("step", *EPISODE_KEYS)))
     numeric = [k for k in keys if all(isinstance(r.get(k), (int, float, type(None))) for r in rows)]
     known = [k for k in TEXT_COLUMNS if k in keys]
     rest = [k for k in keys if k not in known and k not in numeric]
@@ -318,27 +324,104 @@ def _columns(rows: list[dict[str, Any]]) -> list[str]:
 def _samples(run: Run, open_last: bool, heading: bool) -> str:
     parts = [f"<h3>{text(run.label)}</h3>"] if heading else []
     if not run.samples:
-        return "".join(parts) + "<p>No samples logged.</p>"
+        return "".join(parts) + f"<p>{text(_no_samples(run))}</p>"
     by_step: dict[int, list[dict[str, Any]]] = {}
     for row in run.samples:
         by_step.setdefault(row["step"], []).append(row)
     steps = sorted(by_step)
-    for step in reversed(steps):
+    shown = shown_steps(steps, MAX_SAMPLE_STEPS)
+    if len(shown) < len(steps):
+        parts.append(f'<p class="dim">Samples of {len(shown)} of the {len(steps)} steps that logged them, evenly '
+                     f"spaced (the first and the last included); samples.jsonl holds them all.</p>")
+    for step in reversed(shown):
         rows = by_step[step]
         columns = _columns(rows)
         head = "".join(f"<th>{text(c)}</th>" for c in columns)
         body = "".join(
-            "<tr>" + "".join(_cell(c, row[c]) if c in row else "<td></td>" for c in columns) + "</tr>"
+            "<tr>" + "".join(_sample_cell(c, row) if c in row else "<td></td>" for c in columns) + "</tr>"
             for row in rows[:MAX_SAMPLE_ROWS]
         )
         more = f'<p class="dim">{len(rows) - MAX_SAMPLE_ROWS} more not shown</p>' if len(rows) > MAX_SAMPLE_ROWS else ""
         mean = _mean_scores(rows)
         is_open = " open" if open_last and step == steps[-1] else ""
+        episode = next((r for r in rows if isinstance(r.get("episode"), dict)), None)
         parts.append(
             f"<details{is_open}><summary>step {step}: {len(rows)} samples{mean}</summary>"
-            f"<table><tr>{head}</tr>{body}</table>{more}</details>"
+            + (_episode(episode) if episode is not None else "")
+            + f"<table><tr>{head}</tr>{body}</table>{more}</details>"
         )
     return "".join(parts)
+
+
+def shown_steps(steps: list[int], k: int) -> list[int]:
+    """At most k of the sorted `steps`, evenly spaced, the first and the last included."""
+    if len(steps) <= k:
+        return steps
+    picks = sorted({round(i * (len(steps) - 1) / (k - 1)) for i in range(k)})
+    return [steps[i] for i in picks]
+
+
+def _no_samples(run: Run) -> str:
+    """Why a run has no samples: no eval data (SFT, RM and DPO write samples at eval steps only)."""
+    data = (run.config or {}).get("data")
+    if isinstance(data, dict) and not data.get("eval_files"):
+        return ("No samples: this run had no eval data (data.eval_files is empty), and SFT, reward-model "
+                "and DPO runs write samples.jsonl at eval steps only. Set data.eval_files to see samples.")
+    return "No samples logged (samples.jsonl is missing or empty)."
+
+
+def _sample_cell(column: str, row: dict[str, Any]) -> str:
+    """A sample's cell; a completion with `spans` shows who wrote each part and what was trained."""
+    if column == "completion" and isinstance(row.get("spans"), list):
+        return f'<td><div class="text">{_spans(row["spans"])}</div></td>'
+    return _cell(column, row[column])
+
+
+def _spans(spans: list[dict[str, Any]]) -> str:
+    """The spans of a completion, coloured by author; those not trained on (response_mask 0)
+    hatched and struck through, each with a tooltip saying so."""
+    out, shown = [], 0
+    for span in spans:
+        part = str(span.get("text", ""))[: max(0, MAX_TEXT_CHARS - shown)]
+        shown += len(part)
+        author = str(span.get("author", "model"))
+        trained = "trained" if span.get("trained") else "untrained"
+        tip = f"{author}, tokens {span.get('tokens')}, " + ("trained" if span.get("trained") else "not trained (mask 0)")
+        out.append(f'<span class="span {text(author)} {trained}" title="{text(tip)}">{text(part)}</span>')
+    return "".join(out)
+
+
+def _episode(row: dict[str, Any]) -> str:
+    """One episode in full: the prompt as the model saw it after reset, the trajectory by
+    author with the untrained spans marked, and its turns (text, tool calls with results, reward)."""
+    ep = row["episode"]
+    legend = ('<p class="dim">Legend: <span class="span model trained">model, trained</span> '
+              '<span class="span model untrained">model, not trained</span> '
+              '<span class="span tool untrained">tool result</span> '
+              '<span class="span environment untrained">environment</span></p>')
+    reset = f' <span class="dim">(reset() added {text(json.dumps(ep.get("reset")))})</span>' if ep.get("reset") else ""
+    head = "".join(f"<th>{h}</th>" for h in ("turn", "model text", "tool calls → results", "step reward"))
+    turns = "".join(
+        f"<tr><td class=\"num\">{k + 1}</td>{_cell_text(t.get('text', ''))}"
+        f"{_cell_text(_calls_text(t))}{_cell('reward', t.get('reward'))}</tr>"
+        for k, t in enumerate(ep.get("turns", []))
+    )
+    env_reward = ep.get("env_reward")
+    return (
+        f'<div class="episode"><h4>Episode: the first training row, environment reward '
+        f'{text("none" if env_reward is None else fmt(float(env_reward)))}, score {text(fmt(float(row.get("score", 0.0))))}</h4>'
+        f"{legend}<p>Prompt{reset}:</p><div class=\"text\">{text(ep.get('prompt', ''))}</div>"
+        f'<p>Trajectory:</p><div class="text">{_spans(row.get("spans", []))}</div>'
+        f"<table><tr>{head}</tr>{turns}</table></div>"
+    )
+
+
+def _calls_text(turn: dict[str, Any]) -> str:
+    lines = [f"{c.get('name')}({c.get('arguments')}) → {c.get('result')}" + (" [error]" if c.get("error") else "")
+             for c in turn.get("calls", [])]
+    if turn.get("error"):
+        lines.append(f"environment error: {turn['error']}")
+    return "\n".join(lines)
 
 
 def _mean_scores(rows: list[dict[str, Any]]) -> str:

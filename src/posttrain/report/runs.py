@@ -10,11 +10,13 @@ lists) are not metrics. A missing samples.jsonl or config.yaml is a note, not an
 Runs of different kinds of training (SFT, then RL on its model) do not share plots: their
 steps count different things. A run's kind is the set of its config's top-level sections
 (every RL trainer has `rollout`, `actor`, `critic`, ...; SFT has none of them); `stages`
-splits the runs by it.
+splits the runs by it. A run without a critic (its `algorithm.adv_estimator` needs no
+values) shows none of the critic's metrics, which older runs logged as zeros.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 from dataclasses import dataclass, field
@@ -24,6 +26,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from posttrain.algos import ADV_ESTIMATORS
 from posttrain.logging.metrics import METRICS_FILE, SAMPLES_FILE
 
 CONFIG_FILE = "config.yaml"
@@ -65,13 +68,19 @@ class Run:
         return max((int(s.steps[-1]) for s in self.metrics.values() if len(s.steps)), default=None)
 
     @property
-    def kind(self) -> frozenset[str] | None:
-        """The top-level sections of config.yaml; None without a readable one."""
+    def config(self) -> dict[str, Any] | None:
+        """config.yaml as a tree; None without a readable one."""
         try:
             tree = yaml.safe_load(self.config_text) if self.config_text is not None else None
         except yaml.YAMLError:
             return None
-        return frozenset(tree) if isinstance(tree, dict) else None
+        return tree if isinstance(tree, dict) else None
+
+    @property
+    def kind(self) -> frozenset[str] | None:
+        """The top-level sections of config.yaml; None without a readable one."""
+        tree = self.config
+        return frozenset(tree) if tree is not None else None
 
 
 def stages(runs: list[Run]) -> list[list[Run]]:
@@ -182,7 +191,25 @@ def load_run(path: Path, label: str) -> Run:
         run.config_text = config_path.read_text(encoding="utf-8", errors="replace")
     else:
         run.notes.append(f"no {CONFIG_FILE}")
+    _drop_critic_metrics(run)
     return run
+
+
+CRITIC_METRICS = ("value_loss", "values/mean", "returns/mean", "critic/*", "timing/values", "timing/update_critic")
+"""Metrics only a critic gives (fnmatch patterns, `eval/` twins included)."""
+
+
+def _drop_critic_metrics(run: Run) -> None:
+    """A run whose config names an estimator without a critic (GRPO, RLOO, ...) shows no
+    critic metrics: runs logged before they were left out hold them as zeros."""
+    algorithm = (run.config or {}).get("algorithm")
+    estimator = ADV_ESTIMATORS.get(algorithm.get("adv_estimator")) if isinstance(algorithm, dict) else None
+    if estimator is None or estimator.needs_values:
+        return
+    dropped = [m for m in run.metrics
+               if any(fnmatch.fnmatchcase(m.removeprefix("eval/"), p) for p in CRITIC_METRICS)]
+    for name in dropped:
+        del run.metrics[name]
 
 
 def load_runs(paths: list[Path]) -> list[Run]:

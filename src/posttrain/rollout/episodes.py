@@ -153,6 +153,13 @@ class Episodes:
     """Per row, each model turn's text as the handler saw it."""
     infos: list[list[dict]]
     """Per row, the handler's `Reply.info` of each turn."""
+    turn_bounds: list[list[tuple[int, int, int]]] = field(default_factory=list)
+    """Per row, (start, model_end, end) of each turn in `response_ids` columns: the model's
+    tokens are [start, model_end), the environment's answer to them [model_end, end) (empty
+    when the episode ended there); turn k+1 starts where turn k ends."""
+    resets: list[str | None] = field(default_factory=list)
+    """Per row, the text the environment's `reset` added to the prompt (None for none);
+    filled by `envs.play_episodes`."""
     pad_token_id: int = 0
     meta: dict = field(default_factory=dict)
 
@@ -177,6 +184,7 @@ class _Row:
     reason: str | None = None  # set when the row finishes
     turn_texts: list[str] = field(default_factory=list)
     infos: list[dict] = field(default_factory=list)
+    bounds: list[tuple[int, int, int]] = field(default_factory=list)  # Episodes.turn_bounds
 
 
 def run_episodes(
@@ -391,9 +399,11 @@ def _after_turn(row: _Row, why: str | None, reply: Reply | None, limits: MultiTu
     environment tokens to append (also added to the row, unmasked)."""
     if why is None:
         return []
+    start = row.bounds[-1][2] if row.bounds else 0
     row.turns += 1
     row.turn = []
     row.infos.append(dict(reply.info))
+    row.bounds.append((start, len(row.ids), len(row.ids)))
     if reply.done:  # a last turn cut by a length limit is truncated, as a single-turn response is
         row.reason = "length" if why in ("total", "turn") else "stop"
     elif why == "total" or row.turns >= limits.max_turns:
@@ -405,6 +415,7 @@ def _after_turn(row: _Row, why: str | None, reply: Reply | None, limits: MultiTu
     row.ids += reply.tokens
     row.model += [0] * len(reply.tokens)
     row.logp += [0.0] * len(reply.tokens)
+    row.bounds[-1] = (start, row.bounds[-1][1], len(row.ids))
     return list(reply.tokens)
 
 
@@ -433,6 +444,7 @@ def _assemble(prompt_ids, rows: Sequence[_Row], n: int, tokenizer, pad_id: int, 
         texts=[tokenizer.decode(r.ids, skip_special_tokens=True) for r in rows],
         turn_texts=[r.turn_texts for r in rows],
         infos=[r.infos for r in rows],
+        turn_bounds=[r.bounds for r in rows],
         pad_token_id=pad_id,
         meta=meta,
     )

@@ -33,6 +33,12 @@ with its finish_reason. The pieces join to exactly the unstreamed text. A failur
 the first token is an HTTP error as for an unstreamed request; after it, the stream ends
 with OpenAI's error object.
 
+Log-probs (chat `logprobs: true` + `top_logprobs`, completions `logprobs: k`; `logprobs.py`):
+each generated token's log softmax of the model's logits (temperature 1, before filtering,
+as vLLM's default) with the k most likely, from one scoring forward of prompt + completion
+on the generation thread after the call; streamed, a choice's log-probs come in one chunk
+after its text.
+
 Batching: one generation thread gathers concurrent requests for up to `batch_wait_ms`
 (or `max_batch_size` rows = prompts x n) and runs requests with the same sampling
 parameters in one `engine.generate` call; see `batcher.py` for the grouping rules (seeded

@@ -16,6 +16,9 @@ request larger than the limit runs alone), and groups them:
 - jobs with different params (temperature, max_tokens, stop, ...) run as separate calls,
   one after another, in the order their first job arrived.
 
+A job that asks for log-probs (`top_logprobs`) gets them from one scoring forward of its
+rows after the call (`serve.logprobs`), on the same thread; it shares the call with others.
+
 A job submitted with `on_tokens` hears its rows' new tokens after every decode step of
 its call (rows numbered within the job, as its results), so the server can stream them
 while the call runs; a call passes `on_tokens` to the engine only when one of its jobs
@@ -37,6 +40,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from posttrain.rollout import RolloutEngine, SamplingParams, TokenCallback
+from posttrain.serve.logprobs import TokenLogprobs, score
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +57,9 @@ class Generated:
     finish_reasons: list[str]
     lengths: list[int]
     """Generated tokens per row (the stop token included)."""
+    logprobs: list[TokenLogprobs] | None = None
+    """Per row its tokens' log-probs and the top k (`serve.logprobs.score`), when the job
+    asked for them (`top_logprobs` not None)."""
 
 
 @dataclass
@@ -60,6 +67,7 @@ class _Job:
     prompts: list[list[int]]
     params: SamplingParams
     on_tokens: TokenCallback | None = None
+    top_logprobs: int | None = None  # None: no log-probs; k: each token's and the k most likely
     arrived: float = field(default_factory=time.monotonic)
     future: Future[Generated] = field(default_factory=Future)
 
@@ -101,11 +109,14 @@ class Batcher:
         prompts: list[list[int]],
         params: SamplingParams,
         on_tokens: TokenCallback | None = None,
+        top_logprobs: int | None = None,
     ) -> Future[Generated]:
         """Queue one request's prompts x params.n samples; `on_tokens(rows, token_ids)` hears
-        them as they are decoded (on the generation thread). The future fails with
-        BatcherClosed when the batcher is (or gets) closed first, or with the engine's error."""
-        job = _Job(prompts, params, on_tokens)
+        them as they are decoded (on the generation thread); `top_logprobs` k (not None) adds
+        the tokens' log-probs and the k most likely at each (`Generated.logprobs`). The future
+        fails with BatcherClosed when the batcher is (or gets) closed first, or with the
+        engine's error."""
+        job = _Job(prompts, params, on_tokens, top_logprobs)
         with self._cond:
             if self._closed:
                 job.future.set_exception(BatcherClosed("the server is shutting down"))
@@ -202,9 +213,17 @@ class Batcher:
         start = 0
         for job in jobs:
             end = start + job.rows
-            job.future.set_result(
-                Generated(out.texts[start:end], out.finish_reason[start:end], lengths[start:end])
-            )
+            result = Generated(out.texts[start:end], out.finish_reason[start:end], lengths[start:end])
+            try:
+                if job.top_logprobs is not None:  # on this thread: the model is never run by two
+                    ids = [out.response_ids[r, : lengths[r]].tolist() for r in range(start, end)]
+                    prompts = [p for p in job.prompts for _ in range(job.params.n)]
+                    result.logprobs = score(self.engine.model, prompts, ids, job.top_logprobs)
+            except Exception as err:
+                log.exception("scoring the log-probs of a request failed")
+                job.future.set_exception(err)
+            else:
+                job.future.set_result(result)
             start = end
 
 

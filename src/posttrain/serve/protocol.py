@@ -13,11 +13,16 @@ Parameters (both endpoints; defaults as in OpenAI's API where it has one; `null`
   temperature: >= 0, default 1 (0 = greedy); top_p in (0, 1], default 1; top_k (vLLM's
     extension): -1 or 0 = off; min_p in [0, 1]; n: 1 .. MAX_N; stop: a string or a list of
     up to MAX_STOP non-empty strings; seed: int or null; stream: bool.
+  Log-probs (`serve.logprobs`: the model's log softmax of each generated token, from a
+    scoring forward): chat `logprobs: true` with `top_logprobs` 0 .. MAX_LOGPROBS (refused
+    without `logprobs: true`); completions `logprobs` 0 .. MAX_LOGPROBS (the chosen tokens
+    and that many most likely). Streamed, a choice's log-probs come in one chunk after its
+    text, before its finish_reason.
 Types are strict (JSON numbers for numbers, booleans for booleans: "1" is not 1).
 Accepted and ignored: `user`, `stream_options`, `response_format` of type "text", and any
 field not listed. Refused (400) when set to something other than their no-op default,
-because this server would silently not do them: echo, suffix, logprobs, top_logprobs,
-best_of > 1, logit_bias, presence_penalty, frequency_penalty, tools, functions.
+because this server would silently not do them: echo, suffix, best_of > 1, logit_bias,
+presence_penalty, frequency_penalty, tools, functions.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from posttrain.rollout import SamplingParams
+from posttrain.serve.logprobs import MAX_LOGPROBS
 
 MAX_N = 64
 MAX_STOP = 16
@@ -52,8 +58,6 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "echo": lambda v: v in (None, False),
     "best_of": lambda v: v in (None, 1),
     "suffix": lambda v: v in (None, ""),
-    "logprobs": lambda v: v in (None, False, 0),
-    "top_logprobs": lambda v: v in (None, 0),
     "logit_bias": lambda v: not v,
     "presence_penalty": lambda v: v in (None, 0),
     "frequency_penalty": lambda v: v in (None, 0),
@@ -196,6 +200,7 @@ class CompletionBody(_Body):
     """A /v1/completions request."""
 
     prompt: Annotated[list[str] | list[list[StrictInt]], PlainValidator(_prompts)]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 class ChatBody(_Body):
@@ -203,6 +208,8 @@ class ChatBody(_Body):
 
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 @dataclass
@@ -215,6 +222,8 @@ class GenerationRequest:
     """Token ids of each prompt (chat: the one templated conversation)."""
     params: SamplingParams
     stream: bool = False
+    top_logprobs: int | None = None
+    """None: no log-probs; k: each generated token's log-prob and the k most likely."""
 
     @property
     def rows(self) -> int:
@@ -250,7 +259,16 @@ def parse_request(
             f"{MAX_ROWS_PER_REQUEST} one request may ask for",
             param="n",
         )
-    return GenerationRequest(chat, prompts, params, body.stream)
+    return GenerationRequest(chat, prompts, params, body.stream, _top_logprobs(body))
+
+
+def _top_logprobs(body: CompletionBody | ChatBody) -> int | None:
+    """The request's log-probs: None for none, else how many top tokens (module docstring)."""
+    if not isinstance(body, ChatBody):
+        return body.logprobs
+    if body.top_logprobs and not body.logprobs:
+        raise RequestError("`top_logprobs` needs `logprobs`: true", param="top_logprobs")
+    return (body.top_logprobs or 0) if body.logprobs else None
 
 
 def _encode(encode: Callable, prompt: Any, param: str) -> list[int]:
@@ -318,15 +336,18 @@ def response_head(req: GenerationRequest, model: str) -> dict:
 
 
 def response(
-    req: GenerationRequest, model: str, texts: list[str], reasons: list[str], lengths: list[int]
+    req: GenerationRequest, model: str, texts: list[str], reasons: list[str], lengths: list[int],
+    logprobs: Sequence[dict] | None = None,
 ) -> dict:
     """The `text_completion` or `chat.completion` object for N = prompts x n results
-    (choice index = prompt index x n + sample index, as OpenAI numbers them)."""
+    (choice index = prompt index x n + sample index, as OpenAI numbers them); `logprobs`:
+    each choice's log-probs object (`serve.logprobs`), or None."""
     prompt_tokens = sum(len(p) for p in req.prompts)
     completion_tokens = sum(lengths)
+    logprobs = logprobs if logprobs is not None else [None] * len(texts)
     return {
         **response_head(req, model),
-        "choices": [_choice(req.chat, i, t, r) for i, (t, r) in enumerate(zip(texts, reasons))],
+        "choices": [_choice(req.chat, i, t, r, lp) for i, (t, r, lp) in enumerate(zip(texts, reasons, logprobs))],
         "usage": {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
@@ -335,19 +356,20 @@ def response(
     }
 
 
-def _choice(chat: bool, index: int, text: str, reason: str) -> dict:
+def _choice(chat: bool, index: int, text: str, reason: str, logprobs: dict | None = None) -> dict:
     if chat:
         return {
             "index": index,
             "message": {"role": "assistant", "content": text},
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": reason,
         }
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
 
-Piece = tuple[int, str, str | None]
-"""A step of a streamed answer: (choice index, text to append, finish_reason or None)."""
+Piece = tuple[int, str, str | None] | tuple[int, str, str | None, dict | None]
+"""A step of a streamed answer: (choice index, text to append, finish_reason or None[,
+the log-probs object of the tokens it reports])."""
 
 
 class ChunkWriter:
@@ -361,12 +383,12 @@ class ChunkWriter:
         self.started: set[int] = set()
 
     def __call__(self, piece: Piece) -> dict:
-        index, text, reason = piece
+        index, text, reason, logprobs = (*piece, None)[:4]
         if self.chat:
             delta = {"content": text} if index in self.started else {"role": "assistant", "content": text}
-            part = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            part = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         else:
-            part = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+            part = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
         self.started.add(index)
         return {
             **self.head,

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 
 from posttrain.rollout import TextStream
 from posttrain.serve.batcher import Batcher, BatcherClosed, Generated
+from posttrain.serve.logprobs import chat_logprobs, completion_logprobs
 from posttrain.serve.protocol import (
     ChatBody,
     ChunkWriter,
@@ -84,8 +85,15 @@ class App:
         req = parse_request(body, self.info, self._encode)
         if req.stream:
             return await self._stream(req)
-        out = await _result(self.batcher.submit(req.prompts, req.params))
-        return response(req, self.info.name, out.texts, out.finish_reasons, out.lengths)
+        out = await _result(self.batcher.submit(req.prompts, req.params, top_logprobs=req.top_logprobs))
+        return response(req, self.info.name, out.texts, out.finish_reasons, out.lengths, self._logprobs(req, out))
+
+    def _logprobs(self, req: GenerationRequest, out: Generated) -> list[dict] | None:
+        """Each choice's log-probs object, in the endpoint's shape; None when not asked for."""
+        if out.logprobs is None:
+            return None
+        shape = chat_logprobs if req.chat else completion_logprobs
+        return [shape(self.info.tokenizer, row) for row in out.logprobs]
 
     async def _stream(self, req: GenerationRequest) -> AsyncIterator[dict]:
         """Submit a streamed request and wait for its first tokens: a failure before them is
@@ -99,7 +107,7 @@ class App:
             except RuntimeError:  # the loop is closed: nobody is listening
                 pass
 
-        future = self.batcher.submit(req.prompts, req.params, lambda rows, ids: put((rows, ids)))
+        future = self.batcher.submit(req.prompts, req.params, lambda rows, ids: put((rows, ids)), req.top_logprobs)
         future.add_done_callback(lambda _: put(None))  # after every step: the queue keeps order
         try:
             first = await steps.get()
@@ -128,10 +136,11 @@ class App:
         except RequestError as err:
             yield err.body()
             return
+        logprobs = self._logprobs(req, out) or [None] * req.rows
         for row, (stream, text, reason) in enumerate(zip(streams, out.texts, out.finish_reasons)):
             rest = stream.finish(text)
-            if rest or row not in write.started:
-                yield write((row, rest, None))
+            if rest or row not in write.started or logprobs[row] is not None:
+                yield write((row, rest, None, logprobs[row]))  # a row's log-probs: all in one chunk
             yield write((row, "", reason))
 
     def _encode(self, prompt: str | list[dict]) -> list[int]:

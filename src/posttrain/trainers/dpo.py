@@ -55,6 +55,7 @@ from posttrain.config.preference import DPOAlgorithmConfig, DPOConfig
 from posttrain.data.batch import IGNORE_INDEX, PairBatch
 from posttrain.data.preference import pair_collate, prepare_pairs
 from posttrain.distributed import Collective
+from posttrain.distributed.env import is_main_process
 from posttrain.evaluation import task_eval
 from posttrain.logging import get_logger
 from posttrain.models.factory import build_model
@@ -293,6 +294,8 @@ def run_dpo(cfg: DPOConfig) -> FitResult:
     check(cfg.model.path is not None or cfg.model.init is not None, "model.path",
           "set model.path (a local HF model directory, e.g. an SFT run's final/) or model.init (tiny|small)")
     result = DPOTrainer(args=cfg).train()
+    if not is_main_process():  # rank 0 prints for all
+        return result
     if summary := result.held_out(("eval/loss", "eval/rewards/accuracies", "eval/rewards/margins", "eval/accuracy")):
         print(summary)
     print(f"model: {result.final_dir}\nmetrics: {result.run_dir / 'metrics.jsonl'}")

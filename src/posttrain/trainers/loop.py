@@ -19,7 +19,8 @@ follows the same rules:
 - the user's callbacks (`trainers/callbacks.py`, transformers' TrainerCallback events and
   TrainerControl flags: a callback may stop the run, or ask for an eval, a checkpoint or a
   metrics line at a step);
-- the eval cadence (`trainer.eval_steps`, and always once at the end), samples.jsonl;
+- the eval cadence (`trainer.eval_steps`, and always once at the end), samples.jsonl (the
+  eval samples; an RL task's training samples at every logged step, `rl_samples`);
 - metric sinks and the progress bar; `nonfinite_steps` in every command's metrics;
 - the bad-step guard: a step whose loss or gradient was NaN/inf is skipped by the
   optimizer, counted, and never checkpointed (a checkpoint is only ever a good state);
@@ -134,6 +135,9 @@ class Task(Protocol):
     def steps_per_epoch(self) -> float: ...
     def step(self, step: int) -> StepOutput: ...
     def evaluate(self, step: int) -> tuple[dict[str, float], list[dict]]: ...
+    def train_samples(self) -> list[dict]:
+        """samples.jsonl rows of the step just run, written at each logged step ([] for none)."""
+        ...
     def save(self, run_dir: Path, step: int, metrics: dict[str, float], keep: int, run: RunRecord) -> Path: ...
     def restore(self, checkpoint: Path) -> int: ...
     def save_final(self, run_dir: Path) -> Path: ...
@@ -227,6 +231,7 @@ def run(task: Task, config: Any, ref_sync: RefSync | None = None, callbacks: Cal
             last = step == cfg.max_steps or budget.spent(step) or asked("should_training_stop")
             if step % cfg.logging_steps == 0 or evaluated_at == step or last or asked("should_log"):
                 sink.log(step, metrics)
+                _log_train_samples(task, step, sink)
                 hooks.log(step, metrics)
                 last = last or asked("should_training_stop")
             progress.update(1, **out.progress, **_eval_view(last_eval))
@@ -293,6 +298,13 @@ def _timed_eval(task: Task, step: int, sink: MetricsLogger, hooks: Callbacks) ->
     out = {**metrics, "timing/eval": time.perf_counter() - t0}
     hooks.fire("on_evaluate", metrics=dict(out))
     return out
+
+
+def _log_train_samples(task: Task, step: int, sink: MetricsLogger) -> None:
+    """The task's training samples of this step (RL: the batch's first rows), if it has any."""
+    rows = task.train_samples()
+    if rows:
+        sink.log_samples(step, rows)
 
 
 def _eval_view(metrics: Mapping[str, float]) -> dict[str, float]:
@@ -387,6 +399,10 @@ class OptimizerTask:
         timing = _throughput(micro_batches, time.perf_counter() - t0, self.collective)
         metrics = {**result.as_metrics(self.unit), **timing}
         return StepOutput(metrics, result.nonfinite, result.skipped, {"loss": result.loss, "lr": result.lr})
+
+    def train_samples(self) -> list[dict]:
+        """None: SFT, RM and DPO write samples at eval steps only."""
+        return []
 
     def evaluate(self, step: int) -> tuple[dict[str, float], list[dict]]:
         assert self._evaluate is not None

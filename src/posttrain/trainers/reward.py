@@ -17,8 +17,9 @@ sequences, then the B rejected ones (`posttrain.data.preference.pair_collate`).
 
 The backbone: `model.path` is a causal LM (LM head dropped, a fresh score head with std
 1/sqrt(H+1), as TRL's example and Stiennon et al. 2020) or an existing reward model (trained
-further); `model.init` builds a fresh built-in one. final/ is saved as a
-`LlamaForSequenceClassification`-layout checkpoint with the tokenizer, which
+further); `model.init` builds a fresh built-in one. final/ is saved as the backbone's
+`*ForSequenceClassification` checkpoint (Llama's for the built-in model, Qwen2's for a
+Qwen2 base, ...) with the tokenizer, which
 `posttrain.rewards.reward_model(path)` and `posttrain ppo reward.model_path=RUN_DIR/final`
 load (and plain `transformers.AutoModelForSequenceClassification`).
 
@@ -47,6 +48,7 @@ from posttrain.config.core import check
 from posttrain.config.preference import RMConfig
 from posttrain.data.batch import PairBatch
 from posttrain.data.preference import pair_collate, prepare_pairs
+from posttrain.distributed.env import is_main_process
 from posttrain.logging import get_logger
 from posttrain.models.builtin import BuiltinLM
 from posttrain.models.factory import build_model, weights_dtype
@@ -208,6 +210,8 @@ def run_rm(cfg: RMConfig) -> FitResult:
     check(cfg.model.path is not None or cfg.model.init is not None, "model.path",
           "set model.path (a local HF model directory) or model.init (tiny|small)")
     result = RewardTrainer(args=cfg).train()
+    if not is_main_process():  # rank 0 prints for all
+        return result
     if summary := result.held_out(("eval/loss", "eval/accuracy", "eval/margin")):
         print(summary)
     print(f"reward model: {result.final_dir}\nmetrics: {result.run_dir / 'metrics.jsonl'}")

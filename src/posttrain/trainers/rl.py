@@ -71,10 +71,12 @@ Departures from the papers, TRL and veRL, and why:
   TRL needs vLLM for this; here every engine runs it (`posttrain.envs`): native and hf token
   by token, vllm turn by turn (`rollout.episodes.run_turn_episodes`).
 - Every RL metric is written every step: stages that did not run log their neutral
-  value (`rl_steps.NOT_RUN`, timing 0), never NaN. Two are logged only where they mean
-  something: `accuracy`, the fraction of samples that the first reward function declaring a
-  correctness notion scores ≥ 1 (`workers/reward_worker.py`; the run's first log lines name
-  it), and `kl_coef`, only with a KL term.
+  value (`rl_steps.NOT_RUN`, timing 0), never NaN; a run without a critic (GRPO and its
+  relatives) logs no critic metric (value_loss, critic/*, timing/values,
+  timing/update_critic). Two are logged only where they mean something: `accuracy`, the
+  fraction of samples that the first reward function declaring a correctness notion scores
+  ≥ 1 (`workers/reward_worker.py`; the run's first log lines name it), and `kl_coef`, only
+  with a KL term.
 """
 
 from __future__ import annotations
@@ -108,14 +110,15 @@ from posttrain.trainers.rl_build import (
     evaluate_policy,
 )
 from posttrain.trainers.rl_ray import load_shards, write_shards
+from posttrain.trainers.rl_samples import train_samples
 from posttrain.trainers.rl_steps import (
     NOT_RUN,
     ROLLOUT_LOGPROB_TOL,
-    STAGES,
     collect_rollouts,
     compute_advantages,
     mask_truncated,
     step_seed,
+    step_stages,
 )
 from posttrain.trainers.setup import prepare_run, python_inputs, set_train_length
 from posttrain.workers import Reward, RLBatch
@@ -297,10 +300,13 @@ class RLTrainer:
         return batch.replace(old_logp=old), metrics
 
     def evaluate(self, step: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
-        """eval/* metrics; samples: the first eval samples, then the latest training batch's."""
+        """eval/* metrics and the first eval samples."""
         metrics, samples = evaluate_policy(self, step)
-        train = train_samples(self.last_batch) if self.last_batch is not None else []
-        return metrics, samples[:SAMPLES_PER_EVAL] + train
+        return metrics, samples[:SAMPLES_PER_EVAL]
+
+    def train_samples(self) -> list[dict[str, Any]]:
+        """The latest training batch's first rows, with their episodes (`rl_samples`)."""
+        return train_samples(self.last_batch, self.tokenizer) if self.last_batch is not None else []
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -379,7 +385,8 @@ class PPOTrainer(RLTrainer):
 
 def rl_step(trainer: RLTrainer, step: int) -> tuple[dict[str, float], RLBatch]:
     """One RL iteration, read top to bottom; returns its metrics and its training batch."""
-    cfg, r, timer = trainer.args, trainer.roles, StageTimer(STAGES)
+    cfg, r = trainer.args, trainer.roles
+    timer = StageTimer(step_stages(r.critic is not None))
     n, algo, kl = cfg.rollout.n, cfg.algorithm, cfg.algorithm.kl
     started = time.perf_counter()
 
@@ -398,8 +405,8 @@ def rl_step(trainer: RLTrainer, step: int) -> tuple[dict[str, float], RLBatch]:
     with timer("ref"):
         if r.ref is not None:
             batch = batch.replace(ref_logp=r.ref.compute_logprobs(batch))
-    with timer("values"):
-        if r.critic is not None:
+    if r.critic is not None:
+        with timer("values"):
             batch = batch.replace(values=r.critic.compute_values(batch))
 
     # 3. per-token rewards (− β·KL when it is in the reward) → advantages
@@ -414,8 +421,10 @@ def rl_step(trainer: RLTrainer, step: int) -> tuple[dict[str, float], RLBatch]:
     rows, epochs = cfg.mini_batch_prompts * n, cfg.actor.ppo_epochs
     seed = step_seed(cfg.trainer.seed, step, UPDATE_SALT)
     r.rollout.offload()
-    with timer("update_critic"):
-        critic_metrics = r.critic.update(batch, rows, epochs, seed) if r.critic is not None else {}
+    critic_metrics = {}
+    if r.critic is not None:
+        with timer("update_critic"):
+            critic_metrics = {"value_loss": 0.0, **r.critic.update(batch, rows, epochs, seed)}
     with timer("update_actor"):
         actor_metrics = {}
         if step > cfg.critic.warmup_steps:
@@ -443,16 +452,6 @@ def _prefixed(metrics: dict[str, float], prefix: str) -> dict[str, float]:
     """grad_norm, lr, … of the critic under critic/ (value_loss, a DESIGN.md name, and
     names already under a section stay as they are)."""
     return {k if k == "value_loss" or "/" in k else prefix + k: v for k, v in metrics.items()}
-
-
-def train_samples(batch: RLBatch, k: int = SAMPLES_PER_EVAL) -> list[dict[str, Any]]:
-    """The first k rows of a training batch, for samples.jsonl."""
-    adv = batch.advantages.sum(-1) / batch.response_mask.sum(-1).clamp_min(1)
-    return [
-        {"split": "train", "prompt": batch.prompts[i], "completion": batch.completions[i],
-         "score": float(batch.scores[i]), "advantage": float(adv[i])}
-        for i in range(min(k, len(batch)))
-    ]
 
 
 # ---------------------------------------------------------------------------- CLI entry points

@@ -23,13 +23,21 @@ from posttrain.workers import Reward, RLBatch
 log = get_logger(__name__)
 
 STAGES = ("gen", "reward", "old_logprob", "ref", "values", "adv", "update_critic", "update_actor")
+CRITIC_STAGES = ("values", "update_critic")
+"""Stages only a run with a critic has: a run without one neither times nor logs them."""
 NOT_RUN = {
     "policy_loss": 0.0, "clip_frac": 0.0, "clip_frac/low": 0.0, "clip_frac/high": 0.0,
-    "approx_kl": 0.0, "ratio/mean": 1.0, "entropy": 0.0, "grad_norm": 0.0, "value_loss": 0.0, "kl": 0.0,
+    "approx_kl": 0.0, "ratio/mean": 1.0, "entropy": 0.0, "grad_norm": 0.0, "kl": 0.0,
     "advantage/mean": 0.0,
 }
-"""Values of the per-step metrics whose stage did not run this step (no critic, critic
-warmup, no reference): every RL metric is in every line of metrics.jsonl, never NaN."""
+"""Values of the per-step metrics whose stage did not run this step (critic warmup, no
+reference): every RL metric is in every line of metrics.jsonl, never NaN. A run without a
+critic logs no critic metric at all (value_loss, critic/*, timing/values, ...)."""
+
+
+def step_stages(with_critic: bool) -> tuple[str, ...]:
+    """The stages a step times: all of STAGES, less CRITIC_STAGES without a critic."""
+    return STAGES if with_critic else tuple(s for s in STAGES if s not in CRITIC_STAGES)
 ROLLOUT_LOGPROB_TOL = 1e-3
 
 

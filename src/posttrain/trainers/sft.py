@@ -32,6 +32,7 @@ from posttrain.data.collate import causal_lm_loss_sum, pad_collate, tokenize_dat
 from posttrain.data.formats import DataFormatError
 from posttrain.data.packing import pack_collate, pack_examples, packing_efficiency
 from posttrain.data.sources import load_rows, map_rows, validate_loaded
+from posttrain.distributed.env import is_main_process
 from posttrain.evaluation import task_eval
 from posttrain.logging import get_logger
 from posttrain.models.factory import build_model
@@ -206,6 +207,8 @@ def run_sft(cfg: SFTConfig) -> FitResult:
     check(cfg.model.path is not None or cfg.model.init is not None, "model.path",
           "set model.path (a local HF model directory) or model.init (tiny|small)")
     result = SFTTrainer(args=cfg).train()
+    if not is_main_process():  # rank 0 prints for all
+        return result
     if summary := result.held_out(("eval/loss", "eval/accuracy")):
         print(summary)
     print(f"model: {result.final_dir}\nmetrics: {result.run_dir / 'metrics.jsonl'}")

@@ -77,6 +77,9 @@ class RLBatch(BatchOps):
     """B prompts as the dataset gave them (a string or a list of chat messages)."""
     completions: list[Any] | None = field(default=None, metadata={"kind": "list"})
     """B decoded responses (a string; a one-message list for chat prompts, as TRL)."""
+    episodes: list[dict[str, Any]] | None = field(default=None, metadata={"kind": "list"})
+    """B records of multi-turn episodes (`workers.rollout_worker.episode_record`): what
+    `reset` returned, each turn's bounds, text, tool calls and step reward; None single-turn."""
     columns: dict[str, Any] | None = field(default=None, metadata={"kind": "columns"})
     """Dataset columns besides the prompt (answer, tests, task, …): name -> B values."""
     rewards: dict[str, torch.Tensor] | None = field(default=None, metadata={"kind": "columns"})

@@ -13,6 +13,8 @@ episode (`posttrain.envs.play_episodes`), one trajectory per row:
     lengths         model tokens;  total_lengths: model + environment tokens
     completions     the trajectory's text; columns["env_reward"]: the episode's
                     environment reward (None where it gave none)
+    episodes        per row what reset() returned and each turn: its token bounds, text,
+                    tool calls with results, step reward (`episode_record`)
     meta["episode_metrics"]  turns/mean, turns/max, tool_calls/mean, tool/errors, …
 
 so log-probs (old, reference, current) are computed over the whole sequence and every
@@ -31,6 +33,7 @@ from torch import nn
 
 from posttrain.data.collate import left_pad
 from posttrain.envs import Environment, play_episodes
+from posttrain.envs.samples import episode_record
 from posttrain.rollout import Episodes, MultiTurnLimits, RolloutEngine, SamplingParams
 from posttrain.workers.batch import RLBatch
 
@@ -131,6 +134,8 @@ def episode_batch(batch: RLBatch, n: int, out: Episodes, env_rewards: torch.Tens
         total_lengths=out.total_lengths,
         truncated=out.truncated.clone(),
         completions=[as_completion(p, t) for p, t in zip(batch.prompts, out.texts)],
+        episodes=[episode_record(out, i) for i in range(len(out))],
         columns={**(batch.columns or {}), "env_reward": rewards},
         meta={**batch.meta, "n": n, "episode_metrics": metrics},
     )
+
