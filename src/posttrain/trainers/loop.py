@@ -8,6 +8,8 @@
 A trainer brings a `Task`: its step function and its state (what a checkpoint holds, how
 it is restored, what `final/` holds). Everything else is here, once, so every command
 follows the same rules:
+- one run at a time: the run directory is locked for the run's life (`checkpoint.lock`), so
+  a second run in the same folder is refused at once, naming the holder's pid;
 - the start: `trainer.resume` picks the checkpoint; it must be one of this run (the same
   command and fingerprint, `checkpoint.check_resume`), checked before any weights load; a
   new run never shares its folder with another (`checkpoint.claim_run_dir`,
@@ -35,6 +37,7 @@ and a loss); the RL trainer is a task of its own (`trainers/rl.py`).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -44,6 +47,7 @@ from typing import Any, Protocol
 import torch
 
 from posttrain import distributed
+from posttrain.checkpoint import lock as run_lock
 from posttrain.checkpoint import (
     CHECKPOINTS,
     FINAL,
@@ -174,7 +178,15 @@ class Budget:
 
 def run(task: Task, config: Any, ref_sync: RefSync | None = None) -> FitResult:
     """Train `task` for `config.trainer.max_steps` steps; see the module doc. `config` is the
-    command's whole config tree (its class names the command, e.g. `SFTConfig.command`)."""
+    command's whole config tree (its class names the command, e.g. `SFTConfig.command`).
+    The run directory is locked from before the start to after final/ (`checkpoint.lock`;
+    rank 0 holds it for data-parallel ranks, the driver on Ray)."""
+    main = getattr(task, "is_main", True)
+    with run_lock.hold(config.trainer.output_dir) if main else contextlib.nullcontext():
+        return _run(task, config, ref_sync)
+
+
+def _run(task: Task, config: Any, ref_sync: RefSync | None) -> FitResult:
     cfg: TrainerConfig = config.trainer
     run_dir = Path(cfg.output_dir)
     ref_sync = ref_sync or RefSync()

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 from posttrain.config.core import check, validate_tree
-from posttrain.distributed import init_from_env
+from posttrain.checkpoint import lock as run_lock
+from posttrain.distributed import current, init_from_env
 from posttrain.models.factory import load_tokenizer
 from posttrain.training.core import set_seed
 
@@ -22,8 +23,8 @@ def prepare_run(
     checks: Callable[[], None] | None = None,
 ) -> tuple[Any, Any, Any]:
     """Validate `args` (then run the trainer's own `checks`), join torchrun's process group
-    (`trainer.strategy`, when launched with WORLD_SIZE > 1), seed, and resolve the data
-    sources and the tokenizer.
+    (`trainer.strategy`, when launched with WORLD_SIZE > 1), refuse a run directory another
+    run holds (`checkpoint.lock`), seed, and resolve the data sources and the tokenizer.
 
     A string `model` is a local model directory (it becomes `model.path`). Datasets passed
     in win over `data.train_files` / `data.eval_files`. Returns
@@ -42,6 +43,8 @@ def prepare_run(
     strategy = getattr(args.trainer, "strategy", None)  # sft, rm and dpo have one
     if strategy is not None:
         init_from_env(strategy)  # under torchrun, before any model is built
+    if current() is None or current().is_main:  # another run in the folder: refused before loading
+        run_lock.check_free(args.trainer.output_dir)
     set_seed(args.trainer.seed)
     tokenizer = processing_class if processing_class is not None else load_tokenizer(args.model)
     return train_source, eval_source, tokenizer
