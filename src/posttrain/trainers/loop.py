@@ -47,7 +47,6 @@ from typing import Any, Protocol
 import torch
 
 from posttrain import distributed
-from posttrain.checkpoint import lock as run_lock
 from posttrain.checkpoint import (
     CHECKPOINTS,
     FINAL,
@@ -60,6 +59,7 @@ from posttrain.checkpoint import (
     save_checkpoint,
     save_final,
 )
+from posttrain.checkpoint import lock as run_lock
 from posttrain.config import ConfigError, TrainerConfig, save_config, to_dict
 from posttrain.logging import MetricsLogger, Progress, get_logger
 from posttrain.models.lora import is_peft, merged_for_export

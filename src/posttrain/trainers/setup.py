@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from posttrain.config.core import check, validate_tree
 from posttrain.checkpoint import lock as run_lock
+from posttrain.config.core import check, validate_tree
 from posttrain.distributed import current, init_from_env
 from posttrain.models.factory import load_tokenizer
 from posttrain.training.core import set_seed
