@@ -183,6 +183,7 @@ def _strip_run_record(checkpoint):
     (checkpoint / STATE_JSON).write_text(json.dumps(state, indent=2) + "\n")
     manifest = json.loads((checkpoint / COMPLETE).read_text())
     manifest["files"][STATE_JSON] = (checkpoint / STATE_JSON).stat().st_size
+    del manifest["crc32"]  # nor checksums
     (checkpoint / COMPLETE).write_text(json.dumps(manifest))
 
 
@@ -288,3 +289,24 @@ def test_the_loop_holds_the_lock_for_the_whole_run(tmp_path, holder):
     assert trainer.train().step == 1
     with run_lock.hold(tmp_path):  # released when the run ended
         pass
+
+
+# --- a damaged checkpoint (issue #31, item 4) --------------------------------------------
+
+
+def test_auto_falls_back_past_a_damaged_checkpoint_and_a_named_one_is_a_one_line_error(data, used_run, capsys, caplog):
+    ckpts = used_run / "checkpoints"
+    damaged = ckpts / "step-3"  # a newer checkpoint (a copy of step-2) whose weights got a flipped byte
+    shutil.copytree(ckpts / "step-2", damaged)
+    weights = bytearray((damaged / "model.safetensors").read_bytes())
+    weights[len(weights) * 2 // 3] ^= 0xFF
+    (damaged / "model.safetensors").write_bytes(bytes(weights))
+
+    assert main(sft(data, used_run, f"trainer.resume={damaged}", "trainer.max_steps=4")) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"posttrain sft: error: trainer.resume={damaged}: {damaged} is not a complete checkpoint "
+                          "(model.safetensors is damaged (CRC32 ") and len(err.splitlines()) == 1
+    with caplog.at_level(logging.INFO):
+        assert main(sft(data, used_run, "trainer.max_steps=4")) == 0
+    assert f"skipping checkpoint {damaged}: model.safetensors is damaged" in caplog.text
+    assert f"resumed from {ckpts / 'step-2'} at step 2" in caplog.text and "finished at step 4" in caplog.text
