@@ -21,6 +21,7 @@ follows the same rules:
 - the bad-step guard: a step whose loss or gradient was NaN/inf is skipped by the
   optimizer, counted, and never checkpointed (a checkpoint is only ever a good state);
   `trainer.max_bad_steps` of them in a row stop the run, naming the last good checkpoint;
+  an update that made the weights NaN/inf (it cannot be skipped) stops it at once;
 - the reference sync (TR-DPO, `algorithm.ref_sync_steps` / `ref_sync_alpha`) for every
   task that has a reference;
 - `final/`;
@@ -88,6 +89,8 @@ class StepOutput:
     """A loss or gradient of the step was NaN/inf (its optimizer step was skipped)."""
     skipped: bool = False
     """Nothing was trained (no units): neither counts as bad nor resets the guard."""
+    diverged: bool = False
+    """An update made the weights NaN/inf: the guard stops the run at once."""
     progress: dict[str, float] = field(default_factory=dict)
     """A few numbers for the progress bar."""
 
@@ -238,12 +241,15 @@ def _run(task: Task, config: Any, ref_sync: RefSync | None) -> FitResult:
 def _start(task: Task, config: Any, record: RunRecord, main: bool = True,
            collective: Any = None) -> tuple[int, Path | None]:
     """The resume step, before anything is written: find the checkpoint `trainer.resume`
-    asks for and check that it is one of this run (before any weights load), make the run
-    directory this run's, write config.yaml (rank 0 of data-parallel ranks; the others
-    wait for it), then restore. Returns (step, checkpoint or None)."""
+    asks for (rank 0 checks its files' checksums and tells the other ranks) and check that
+    it is one of this run (before any weights load), make the run directory this run's,
+    write config.yaml (rank 0 of data-parallel ranks; the others wait for it), then restore.
+    Returns (step, checkpoint or None)."""
     cfg: TrainerConfig = config.trainer
     run_dir = Path(cfg.output_dir)
-    resume_from = resolve_resume(run_dir, cfg.resume)
+    resume_from = resolve_resume(run_dir, cfg.resume) if main else None  # reads every file: once
+    if collective is not None:
+        resume_from = _as_path(collective.broadcast(None if resume_from is None else str(resume_from)))
     changed = check_resume(resume_from, record, cfg.resume, cfg.max_steps) if resume_from is not None else []
     if main:
         claim_run_dir(run_dir, resume_from, cfg.resume, cfg.overwrite)
@@ -257,6 +263,10 @@ def _start(task: Task, config: Any, record: RunRecord, main: bool = True,
     step = task.restore(resume_from)
     log.info("resumed from %s at step %d", resume_from, step)
     return step, resume_from
+
+
+def _as_path(path: Any) -> Path | None:
+    return None if path is None else Path(path)
 
 
 class _NoSink:
@@ -356,7 +366,8 @@ class OptimizerTask:
                             self.cfg.max_grad_norm, self.cfg.precision, self.collective)
         timing = _throughput(micro_batches, time.perf_counter() - t0, self.collective)
         metrics = {**result.as_metrics(self.unit), **timing}
-        return StepOutput(metrics, result.nonfinite, result.skipped, {"loss": result.loss, "lr": result.lr})
+        return StepOutput(metrics, result.nonfinite, result.skipped, result.diverged,
+                          {"loss": result.loss, "lr": result.lr})
 
     def evaluate(self, step: int) -> tuple[dict[str, float], list[dict]]:
         assert self._evaluate is not None
