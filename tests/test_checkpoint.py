@@ -141,16 +141,20 @@ def _truncate(file):
 
 
 def _flip(file, at=0.5):
-    """Flip one byte at fraction `at` of `file`: a damaged file of the same size."""
+    """Flip one byte of `file` (a damaged file of the same size): at fraction `at` of it, at
+    byte `at` when it is an int (negative: from the end), or the byte after `at` when it is bytes."""
     data = bytearray(file.read_bytes())
-    data[int(len(data) * at)] ^= 0xFF
+    if isinstance(at, bytes):
+        at = data.index(at) + len(at)
+    data[at if isinstance(at, int) else int(len(data) * at)] ^= 0xFF
     file.write_bytes(bytes(data))
 
 
-DAMAGED = {  # file: where a flipped byte lands (the safetensors header, a weight, the pickle, the JSON)
+DAMAGED = {  # file: where a flipped byte lands (the safetensors header, a weight, the zip's directory, the JSON)
     "model.safetensors header": ("model.safetensors", 0.0),
     "model.safetensors weight": ("model.safetensors", 0.7),
-    "trainer_state.pt": ("trainer_state.pt", 0.5),
+    "trainer_state.pt zip": ("trainer_state.pt", -22),  # the zip's end-of-central-directory record
+    "trainer_state.pt pickle": ("trainer_state.pt", b"\x80\x02"),  # its first opcode: UnpicklingError
     "trainer_state.json": ("trainer_state.json", 0.0),
 }
 

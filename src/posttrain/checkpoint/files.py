@@ -45,7 +45,6 @@ import contextlib
 import json
 import logging
 import os
-import pickle
 import random
 import re
 import shutil
@@ -58,7 +57,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from posttrain.logging.metrics import jsonable
@@ -384,10 +382,11 @@ def _step_dirs(root: Path) -> list[Path]:
 
 def read_file(file: Path, read: Callable[[Path], Any]) -> Any:
     """`read(file)`, or a one-line CorruptCheckpoint naming `file` when it is damaged (torch's
-    UnpicklingError would advise weights_only=False, which is unsafe; json's names no file)."""
+    UnpicklingError would advise weights_only=False, which is unsafe; json's names no file).
+    Any exception of `read` is the file's: a damaged zip or pickle raises a dozen kinds."""
     try:
         return read(file)
-    except (OSError, EOFError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError, SafetensorError) as err:
+    except Exception as err:
         raise CorruptCheckpoint(f"checkpoint file {file} is damaged and cannot be read ({type(err).__name__}); "
                                 "resume from another checkpoint (trainer.resume=PATH) or start afresh") from None
 
