@@ -140,6 +140,64 @@ def _truncate(file):
     file.write_bytes(data[: len(data) // 2])
 
 
+def _flip(file, at=0.5):
+    """Flip one byte of `file` (a damaged file of the same size): at fraction `at` of it, at
+    byte `at` when it is an int (negative: from the end), or the byte after `at` when it is bytes."""
+    data = bytearray(file.read_bytes())
+    if isinstance(at, bytes):
+        at = data.index(at) + len(at)
+    data[at if isinstance(at, int) else int(len(data) * at)] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+DAMAGED = {  # file: where a flipped byte lands (the safetensors header, a weight, the zip's directory, the JSON)
+    "model.safetensors header": ("model.safetensors", 0.0),
+    "model.safetensors weight": ("model.safetensors", 0.7),
+    "trainer_state.pt zip": ("trainer_state.pt", -22),  # the zip's end-of-central-directory record
+    "trainer_state.pt pickle": ("trainer_state.pt", b"\x80\x02"),  # its first opcode: UnpicklingError
+    "trainer_state.json": ("trainer_state.json", 0.0),
+}
+
+
+@pytest.mark.parametrize("kind", DAMAGED)
+def test_a_damaged_file_of_the_right_size_is_skipped_by_auto_and_named_by_path(tmp_path, caplog, kind):
+    """Issue #31 item 4: a flipped byte crashed resume=auto (SafetensorError, an UnpicklingError
+    advising weights_only=False, json's "Expecting value") or, in a weight, loaded silently."""
+    name, at = DAMAGED[kind]
+    model, opt, sched = trained(steps=0)
+    older = save(tmp_path, 1, model, opt, sched)
+    newest = save(tmp_path, 2, model, opt, sched)
+    _flip(newest / name, at)
+    with caplog.at_level(logging.WARNING, logger="posttrain.checkpoint"):
+        assert resolve_resume(tmp_path, "auto") == older
+    assert f"skipping checkpoint {newest}: {name} is damaged (CRC32" in caplog.text
+    assert "trying the one before it" in caplog.text
+    with pytest.raises(ValueError, match=f"trainer.resume={newest}: .* \\({name} is damaged") as err:
+        resolve_resume(tmp_path, str(newest))
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("kind", DAMAGED)
+def test_a_damaged_checkpoint_without_checksums_is_an_error_naming_the_file(tmp_path, kind):
+    """A checkpoint sealed before COMPLETE recorded checksums still loads; when one of its files
+    is damaged, loading it says which, in one line, never advising weights_only=False."""
+    name, at = DAMAGED[kind]
+    model, opt, sched = trained(steps=0)
+    path = save(tmp_path, 1, model, opt, sched)
+    manifest = json.loads((path / "COMPLETE").read_text())
+    del manifest["crc32"]
+    (path / "COMPLETE").write_text(json.dumps(manifest))
+    assert resolve_resume(tmp_path, "auto") == path
+    fresh, fresh_opt, fresh_sched = trained(seed=1, steps=0)
+    load_checkpoint(path, fresh, fresh_opt, fresh_sched)  # old checkpoints stay loadable
+    _flip(path / name, at)
+    if kind == "model.safetensors weight":  # no checksum to catch it: the weight is just wrong
+        return
+    with pytest.raises(ValueError, match=f"checkpoint file {path / name} is damaged and cannot be read") as err:
+        load_checkpoint(path, fresh, fresh_opt, fresh_sched)
+    assert "weights_only" not in str(err.value) and "\n" not in str(err.value)
+
+
 def test_resolve_resume(tmp_path):
     assert resolve_resume(tmp_path, "auto") is None  # fresh run
     model, opt, sched = trained(steps=0)

@@ -1,5 +1,7 @@
 """Config trees: YAML + dotted overrides, key/type/combination checks, field docs."""
 
+import copy
+import functools
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -71,6 +73,44 @@ def test_impossible_combination():
         build_config(SFTConfig, None, [*BASE, "trainer.micro_batch_size=5"])
     with pytest.raises(ConfigError, match=r"model\.path: set only one"):
         build_config(SFTConfig, None, ["model.init=tiny", "model.path=/x", "data.train_files=[a]"])
+
+
+@pytest.mark.parametrize("override, message", [
+    # issue #31 item 2: learning_rate=inf trained every weight to ±inf and exited 0
+    ("trainer.learning_rate=inf", "trainer.learning_rate: must be a finite number, got inf"),
+    ("trainer.learning_rate=.nan", "trainer.learning_rate: must be a finite number, got nan"),
+    ("trainer.max_grad_norm=-.inf", "trainer.max_grad_norm: must be a finite number, got -inf"),
+    ("trainer.adam_betas=[0.9,inf]", "trainer.adam_betas: must be a finite number, got [0.9, inf]"),
+    ("trainer.adam_betas=[0.9,1.0]", "trainer.adam_betas: each beta must be in [0, 1), got [0.9, 1.0]"),
+    ("trainer.adam_betas=[-0.1,0.99]", "trainer.adam_betas: each beta must be in [0, 1)"),
+    ("trainer.adam_eps=0", "trainer.adam_eps: must be > 0, got 0.0"),
+    ("trainer.weight_decay=-0.1", "trainer.weight_decay: must be >= 0, got -0.1"),
+    ("trainer.max_grad_norm=-1", "trainer.max_grad_norm: must be >= 0 (0: no clipping), got -1.0"),
+    ("trainer.seed=-1", "trainer.seed: must be in [0, 2**32 - 1] (NumPy's range), got -1"),
+    ("trainer.seed=4294967296", "trainer.seed: must be in [0, 2**32 - 1]"),
+    ("model.lora.dropout=nan", "model.lora.dropout: must be a finite number, got nan"),
+])
+def test_a_number_where_it_means_nothing_is_refused_naming_the_option(override, message):
+    with pytest.raises(ConfigError) as err:
+        build_config(SFTConfig, None, [*BASE, override])
+    assert str(err.value).startswith(message)
+
+
+def test_every_float_option_of_every_command_is_checked_finite():
+    """The check is generic (every float field of every section), not a list to keep up."""
+    from posttrain.config import GRPOConfig
+    from posttrain.config.core import validate_tree
+
+    base = build_config(GRPOConfig, None, BASE)
+    floats = [key for key, tp, _default, _ in iter_fields(GRPOConfig) if tp is float]
+    assert len(floats) > 20
+    for key in floats:
+        cfg = copy.deepcopy(base)
+        *sections, name = key.split(".")
+        setattr(functools.reduce(getattr, sections, cfg), name, float("inf"))
+        with pytest.raises(ConfigError, match=f"^{key}: must be a finite number"):
+            validate_tree(cfg)
+    assert build_config(SFTConfig, None, [*BASE, "trainer.seed=4294967295"]).trainer.seed == 2**32 - 1
 
 
 def test_coerce_rules():

@@ -246,3 +246,35 @@ def test_sync_is_refused_with_lora_before_training(tok, tmp_path):
 def test_sync_without_a_reference_model_is_a_config_error(tok, tmp_path, command, extra, message):
     with pytest.raises(ConfigError, match=message):
         COMMANDS[command](tok, tmp_path / "run", **{"algorithm.ref_sync_steps": 2, **extra})
+
+
+def overflow(monkeypatch, module, bad_calls):
+    """An infinite learning rate in the `bad_calls`-th calls (1-based) of `module.train_step`:
+    the loss and gradient stay finite, the update makes the weights ±inf."""
+    real, calls = module.train_step, [0]
+
+    def wrapped(model, micro_batches, loss_fn, optimizer, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] in bad_calls:
+            for group in optimizer.param_groups:
+                group["lr"] = float("inf")
+        return real(model, micro_batches, loss_fn, optimizer, *args, **kwargs)
+
+    monkeypatch.setattr(module, "train_step", wrapped)
+
+
+@pytest.mark.parametrize("command", ["sft", "grpo"])
+def test_an_update_that_overflows_the_weights_stops_the_run_before_it_is_saved(tok, tmp_path, monkeypatch, command):
+    """Issue #31 item 2: `trainer.learning_rate=inf` turned every trained weight to ±inf in an
+    update whose loss and gradient were finite, the next losses were NaN, and the run exited 0
+    with that model in final/. The update is checked: the run stops at once."""
+    run = tmp_path / "run"
+    overflow(monkeypatch, train_step_module(command), {2})
+    extra = {"reward": alternating} if command == "grpo" else {}  # every RL step has a gradient
+    trainer = COMMANDS[command](tok, run, **extra, **{"trainer.save_steps": 1})
+    with pytest.raises(TrainingDiverged, match=r"the optimizer step at step 2 made weights NaN/inf .*"
+                                               r"the last good checkpoint is at .*step-1"):
+        trainer.train()
+    assert checkpoints(run) == ["step-1"] and not (run / "final").exists()
+    lines = metric_lines(run)
+    assert [m["step"] for m in lines] == [1]

@@ -8,7 +8,10 @@ replay what the issue saw on the command line, with the built-in tiny model.
 
 import json
 import logging
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from safetensors.torch import load_file
 
 from posttrain import SFTConfig, SFTTrainer
 from posttrain.checkpoint import BUILT_MODEL, COMPLETE, STATE_JSON
+from posttrain.checkpoint import lock as run_lock
 from posttrain.cli import _train_commands, main
 from posttrain.config import ConfigError, build_config
 from posttrain.data.tasks import make_task
@@ -179,6 +183,7 @@ def _strip_run_record(checkpoint):
     (checkpoint / STATE_JSON).write_text(json.dumps(state, indent=2) + "\n")
     manifest = json.loads((checkpoint / COMPLETE).read_text())
     manifest["files"][STATE_JSON] = (checkpoint / STATE_JSON).stat().st_size
+    del manifest["crc32"]  # nor checksums
     (checkpoint / COMPLETE).write_text(json.dumps(manifest))
 
 
@@ -216,3 +221,92 @@ def test_each_command_defaults_to_its_own_run_dir():
     dirs = {cmd.name: build_config(cmd.config_cls).trainer.output_dir for cmd in _train_commands()}
     assert dirs == {name: f"runs/{name}" for name in ("sft", "rm", "dpo", "grpo", "ppo")}
     assert all(cmd.config_cls.command == cmd.name for cmd in _train_commands())
+
+
+# --- two runs in one folder (issue #31, item 1) ------------------------------------------
+
+HOLD = """import importlib.util, sys, time
+spec = importlib.util.spec_from_file_location("lock", sys.argv[1])
+lock = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(lock)
+lock.acquire(sys.argv[2])
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.fixture
+def holder():
+    """Start a process that holds a run directory's lock with `checkpoint.lock.acquire` (a bare
+    Python: no torch to import, so it holds it within ~0.1 s); killed with SIGKILL at the end."""
+    procs = []
+
+    def start(run_dir):
+        proc = subprocess.Popen([sys.executable, "-c", HOLD, run_lock.__file__, str(run_dir)],
+                                stdout=subprocess.PIPE, text=True)
+        procs.append(proc)
+        assert proc.stdout.readline().strip() == "held"
+        return proc
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_second_run_in_a_folder_in_use_is_refused_naming_the_pid_and_a_killed_holder_frees_it(
+        data, used_run, holder, capsys):
+    first = holder(used_run)
+    before = files(used_run)
+    for how in ([], ["trainer.resume=never", "trainer.overwrite=true"], ["trainer.max_steps=3"]):
+        assert main(sft(data, used_run, *how)) == 1
+        err = capsys.readouterr().err
+        assert f"trainer.output_dir={used_run} is in use by another run (pid {first.pid}, still running)" in err
+        assert len(err.strip().splitlines()) == 1
+    assert files(used_run) == before  # the first run's checkpoints, metrics and model are intact
+    first.kill()  # SIGKILL: no chance to clean up, and the kernel drops its lock
+    first.wait()
+    with run_lock.hold(used_run):
+        assert (used_run / run_lock.LOCK_FILE).read_text() == f"{os.getpid()}\n"
+
+
+def test_the_loop_holds_the_lock_for_the_whole_run(tmp_path, holder):
+    """The refusal before loading is a courtesy; the lock the run holds is the loop's own: a
+    holder that appears after the trainer was built still stops it before anything is written."""
+    tok = build_tokenizer()
+    rows = [{"prompt": f"{a}+1=", "completion": str(a + 1)} for a in range(8)]
+    cfg = build_config(SFTConfig, None, [f"trainer.output_dir={tmp_path}", "trainer.max_steps=1",
+                                         "data.train_batch_size=4", "trainer.micro_batch_size=4", *QUIET])
+    torch.manual_seed(0)
+    model = BuiltinLM.from_preset("tiny", vocab_size=len(tok), num_hidden_layers=1)
+    trainer = SFTTrainer(model, args=cfg, train_dataset=rows, processing_class=tok)
+    other = holder(tmp_path)
+    with pytest.raises(run_lock.RunDirBusy, match=f"pid {other.pid}"):
+        trainer.train()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [run_lock.LOCK_FILE]
+    other.kill()
+    other.wait()
+    assert trainer.train().step == 1
+    with run_lock.hold(tmp_path):  # released when the run ended
+        pass
+
+
+# --- a damaged checkpoint (issue #31, item 4) --------------------------------------------
+
+
+def test_auto_falls_back_past_a_damaged_checkpoint_and_a_named_one_is_a_one_line_error(data, used_run, capsys, caplog):
+    ckpts = used_run / "checkpoints"
+    damaged = ckpts / "step-3"  # a newer checkpoint (a copy of step-2) whose weights got a flipped byte
+    shutil.copytree(ckpts / "step-2", damaged)
+    weights = bytearray((damaged / "model.safetensors").read_bytes())
+    weights[len(weights) * 2 // 3] ^= 0xFF
+    (damaged / "model.safetensors").write_bytes(bytes(weights))
+
+    assert main(sft(data, used_run, f"trainer.resume={damaged}", "trainer.max_steps=4")) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"posttrain sft: error: trainer.resume={damaged}: {damaged} is not a complete checkpoint "
+                          "(model.safetensors is damaged (CRC32 ") and len(err.splitlines()) == 1
+    with caplog.at_level(logging.INFO):
+        assert main(sft(data, used_run, "trainer.max_steps=4")) == 0
+    assert f"skipping checkpoint {damaged}: model.safetensors is damaged" in caplog.text
+    assert f"resumed from {ckpts / 'step-2'} at step 2" in caplog.text and "finished at step 4" in caplog.text

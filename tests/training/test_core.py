@@ -327,3 +327,24 @@ def test_set_seed_reseeds_python_numpy_torch():
     first = draws()
     set_seed(7)
     assert draws() == first
+
+
+def test_an_update_that_makes_a_weight_inf_is_diverged_and_stops_the_guard_at_once():
+    """The loss and gradient are finite; the update (lr inf, as `trainer.learning_rate=inf`
+    gave before the config refused it) is not."""
+    model, opt, sched = linear_setup()
+    opt.param_groups[0]["lr"] = math.inf
+    result = train_step(model, [torch.ones(2, 3)], scaled_loss(1.0), opt, sched, 1.0)
+    assert math.isfinite(result.loss) and math.isfinite(result.grad_norm)
+    assert result.diverged and result.nonfinite and not result.skipped
+    assert not torch.isfinite(model.weight).all()
+    guard = BadStepGuard(max_bad_steps=5)
+    with pytest.raises(TrainingDiverged, match=r"optimizer step at step 7 made weights NaN/inf .*runs/x/step-6"):
+        guard.update(result, step=7, last_checkpoint="runs/x/step-6")
+    assert guard.total == 1
+
+
+def test_a_good_update_is_not_diverged():
+    model, opt, sched = linear_setup()
+    result = train_step(model, [torch.ones(2, 3)], scaled_loss(1.0), opt, sched, 1.0)
+    assert not result.diverged and not result.nonfinite

@@ -13,7 +13,8 @@ Layout of one checkpoint (`RUN_DIR/checkpoints/step-N/`):
                                           no optimizer); the HF files hold the gathered model
     trainer_state.json                    step, metrics, data_state, time (for people), and
                                           "run": the command and settings that wrote it
-    COMPLETE                              written last: {"step": N, "files": {name: bytes}}
+    COMPLETE                              written last: {"step": N, "files": {name: bytes},
+                                          "crc32": {name: "8 hex digits"}}
 
 A checkpoint is written into `checkpoints/.tmp-step-N-<random>/`, COMPLETE is
 written last, every file is fsynced, and the folder is renamed to `step-N` in one
@@ -21,7 +22,14 @@ written last, every file is fsynced, and the folder is renamed to `step-N` in on
 crash leaves either the whole checkpoint or a `.tmp-*` folder that is ignored and
 removed by the next save. A `step-N` folder whose COMPLETE is missing, or whose
 files are missing or of another size than COMPLETE records (a truncated copy), is
-skipped with a warning when looking for the newest checkpoint.
+skipped with a warning when looking for the newest checkpoint. Before a checkpoint is
+resumed or exported, each file's CRC32 is checked against COMPLETE's too (`verify`), so a
+damaged file of the right size (a flipped byte, a bad disk or copy) is skipped as well:
+`trainer.resume=auto` falls back to the newest checkpoint before it, with a warning saying
+which file is damaged; `trainer.resume=PATH` naming it is an error naming the file. (CRC32,
+not a cryptographic hash: it guards against accidents, and zlib's reads ~1 GB/s.)
+Checkpoints sealed before COMPLETE recorded checksums are checked by size only; a file of
+one that fails to load is an error naming it (`CorruptCheckpoint`), not a traceback.
 
 Which run a checkpoint belongs to, and whether a new run may use a folder, is
 `checkpoint.runs`.
@@ -42,6 +50,7 @@ import re
 import shutil
 import tempfile
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -65,6 +74,10 @@ STATE_PT = "trainer_state.pt"
 STATE_JSON = "trainer_state.json"
 _STEP_DIR = re.compile(r"step-(\d+)")
 _TMP_PREFIX = ".tmp-"
+
+
+class CorruptCheckpoint(ValueError):
+    """A checkpoint file that cannot be read: the message names it."""
 
 
 def save_checkpoint(
@@ -142,7 +155,7 @@ def load_checkpoint(
         raise ValueError(f"checkpoint {path} is incomplete: {reason}")
     if model is not None:
         load_weights(path, model)
-    state = torch.load(path / STATE_PT, map_location="cpu", weights_only=True)
+    state = read_file(path / STATE_PT, _torch_load)
     if optimizer is not None:
         if state["optimizer"] is None:
             raise ValueError(f"checkpoint {path} holds its optimizer state as DCP shards ({path}/dcp): "
@@ -154,7 +167,7 @@ def load_checkpoint(
         scheduler.load_state_dict(state["scheduler"])
     if restore_rng:
         _set_rng_state(state["rng"])
-    readable = json.loads((path / STATE_JSON).read_text())
+    readable = read_file(path / STATE_JSON, _json_load)
     return {
         "step": state["step"],
         "data_state": state["data_state"],
@@ -177,7 +190,7 @@ def load_weights(path: str | Path, model: torch.nn.Module) -> None:
     if (path / "adapter_model.safetensors").exists():
         from peft import set_peft_model_state_dict
 
-        result = set_peft_model_state_dict(model, load_file(path / "adapter_model.safetensors"))
+        result = set_peft_model_state_dict(model, read_file(path / "adapter_model.safetensors", load_file))
         if result.unexpected_keys:
             raise ValueError(f"{path}: adapter keys the model lacks: {result.unexpected_keys[:5]}")
         return
@@ -185,7 +198,7 @@ def load_weights(path: str | Path, model: torch.nn.Module) -> None:
     loaded: set[str] = set()
     unexpected: list[str] = []
     for file in _weight_files(path):
-        tensors = load_file(file)
+        tensors = read_file(file, load_file)
         unexpected += model.load_state_dict(tensors, strict=False).unexpected_keys
         loaded.update(tensors)
     storage = {name: t.data_ptr() for name, t in expected.items()}
@@ -199,15 +212,16 @@ def load_weights(path: str | Path, model: torch.nn.Module) -> None:
 
 
 def find_latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest complete `RUN_DIR/checkpoints/step-N`, or None.
+    """The newest complete and intact `RUN_DIR/checkpoints/step-N`, or None.
 
-    Newer incomplete or corrupt checkpoints are skipped with a warning naming them.
+    Newer incomplete or corrupt checkpoints are skipped with a warning naming them and why
+    (the files are checked against COMPLETE's checksums: `verify`).
     """
     for path in reversed(_step_dirs(Path(run_dir) / CHECKPOINTS)):
-        reason = _incomplete_reason(path)
+        reason = _incomplete_reason(path, verify=True)
         if reason is None:
             return path
-        log.warning("skipping checkpoint %s: %s", path, reason)
+        log.warning("skipping checkpoint %s: %s; trying the one before it", path, reason)
     return None
 
 
@@ -231,9 +245,10 @@ def resolve_resume(run_dir: str | Path, resume: str) -> Path | None:
                 f"trainer.resume={resume}: no complete checkpoint in {path / CHECKPOINTS}"
             )
         return latest
-    reason = _incomplete_reason(path)
+    reason = _incomplete_reason(path, verify=True)
     if reason is not None:
-        raise ValueError(f"trainer.resume={resume}: {path} is not a complete checkpoint ({reason})")
+        raise CorruptCheckpoint(f"trainer.resume={resume}: {path} is not a complete checkpoint ({reason}); name "
+                                "another checkpoint, or trainer.resume=auto for the newest intact one")
     return path
 
 
@@ -315,7 +330,7 @@ class RunModels:
         load_weights(checkpoint / cls.CRITIC, critic.model)
         state_file = checkpoint / cls.CRITIC / cls.CRITIC_STATE
         if critic.optimizer is not None:
-            state = torch.load(state_file, map_location="cpu", weights_only=True)
+            state = read_file(state_file, _torch_load)
             critic.optimizer.load_state_dict(state["optimizer"])
             critic.scheduler.load_state_dict(state["scheduler"])
             critic.steps = state["steps"]
@@ -396,14 +411,35 @@ def _step_dirs(root: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def _incomplete_reason(path: Path) -> str | None:
-    """Why `path` is not a usable checkpoint, or None when it is."""
+def read_file(file: Path, read: Callable[[Path], Any]) -> Any:
+    """`read(file)`, or a one-line CorruptCheckpoint naming `file` when it is damaged (torch's
+    UnpicklingError would advise weights_only=False, which is unsafe; json's names no file).
+    Any exception of `read` is the file's: a damaged zip or pickle raises a dozen kinds."""
+    try:
+        return read(file)
+    except Exception as err:
+        raise CorruptCheckpoint(f"checkpoint file {file} is damaged and cannot be read ({type(err).__name__}); "
+                                "resume from another checkpoint (trainer.resume=PATH) or start afresh") from None
+
+
+def _torch_load(file: Path) -> Any:
+    return torch.load(file, map_location="cpu", weights_only=True)
+
+
+def _json_load(file: Path) -> Any:
+    return json.loads(file.read_text())
+
+
+def _incomplete_reason(path: Path, verify: bool = False) -> str | None:
+    """Why `path` is not a usable checkpoint, or None when it is: COMPLETE is there, and every
+    file it lists has its size; with `verify`, its CRC32 too (reads every file)."""
     marker = path / COMPLETE
     if not marker.is_file():
         return f"no {COMPLETE} marker (the save did not finish)"
     try:
-        files = json.loads(marker.read_text())["files"]
-    except (ValueError, KeyError, TypeError):
+        manifest = json.loads(marker.read_text())
+        files, crcs = manifest["files"], manifest.get("crc32", {}) if verify else {}
+    except (ValueError, KeyError, TypeError, AttributeError):
         return f"unreadable {COMPLETE} marker"
     for name, size in files.items():
         file = path / name
@@ -413,15 +449,29 @@ def _incomplete_reason(path: Path) -> str | None:
             return f"{name} has {file.stat().st_size} bytes, expected {size} (truncated?)"
     if STATE_PT not in files:
         return f"{STATE_PT} was not saved"
+    for name, crc in crcs.items():
+        if (found := _crc32(path / name)) != crc:
+            return f"{name} is damaged (CRC32 {found}, {COMPLETE} recorded {crc})"
     return None
 
 
+def _crc32(file: Path) -> str:
+    """The CRC32 of `file` as 8 hex digits, read in 4 MiB blocks."""
+    crc = 0
+    with open(file, "rb") as f:
+        while block := f.read(4 << 20):
+            crc = zlib.crc32(block, crc)
+    return f"{crc:08x}"
+
+
 def _seal(directory: Path, step: int) -> None:
-    """Write the COMPLETE manifest, {"step": N, "files": {relative path: size}}, last
-    (`atomic_dir` fsyncs it with the rest before the rename)."""
+    """Write the COMPLETE manifest, {"step": N, "files": {relative path: size}, "crc32":
+    {relative path: CRC32}}, last (`atomic_dir` fsyncs it with the rest before the rename)."""
     files = sorted(p for p in directory.rglob("*") if p.is_file())
-    sizes = {p.relative_to(directory).as_posix(): p.stat().st_size for p in files}
-    (directory / COMPLETE).write_text(json.dumps({"step": step, "files": sizes}, indent=1, sort_keys=True))
+    names = [p.relative_to(directory).as_posix() for p in files]
+    manifest = {"step": step, "files": {n: p.stat().st_size for n, p in zip(names, files)},
+                "crc32": {n: _crc32(p) for n, p in zip(names, files)}}
+    (directory / COMPLETE).write_text(json.dumps(manifest, indent=1, sort_keys=True))
 
 
 def _fsync_tree(directory: Path) -> None:

@@ -24,8 +24,10 @@ from posttrain.checkpoint.files import (
     CHECKPOINTS,
     FINAL,
     STATE_JSON,
+    _json_load,
     _step_dirs,
     _unwrap,
+    read_file,
 )
 from posttrain.config import ConfigError
 from posttrain.config.inputs import DESCRIBED_ONLY
@@ -99,7 +101,7 @@ class RunRecord:
     @classmethod
     def read(cls, checkpoint: Path) -> RunRecord | None:
         """The record in `checkpoint`, or None for one saved before posttrain recorded it."""
-        run = json.loads((checkpoint / STATE_JSON).read_text()).get("run")
+        run = read_file(checkpoint / STATE_JSON, _json_load).get("run")
         return None if run is None else cls(run["command"], run["fingerprint"], run["settings"])
 
 
@@ -130,7 +132,7 @@ def check_resume(checkpoint: Path, run: RunRecord, resume: str, max_steps: int) 
     it, naming it in trainer.resume resumes it with a warning.
     """
     saved = RunRecord.read(checkpoint)
-    step = json.loads((checkpoint / STATE_JSON).read_text())["step"]
+    step = read_file(checkpoint / STATE_JSON, _json_load)["step"]
     where = f"trainer.resume={resume}: {checkpoint}"
     if saved is None and resume == "auto":
         raise ConfigError(f"{where} was saved by an older posttrain that did not record its command and "

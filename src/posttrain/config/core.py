@@ -18,6 +18,7 @@ import difflib
 import functools
 import inspect
 import logging
+import math
 import textwrap
 import types
 import typing
@@ -307,14 +308,27 @@ def _flatten(key: str, value: Any) -> typing.Iterator[tuple[str, Any]]:
         yield key, value
 
 
-def validate_tree(cfg: Any) -> None:
-    """Call `validate()` on every node of a config tree, leaves first."""
+def validate_tree(cfg: Any, prefix: str = "") -> None:
+    """Check every number of a config tree is finite (`check_finite`), then call `validate()`
+    on every node, leaves first. `prefix` is the dotted key of `cfg` in its tree."""
     for f in dataclasses.fields(cfg):
         child = getattr(cfg, f.name)
         if dataclasses.is_dataclass(child):
-            validate_tree(child)
+            validate_tree(child, f"{prefix}{f.name}.")
+        else:
+            check_finite(child, prefix + f.name)
     if hasattr(cfg, "validate"):
         cfg.validate()
+
+
+def check_finite(value: Any, key: str) -> None:
+    """Refuse inf and nan in a float option (or a list of them): no option is meaningful at
+    infinity, and `trainer.learning_rate=inf` would train every weight to ±inf and exit 0.
+    An option that can be switched off takes null (or 0, where its doc says so)."""
+    for v in value if isinstance(value, (list, tuple)) else [value]:
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ConfigError(f"{key}: must be a finite number, got {value!r} (no option takes inf or nan; "
+                              "see `posttrain CMD --help` for how to switch one off)")
 
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
@@ -351,7 +365,8 @@ def build_config(
     """Defaults ← YAML file (or shipped recipe name, `resolve_config_file`) ← `key=value`
     overrides, merged by OmegaConf with `${a.b}` resolved (a recipe may say
     `critic.learning_rate: ${trainer.learning_rate}`; `\\${` is a literal `${`); then check
-    keys, types and combinations. The defaults are merged too, so `${...}` may name any key.
+    keys, types, finite numbers and combinations. The defaults are merged too, so `${...}`
+    may name any key.
     Where a section allows only one of some keys (`one_of`, e.g. model.path and model.init),
     an override of one clears the others the file set: the later source wins. A shipped
     recipe's task settings (RECIPE_TASK_KEYS) give way to data.train_files on the command

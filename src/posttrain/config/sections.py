@@ -248,6 +248,12 @@ class TrainerConfig:
         check(self.save_steps >= 0 and self.eval_steps >= 0, "trainer.save_steps",
               "save_steps and eval_steps must be >= 0 (0: only at the end)")
         check(len(self.adam_betas) == 2, "trainer.adam_betas", "needs two values, e.g. [0.9,0.999]")
+        check(all(0.0 <= b < 1.0 for b in self.adam_betas), "trainer.adam_betas",
+              f"each beta must be in [0, 1), got {self.adam_betas}")
+        check(self.adam_eps > 0, "trainer.adam_eps", f"must be > 0, got {self.adam_eps}")
+        check(self.weight_decay >= 0, "trainer.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        check(self.max_grad_norm >= 0, "trainer.max_grad_norm", f"must be >= 0 (0: no clipping), got {self.max_grad_norm}")
+        check(0 <= self.seed < 2**32, "trainer.seed", f"must be in [0, 2**32 - 1] (NumPy's range), got {self.seed}")
         check(0.0 <= self.min_lr_ratio <= 1.0, "trainer.min_lr_ratio", "must be in [0, 1]")
         allowed = {"tensorboard", "wandb", "mlflow"}
         unknown = sorted(set(self.report_to) - allowed)

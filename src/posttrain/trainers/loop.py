@@ -8,6 +8,8 @@
 A trainer brings a `Task`: its step function and its state (what a checkpoint holds, how
 it is restored, what `final/` holds). Everything else is here, once, so every command
 follows the same rules:
+- one run at a time: the run directory is locked for the run's life (`checkpoint.lock`), so
+  a second run in the same folder is refused at once, naming the holder's pid;
 - the start: `trainer.resume` picks the checkpoint; it must be one of this run (the same
   command and fingerprint, `checkpoint.check_resume`), checked before any weights load; a
   new run never shares its folder with another (`checkpoint.claim_run_dir`,
@@ -25,6 +27,7 @@ follows the same rules:
 - the bad-step guard: a step whose loss or gradient was NaN/inf is skipped by the
   optimizer, counted, and never checkpointed (a checkpoint is only ever a good state);
   `trainer.max_bad_steps` of them in a row stop the run, naming the last good checkpoint;
+  an update that made the weights NaN/inf (it cannot be skipped) stops it at once;
 - the reference sync (TR-DPO, `algorithm.ref_sync_steps` / `ref_sync_alpha`) for every
   task that has a reference;
 - `final/`;
@@ -41,6 +44,7 @@ and a loss); the RL trainer is a task of its own (`trainers/rl.py`).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -63,6 +67,7 @@ from posttrain.checkpoint import (
     save_checkpoint,
     save_final,
 )
+from posttrain.checkpoint import lock as run_lock
 from posttrain.config import ConfigError, TrainerConfig, save_config, to_dict
 from posttrain.config.inputs import recorded_config
 from posttrain.logging import MetricsLogger, Progress, get_logger
@@ -93,6 +98,8 @@ class StepOutput:
     """A loss or gradient of the step was NaN/inf (its optimizer step was skipped)."""
     skipped: bool = False
     """Nothing was trained (no units): neither counts as bad nor resets the guard."""
+    diverged: bool = False
+    """An update made the weights NaN/inf: the guard stops the run at once."""
     progress: dict[str, float] = field(default_factory=dict)
     """A few numbers for the progress bar."""
 
@@ -193,7 +200,15 @@ class Budget:
 
 def run(task: Task, config: Any, ref_sync: RefSync | None = None, callbacks: Callbacks | None = None) -> FitResult:
     """Train `task` for `config.trainer.max_steps` steps; see the module doc. `config` is the
-    command's whole config tree (its class names the command, e.g. `SFTConfig.command`)."""
+    command's whole config tree (its class names the command, e.g. `SFTConfig.command`).
+    The run directory is locked from before the start to after final/ (`checkpoint.lock`;
+    rank 0 holds it for data-parallel ranks, the driver on Ray)."""
+    main = getattr(task, "is_main", True)
+    with run_lock.hold(config.trainer.output_dir) if main else contextlib.nullcontext():
+        return _run(task, config, ref_sync, callbacks)
+
+
+def _run(task: Task, config: Any, ref_sync: RefSync | None, callbacks: Callbacks | None) -> FitResult:
     cfg: TrainerConfig = config.trainer
     hooks = callbacks if callbacks is not None else Callbacks([], config)
     run_dir = Path(cfg.output_dir)
@@ -257,12 +272,15 @@ def run(task: Task, config: Any, ref_sync: RefSync | None = None, callbacks: Cal
 def _start(task: Task, config: Any, config_dict: dict[str, Any], record: RunRecord, main: bool = True,
            collective: Any = None) -> tuple[int, Path | None]:
     """The resume step, before anything is written: find the checkpoint `trainer.resume`
-    asks for and check that it is one of this run (before any weights load), make the run
-    directory this run's, write config.yaml (`config_dict`: rank 0 of data-parallel ranks;
-    the others wait for it), then restore. Returns (step, checkpoint or None)."""
+    asks for (rank 0 checks its files' checksums and tells the other ranks) and check that
+    it is one of this run (before any weights load), make the run directory this run's,
+    write config.yaml (`config_dict`: rank 0 of data-parallel ranks; the others wait for
+    it), then restore. Returns (step, checkpoint or None)."""
     cfg: TrainerConfig = config.trainer
     run_dir = Path(cfg.output_dir)
-    resume_from = resolve_resume(run_dir, cfg.resume)
+    resume_from = resolve_resume(run_dir, cfg.resume) if main else None  # reads every file: once
+    if collective is not None:
+        resume_from = _as_path(collective.broadcast(None if resume_from is None else str(resume_from)))
     changed = check_resume(resume_from, record, cfg.resume, cfg.max_steps) if resume_from is not None else []
     if main:
         claim_run_dir(run_dir, resume_from, cfg.resume, cfg.overwrite)
@@ -276,6 +294,10 @@ def _start(task: Task, config: Any, config_dict: dict[str, Any], record: RunReco
     step = task.restore(resume_from)
     log.info("resumed from %s at step %d", resume_from, step)
     return step, resume_from
+
+
+def _as_path(path: Any) -> Path | None:
+    return None if path is None else Path(path)
 
 
 class _NoSink:
@@ -398,7 +420,8 @@ class OptimizerTask:
                             self.cfg.max_grad_norm, self.cfg.precision, self.collective)
         timing = _throughput(micro_batches, time.perf_counter() - t0, self.collective)
         metrics = {**result.as_metrics(self.unit), **timing}
-        return StepOutput(metrics, result.nonfinite, result.skipped, {"loss": result.loss, "lr": result.lr})
+        return StepOutput(metrics, result.nonfinite, result.skipped, result.diverged,
+                          {"loss": result.loss, "lr": result.lr})
 
     def train_samples(self) -> list[dict]:
         """None: SFT, RM and DPO write samples at eval steps only."""

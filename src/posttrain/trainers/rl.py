@@ -25,7 +25,8 @@ is what moves the model. Watch `reward/mean`, `grad_norm` and `approx_kl`, not t
 Departures from the papers, TRL and veRL, and why:
 - A non-finite loss or gradient skips that optimizer step (actor or critic); the RL step is
   then bad: counted in `nonfinite_steps`, never checkpointed, and `trainer.max_bad_steps` bad
-  RL steps in a row stop the run, as in every other command (the loop's guard).
+  RL steps in a row stop the run, as in every other command (the loop's guard); an update
+  that made the actor's or critic's weights NaN/inf stops it at once.
 - Batch sizes count as veRL's: data.train_batch_size prompts per step, ppo_mini_batch_size
   in prompts (× n rows) per optimizer step, micro_batch_size in rows. TRL counts
   completions per device. The lr schedule, warmup and max_steps count RL steps (veRL).
@@ -261,8 +262,10 @@ class RLTrainer:
         if self.worker_restarts is not None:
             metrics["worker_restarts"] = float(self.worker_restarts)
         nonfinite = metrics.get("actor/nonfinite_steps", 0.0) + metrics.get("critic/nonfinite_steps", 0.0) > 0
+        diverged = metrics.get("actor/diverged_steps", 0.0) + metrics.get("critic/diverged_steps", 0.0) > 0
         shown = {"reward": metrics["reward/mean"], "acc": metrics.get("accuracy"), "kl": metrics["kl"]}
-        return StepOutput(metrics, nonfinite, progress={k: v for k, v in shown.items() if v is not None})
+        return StepOutput(metrics, nonfinite, diverged=diverged,
+                          progress={k: v for k, v in shown.items() if v is not None})
 
     # ------------------------------------------------------------------ one step's stages
 

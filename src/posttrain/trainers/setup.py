@@ -7,10 +7,11 @@ from typing import Any
 
 import torch
 
+from posttrain.checkpoint import lock as run_lock
 from posttrain.config.core import ConfigError, check, validate_tree
 from posttrain.config.sections import TrainerConfig
 from posttrain.data.sources import describe_source
-from posttrain.distributed import init_from_env
+from posttrain.distributed import current, init_from_env
 from posttrain.distributed.env import refuse_launch_of_several
 from posttrain.models.factory import load_tokenizer
 from posttrain.models.llama_checkpoint import read_config_json
@@ -34,7 +35,8 @@ def prepare_run(
 ) -> tuple[Any, Any, Any]:
     """Validate `args` (then run the trainer's own `checks`), join torchrun's process group
     (`trainer.strategy`, when launched with WORLD_SIZE > 1; a config without one, RL's, is
-    refused there), seed, and resolve the data sources and the tokenizer.
+    refused there), refuse a run directory another run holds (`checkpoint.lock`), seed, and
+    resolve the data sources and the tokenizer.
 
     A string `model` is a local model directory (it becomes `model.path`). A `peft_config`
     (TRL's: a `peft.LoraConfig`) becomes `model.lora` (`lora_from_peft`; `classifier`: the
@@ -63,6 +65,8 @@ def prepare_run(
         init_from_env(strategy)  # under torchrun, before any model is built
     else:  # RL: its data parallelism is Ray's
         refuse_launch_of_several(getattr(args, "command", "rl"), RL_SCALE_OUT)
+    if current() is None or current().is_main:  # another run in the folder: refused before loading
+        run_lock.check_free(args.trainer.output_dir)
     set_seed(args.trainer.seed)
     if processing_class is not None:
         return train_source, eval_source, processing_class

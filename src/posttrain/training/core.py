@@ -166,8 +166,13 @@ class StepResult:
     skipped: bool = False
     """True when the optimizer and scheduler were not stepped (see `nonfinite`)."""
     nonfinite: bool = False
-    """The loss or gradient norm was NaN/inf (the step was skipped). A step with no
-    units at all is skipped too, but is not counted as non-finite."""
+    """The loss or gradient norm was NaN/inf (the step was skipped), or the update made a
+    weight NaN/inf (`diverged`). A step with no units at all is skipped too, but is not
+    counted as non-finite."""
+    diverged: bool = False
+    """The loss and gradient were finite but the optimizer step made a weight NaN/inf (an
+    update that overflowed): it cannot be skipped after the fact, so `BadStepGuard` stops
+    the run at once, before the broken weights are saved."""
     metrics: dict[str, float] = field(default_factory=dict)
     """The loss_fn's metrics merged over micro-batches (see `merge_metrics`)."""
 
@@ -290,21 +295,43 @@ def train_step(
     mean_loss = torch.as_tensor(loss_total, dtype=torch.float64, device=device) / n_total
     loss, norm = torch.stack([mean_loss, grad_norm.double().to(device)]).tolist()  # one device sync
     nonfinite = not (math.isfinite(loss) and math.isfinite(norm))
+    diverged = False
     if not nonfinite:
         optimizer.step()
+        diverged = not weights_finite(params, collective)
         if scheduler is not None:
             scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(
-        loss, norm, lr, n_total, skipped=nonfinite, nonfinite=nonfinite, metrics=merged
+        loss, norm, lr, n_total, skipped=nonfinite, nonfinite=nonfinite or diverged, diverged=diverged, metrics=merged
     )
+
+
+def weights_finite(params: list[torch.Tensor], collective: StepCollective | None = None) -> bool:
+    """No weight in `params` is NaN/inf (on any rank): one fused max-|w| per tensor
+    (`torch._foreach_norm`, ord inf, which is NaN or inf exactly when the tensor holds one)
+    and one device sync. FSDP2's DTensor parameters are checked shard by shard."""
+    local = [(p.to_local() if hasattr(p, "to_local") else p).detach() for p in params]
+    local = [t for t in local if t.numel()]
+    finite = True
+    if local:
+        norms = torch._foreach_norm(local, math.inf)
+        if len({(n.dtype, n.device) for n in norms}) > 1:
+            norms = [n.to(local[0].device, torch.float32) for n in norms]
+        finite = bool(torch.stack(norms).isfinite().all())
+    if collective is not None:
+        finite = collective.all_max([float(not finite)])[0] == 0
+    return finite
 
 
 class BadStepGuard:
     """Counts consecutive non-finite steps and stops the run after `max_bad_steps` in a row.
 
     A good step resets the count; a step skipped only for having no units
-    neither counts nor resets. `total` counts every non-finite step of the run.
+    neither counts nor resets. `total` counts every non-finite step of the run. A step
+    whose update made the weights non-finite (`diverged`) stops the run at once: unlike a
+    NaN loss it was not skipped, every later step would be NaN, and the run would end with
+    a broken final/.
     """
 
     def __init__(self, max_bad_steps: int):
@@ -317,7 +344,16 @@ class BadStepGuard:
     def update(
         self, result: StepResult, step: int, last_checkpoint: Path | str | None = None
     ) -> None:
-        """Record optimizer step `step`'s result; raise `TrainingDiverged` at the limit."""
+        """Record optimizer step `step`'s result; raise `TrainingDiverged` at the limit, or at
+        once when the update made the weights NaN/inf (`StepResult.diverged`)."""
+        where = last_checkpoint if last_checkpoint is not None else "none (nothing saved yet)"
+        if getattr(result, "diverged", False):
+            self.total += 1
+            raise TrainingDiverged(
+                f"the optimizer step at step {step} made weights NaN/inf (its loss and gradient were finite: "
+                f"the update overflowed), so the model cannot train on; lower trainer.learning_rate (or raise "
+                f"trainer.adam_eps); the last good checkpoint is at {where}"
+            )
         if not result.nonfinite:
             if not result.skipped:
                 self.consecutive = 0
@@ -325,7 +361,6 @@ class BadStepGuard:
         self.consecutive += 1
         self.total += 1
         if self.consecutive >= self.max_bad_steps:
-            where = last_checkpoint if last_checkpoint is not None else "none (nothing saved yet)"
             raise TrainingDiverged(
                 f"loss or gradient norm was NaN/inf for {self.consecutive} consecutive steps "
                 f"at step {step}; lower trainer.learning_rate or check the data; "

@@ -266,8 +266,9 @@ def shuffled_mini_batches(batch: RLBatch, rows: int, epochs: int, seed: int) -> 
 
 def average_steps(results: list[StepResult], role: str = "actor") -> dict[str, float]:
     """Mean over optimizer steps of grad_norm, lr and every loss_fn metric (skipped steps'
-    non-finite values left out), plus `<role>/optimizer_steps`, `<role>/skipped_steps` and
-    `<role>/nonfinite_steps` (the RL step reports those to the loop's bad-step guard)."""
+    non-finite values left out), plus `<role>/optimizer_steps`, `<role>/skipped_steps`,
+    `<role>/nonfinite_steps` and `<role>/diverged_steps` (the RL step reports those to the
+    loop's bad-step guard)."""
     out: dict[str, list[float]] = {}
     for r in results:
         for key, value in {"grad_norm": r.grad_norm, "lr": r.lr, **r.metrics}.items():
@@ -276,5 +277,6 @@ def average_steps(results: list[StepResult], role: str = "actor") -> dict[str, f
     merged = {k: sum(v) / len(v) for k, v in out.items()}
     merged[f"{role}/skipped_steps"] = float(sum(r.skipped for r in results))
     merged[f"{role}/nonfinite_steps"] = float(sum(r.nonfinite for r in results))
+    merged[f"{role}/diverged_steps"] = float(sum(r.diverged for r in results))
     merged[f"{role}/optimizer_steps"] = float(len(results))
     return merged
