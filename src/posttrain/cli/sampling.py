@@ -143,10 +143,12 @@ def _load_model(args: argparse.Namespace) -> tuple[Any, Any]:
     from posttrain.config.sections import check_device
     from posttrain.models.factory import build_model_and_tokenizer
     from posttrain.models.llama_checkpoint import read_config_json
+    from posttrain.rollout import model_impl_for
 
     check_device(args.device, "--device")
     read_config_json(args.model)  # a clear error when MODEL is not a model directory
-    return build_model_and_tokenizer(ModelConfig(path=args.model, device=args.device, dtype=args.dtype))
+    impl = model_impl_for(args.engine or "auto", "auto")  # --engine hf: a transformers model
+    return build_model_and_tokenizer(ModelConfig(path=args.model, impl=impl, device=args.device, dtype=args.dtype))
 
 
 def _episodes(args: argparse.Namespace) -> tuple[Any, Any]:

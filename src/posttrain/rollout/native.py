@@ -39,9 +39,10 @@ for the same seed (a test pins this). In "row" mode row i's draw at step t is
 batch's tokens (and the hf engine's, for the same logits). Greedy decoding matches
 transformers' `generate` token for token.
 
-Models: a BuiltinLM (also peft-wrapped), or a transformers LlamaForCausalLM whose
-features BuiltinLM implements, which is viewed as a BuiltinLM sharing the same
-parameter tensors (no copy).
+Models: a BuiltinLM (also peft-wrapped), or a transformers Llama, Qwen2, Qwen3 or Mistral
+causal LM whose features BuiltinLM implements, which is viewed as a BuiltinLM sharing the
+same parameter tensors (no copy). Qwen2's q/k/v bias is stacked like the weights; Qwen3's
+q_norm / k_norm run on the step's q and k heads before RoPE, as in `Attention`.
 """
 
 from __future__ import annotations
@@ -71,25 +72,42 @@ from posttrain.rollout.base import (
 from posttrain.rollout.episodes import Episodes, MultiTurnLimits, TurnHandler, run_episodes
 
 
+def native_problems(model: nn.Module) -> list[str]:
+    """Why the native engine cannot run `model` (empty: it can). It runs a BuiltinLM (peft-wrapped
+    or not) and transformers models of a family BuiltinLM implements (`ckpt.unsupported_features`)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if isinstance(base, BuiltinLM):
+        return []
+    config = getattr(base, "config", None)
+    if not hasattr(config, "to_dict"):
+        return [f"{type(base).__name__} is not a transformers model"]
+    return ckpt.unsupported_features(config.to_dict())
+
+
+def native_refusal(what: str, problems: list[str]) -> str:
+    """The error message for a model the native engine cannot run, in config keys."""
+    return (
+        f"rollout.engine=native cannot run {what}: {'; '.join(problems)}. The native engine runs the "
+        f"built-in decoder ({', '.join(ckpt.ARCHITECTURES)} checkpoints); set rollout.engine=hf "
+        "(transformers' generate, any causal LM) or rollout.engine=auto (--engine hf on the command line)"
+    )
+
+
 def as_builtin(model: nn.Module) -> BuiltinLM:
     """The BuiltinLM that computes `model`'s logits, sharing its parameters.
 
     BuiltinLM -> itself; peft model -> its (adapter-injected) base model; transformers
-    LlamaForCausalLM -> a BuiltinLM whose parameters are the HF model's tensors.
+    Llama/Qwen2/Qwen3/Mistral model -> a BuiltinLM whose parameters are the HF model's tensors.
+    Raises ValueError (`native_refusal`) for any other model.
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if isinstance(base, BuiltinLM):
         return base
-    config = getattr(base, "config", None)
-    hf = config.to_dict() if hasattr(config, "to_dict") else None
-    problems = ["not a transformers model"] if hf is None else ckpt.unsupported_llama_features(hf)
+    problems = native_problems(base)
     if problems:
-        raise TypeError(
-            f"the native engine runs BuiltinLM and Llama models; {type(base).__name__} "
-            f"cannot be one ({'; '.join(problems)}). Use make_engine('hf', ...) instead."
-        )
+        raise ValueError(native_refusal(f"this {type(base).__name__}", problems))
     with torch.device("meta"):
-        view = BuiltinLM(BuiltinConfig(**ckpt.builtin_fields(hf)))
+        view = BuiltinLM(BuiltinConfig(**ckpt.builtin_fields(base.config.to_dict())))
     state = dict(base.state_dict())
     if view.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -115,7 +133,8 @@ class NativeEngine:
     ):
         """
         Args:
-            model: BuiltinLM, peft-wrapped BuiltinLM, or transformers LlamaForCausalLM.
+            model: BuiltinLM, peft-wrapped BuiltinLM, or a transformers Llama, Qwen2, Qwen3
+                or Mistral causal LM (`native_problems` says why another cannot run).
             tokenizer: encodes string prompts, decodes texts, gives eos/pad ids.
             compact_fraction: drop finished rows from the decode batch once this
                 fraction of its rows has finished; None never drops them (tests).
@@ -314,10 +333,12 @@ def _stop_string_hits(
 @dataclass
 class DecodeWeights:
     """The decoder's matrices laid out for one-token steps, each (in, out) row-major (copies,
-    made once per `generate` call). Per layer: q/k/v stacked (H, (nh + 2·nkv)·D), o
-    (nh·D, H), gate/up stacked (H, 2·I), down (I, H); then lm_head (H, V)."""
+    made once per `generate` call). Per layer: q/k/v stacked (H, (nh + 2·nkv)·D) and their
+    stacked bias ((nh + 2·nkv)·D,) (Qwen2; None without), o (nh·D, H), gate/up stacked
+    (H, 2·I), down (I, H); then lm_head (H, V)."""
 
     qkv: list[torch.Tensor]
+    qkv_bias: list[torch.Tensor] | None
     o: list[torch.Tensor]
     gate_up: list[torch.Tensor]
     down: list[torch.Tensor]
@@ -325,20 +346,22 @@ class DecodeWeights:
 
     @classmethod
     def of(cls, model: BuiltinLM) -> DecodeWeights | None:
-        """None when a projection is not a plain `nn.Linear` without bias (LoRA adapters
-        injected): the layers then run as modules."""
+        """None when a projection is not a plain `nn.Linear` (LoRA adapters injected): the
+        layers then run as modules."""
         layers = model.model.layers
         linears = [m for layer in layers for m in (layer.self_attn.q_proj, layer.self_attn.k_proj,
                    layer.self_attn.v_proj, layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
                    layer.mlp.down_proj)] + [model.lm_head]
-        if any(type(m) is not nn.Linear or m.bias is not None for m in linears):
+        if any(type(m) is not nn.Linear for m in linears):
             return None
 
         def rows_in(*mods: nn.Linear) -> torch.Tensor:
             return torch.cat([m.weight for m in mods]).t().contiguous()
 
+        qkv = [(x.self_attn.q_proj, x.self_attn.k_proj, x.self_attn.v_proj) for x in layers]
         return cls(
-            qkv=[rows_in(x.self_attn.q_proj, x.self_attn.k_proj, x.self_attn.v_proj) for x in layers],
+            qkv=[rows_in(*mods) for mods in qkv],
+            qkv_bias=[torch.cat([m.bias for m in mods]) for mods in qkv] if model.config.qkv_bias else None,
             o=[rows_in(x.self_attn.o_proj) for x in layers],
             gate_up=[rows_in(x.mlp.gate_proj, x.mlp.up_proj) for x in layers],
             down=[rows_in(x.mlp.down_proj) for x in layers],
@@ -375,11 +398,17 @@ def _decode_step(
 
 def _decode_layer(layer, x, w: DecodeWeights, i: int, cos, signed_sin, mask, cache) -> torch.Tensor:
     """`DecoderLayer.forward` of layer i for one new token per row, x (R, 1, H) -> (R, 1, H),
-    on `DecodeWeights` (fused q/k/v and gate/up, RoPE on q and k at once)."""
+    on `DecodeWeights` (fused q/k/v and gate/up, RoPE on q and k at once; Qwen3's q/k norms
+    as modules)."""
     attn, r = layer.self_attn, x.shape[0]
     nh, nkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    qkv = (layer.input_layernorm(x) @ w.qkv[i]).view(r, nh + 2 * nkv, d)
+    qkv = layer.input_layernorm(x) @ w.qkv[i]  # (R, 1, (nh + 2·nkv)·D)
+    if w.qkv_bias is not None:
+        qkv = qkv + w.qkv_bias[i]
+    qkv = qkv.view(r, nh + 2 * nkv, d)
     qk = qkv[:, : nh + nkv]
+    if attn.q_norm is not None:
+        qk = torch.cat([attn.q_norm(qk[:, :nh]), attn.k_norm(qk[:, nh:])], dim=1)
     qk = qk * cos + qk.roll(d // 2, dims=-1) * signed_sin  # (R, nh + nkv, D)
     k, v = cache.write(i, qk[:, nh:, None], qkv[:, nh + nkv :, None])  # (R, nkv, T_kv, D)
     out = grouped_attention(qk[:, :nh, None], k, v, mask, False)  # (R, nh, 1, D)
