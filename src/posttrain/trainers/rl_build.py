@@ -154,8 +154,8 @@ def check_engine_fits(cfg: RLConfig, model: Any) -> None:
                   "rollout.engine=hf runs transformers' generate, which the built-in model lacks: set "
                   "model.impl=auto or hf (a transformers model), or rollout.engine=native")
             check(m.init is None, "model.init",
-                  f"model.init={m.init} is a fresh built-in model, which rollout.engine=hf (transformers' "
-                  "generate) cannot run: set rollout.engine=native (or auto)")
+                  f"rollout.engine=hf (transformers' generate) cannot run a fresh built-in model "
+                  f"(model.init={m.init}): set rollout.engine=native (or auto)")
     if engine != "native":
         return
     if given:
