@@ -40,11 +40,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # float32 statistics keep bf16 training stable; the cast back before the
-        # weight multiply matches HF's LlamaRMSNorm bit for bit.
-        x32 = x.float()
-        inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)  # (..., 1)
-        return self.weight * (x32 * inv_rms).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm's arithmetic: x (..., H), weight broadcast against it (H,) -> (..., H)."""
+    # float32 statistics keep bf16 training stable; the cast back before the
+    # weight multiply matches HF's LlamaRMSNorm bit for bit.
+    x32 = x.float()
+    inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
+    return weight * (x32 * inv_rms).to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:

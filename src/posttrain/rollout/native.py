@@ -57,7 +57,7 @@ from torch import nn
 from posttrain.data.collate import left_pad, pad_id_of
 from posttrain.models import BuiltinConfig, BuiltinLM
 from posttrain.models import llama_checkpoint as ckpt
-from posttrain.models.layers import grouped_attention
+from posttrain.models.layers import grouped_attention, rms_norm
 from posttrain.rollout.base import (
     Completions,
     Draws,
@@ -334,11 +334,14 @@ def _stop_string_hits(
 class DecodeWeights:
     """The decoder's matrices laid out for one-token steps, each (in, out) row-major (copies,
     made once per `generate` call). Per layer: q/k/v stacked (H, (nh + 2·nkv)·D) and their
-    stacked bias ((nh + 2·nkv)·D,) (Qwen2; None without), o (nh·D, H), gate/up stacked
-    (H, 2·I), down (I, H); then lm_head (H, V)."""
+    stacked bias ((nh + 2·nkv)·D,) (Qwen2; None without), the q_norm weight repeated for
+    the nh query heads above the k_norm weight for the nkv key heads, (nh + nkv, D) (Qwen3;
+    None without: one RMSNorm over all q and k heads then does what the two modules do), o
+    (nh·D, H), gate/up stacked (H, 2·I), down (I, H); then lm_head (H, V)."""
 
     qkv: list[torch.Tensor]
     qkv_bias: list[torch.Tensor] | None
+    qk_norm: list[torch.Tensor] | None
     o: list[torch.Tensor]
     gate_up: list[torch.Tensor]
     down: list[torch.Tensor]
@@ -358,10 +361,15 @@ class DecodeWeights:
         def rows_in(*mods: nn.Linear) -> torch.Tensor:
             return torch.cat([m.weight for m in mods]).t().contiguous()
 
+        def norms_of(attn) -> torch.Tensor:
+            q, k = attn.q_norm.weight, attn.k_norm.weight
+            return torch.cat([q.expand(attn.num_heads, -1), k.expand(attn.num_kv_heads, -1)])
+
         qkv = [(x.self_attn.q_proj, x.self_attn.k_proj, x.self_attn.v_proj) for x in layers]
         return cls(
             qkv=[rows_in(*mods) for mods in qkv],
             qkv_bias=[torch.cat([m.bias for m in mods]) for mods in qkv] if model.config.qkv_bias else None,
+            qk_norm=[norms_of(x.self_attn) for x in layers] if model.config.qk_norm else None,
             o=[rows_in(x.self_attn.o_proj) for x in layers],
             gate_up=[rows_in(x.mlp.gate_proj, x.mlp.up_proj) for x in layers],
             down=[rows_in(x.mlp.down_proj) for x in layers],
@@ -398,8 +406,8 @@ def _decode_step(
 
 def _decode_layer(layer, x, w: DecodeWeights, i: int, cos, signed_sin, mask, cache) -> torch.Tensor:
     """`DecoderLayer.forward` of layer i for one new token per row, x (R, 1, H) -> (R, 1, H),
-    on `DecodeWeights` (fused q/k/v and gate/up, RoPE on q and k at once; Qwen3's q/k norms
-    as modules)."""
+    on `DecodeWeights` (fused q/k/v and gate/up; Qwen3's q/k norms, then RoPE, on q and k at
+    once)."""
     attn, r = layer.self_attn, x.shape[0]
     nh, nkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
     qkv = layer.input_layernorm(x) @ w.qkv[i]  # (R, 1, (nh + 2·nkv)·D)
@@ -407,8 +415,8 @@ def _decode_layer(layer, x, w: DecodeWeights, i: int, cos, signed_sin, mask, cac
         qkv = qkv + w.qkv_bias[i]
     qkv = qkv.view(r, nh + 2 * nkv, d)
     qk = qkv[:, : nh + nkv]
-    if attn.q_norm is not None:
-        qk = torch.cat([attn.q_norm(qk[:, :nh]), attn.k_norm(qk[:, nh:])], dim=1)
+    if w.qk_norm is not None:  # q_norm and k_norm in one call
+        qk = rms_norm(qk, w.qk_norm[i], attn.q_norm.eps)
     qk = qk * cos + qk.roll(d // 2, dims=-1) * signed_sin  # (R, nh + nkv, D)
     k, v = cache.write(i, qk[:, nh:, None], qkv[:, nh + nkv :, None])  # (R, nkv, T_kv, D)
     out = grouped_attention(qk[:, :nh, None], k, v, mask, False)  # (R, nh, 1, D)
