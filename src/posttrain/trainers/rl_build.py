@@ -177,7 +177,10 @@ def policy_config(cfg: RLConfig) -> Any:
     `generate` needs a transformers model (as in a TRL run); anything else as set."""
     from posttrain.rollout import model_impl_for
 
-    return dataclasses.replace(cfg.model, impl=model_impl_for(cfg.rollout.engine, cfg.model.impl))
+    impl = model_impl_for(cfg.rollout.engine, cfg.model.impl)
+    if impl != cfg.model.impl:
+        log.info("rollout.engine=%s: the policy loads with transformers (model.impl=auto -> %s)", cfg.rollout.engine, impl)
+    return dataclasses.replace(cfg.model, impl=impl)
 
 
 def check_critic_source(cfg: RLConfig) -> None:
