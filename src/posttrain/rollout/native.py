@@ -89,7 +89,8 @@ def native_refusal(what: str, problems: list[str]) -> str:
     return (
         f"rollout.engine=native cannot run {what}: {'; '.join(problems)}. The native engine runs the "
         f"built-in decoder ({', '.join(ckpt.ARCHITECTURES)} checkpoints); set rollout.engine=hf "
-        "(transformers' generate, any causal LM) or rollout.engine=auto (--engine hf on the command line)"
+        "(transformers' generate, any causal LM) or auto; on the command line of generate, eval "
+        "and serve: --engine hf"
     )
 
 
