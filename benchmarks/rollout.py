@@ -1,14 +1,18 @@
 """Rollout throughput: the native engine against the hf engine, side by side.
 
     .venv/bin/python benchmarks/rollout.py [--presets tiny small] [--repeats 3] [--threads N]
+        [--arch llama|qwen2|qwen3|mistral]
     .venv/bin/python benchmarks/rollout.py --presets tiny --threads 1 --profile   # native's top ops
 
 Workload (both engines, same prompts and weights): 64 arithmetic-task prompts, one
 sample each, 128 new tokens per row with early stopping off (`stop_token_ids=[]`),
 temperature 1, fp32, a randomly initialised built-in preset over the byte
-tokenizer (V = 262). The hf engine runs `LlamaForCausalLM.generate` on the same
-weights loaded by plain transformers and, like the native engine, returns logprobs
-(its teacher-forced recompute is part of its cost); "hf generate only" skips them.
+tokenizer (V = 262), of the family `--arch` (ARCHS: Llama by default; qwen3 is
+Qwen3-shaped: q/k RMSNorm, nkv = nh/2 and head_dim = 2·H/nh, so nh·D = 2H as in
+Qwen3-0.6B's 16 x 128 = 2 x 1024). The hf engine runs that family's transformers
+`generate` (`LlamaForCausalLM`, `Qwen3ForCausalLM`, ...) on the same weights loaded by
+plain transformers and, like the native engine, returns logprobs (its teacher-forced
+recompute is part of its cost); "hf generate only" skips them.
 
 Reported per engine: generated tokens per CPU-second (median over repeats), the
 achieved GFLOP per CPU-second of the work a KV-cached decoder must do, and its
@@ -52,10 +56,21 @@ import torch
 
 from posttrain.data.tasks import get_task
 from posttrain.data.tokenizer import build_tokenizer
-from posttrain.models import BuiltinLM
+from posttrain.models import PRESETS, BuiltinLM
 from posttrain.rollout import SamplingParams, make_engine
 
 BATCH, NEW_TOKENS = 64, 128
+ARCHS = {
+    "llama": lambda preset: {},
+    "qwen2": lambda preset: {"model_type": "qwen2"},
+    "qwen3": lambda preset: {
+        "model_type": "qwen3",
+        "num_key_value_heads": PRESETS[preset]["num_attention_heads"] // 2,
+        "head_dim": 2 * PRESETS[preset]["hidden_size"] // PRESETS[preset]["num_attention_heads"],
+    },
+    "mistral": lambda preset: {"model_type": "mistral"},
+}
+"""`BuiltinConfig` overrides of each `--arch` on a preset."""
 
 
 def matmul_peak_gflops(size: int = 2048, tries: int = 5) -> float:
@@ -124,23 +139,24 @@ def decode_floor_s(
     return matmul / (peak * 1e9) + kv / (bandwidth * 1e9)
 
 
-def build_models(preset: str, vocab: int, tmp: str):
-    from transformers import LlamaForCausalLM
+def build_models(preset: str, vocab: int, tmp: str, arch: str = "llama"):
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     model = BuiltinLM.from_preset(
-        preset, vocab, bos_token_id=1, eos_token_id=2, pad_token_id=0
+        preset, vocab, bos_token_id=1, eos_token_id=2, pad_token_id=0, **ARCHS[arch](preset)
     ).eval()
     model.save_pretrained(tmp)
-    hf = LlamaForCausalLM.from_pretrained(tmp, dtype=torch.float32, local_files_only=True).eval()
+    hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, local_files_only=True).eval()
     return model, hf
 
 
 def bench_preset(
-    preset: str, prompts: list[str], tok, repeats: int, peak: float, bandwidths: dict[str, float]
+    preset: str, prompts: list[str], tok, repeats: int, peak: float, bandwidths: dict[str, float],
+    arch: str = "llama",
 ) -> list[str]:
     with tempfile.TemporaryDirectory() as tmp:
-        model, hf = build_models(preset, len(tok), tmp)
+        model, hf = build_models(preset, len(tok), tmp, arch)
         runs = {
             "native": (make_engine("native", model, tok), True),
             "hf": (make_engine("hf", hf, tok), True),
@@ -175,7 +191,8 @@ def bench_preset(
                 r = [h[k] / n[k] for n, h in zip(results["native"], times)]
                 cells.append(f"{statistics.median(r):.2f}x [{min(r):.2f}–{max(r):.2f}]")
         rows.append(
-            f"| {preset} ({model.num_parameters() / 1e6:.1f}M) | {name} | {tokens / cpu:,.0f} "
+            f"| {preset}{'' if arch == 'llama' else ' ' + arch} ({model.num_parameters() / 1e6:.1f}M) "
+            f"| {name} | {tokens / cpu:,.0f} "
             f"| {flops / cpu / 1e9:.1f} | {100 * flops / cpu / 1e9 / peak:.0f}% "
             f"| {cells[0]} | {cells[1]} |"
         )
@@ -190,9 +207,9 @@ def bench_preset(
     return rows
 
 
-def bench_compaction(prompts: list[str], tok, repeats: int) -> list[str]:
+def bench_compaction(prompts: list[str], tok, repeats: int, arch: str = "llama") -> list[str]:
     with tempfile.TemporaryDirectory() as tmp:
-        model, hf = build_models("tiny", len(tok), tmp)
+        model, hf = build_models("tiny", len(tok), tmp, arch)
     params = SamplingParams(max_new_tokens=NEW_TOKENS, stop_token_ids=list(range(100, 108)), seed=0)
     runs = {
         f"native, compact_fraction={f}" + (" (default)" if f == 0.25 else ""): make_engine(
@@ -229,11 +246,11 @@ def bench_compaction(prompts: list[str], tok, repeats: int) -> list[str]:
     return rows
 
 
-def profile(preset: str, prompts: list[str], tok) -> None:
+def profile(preset: str, prompts: list[str], tok, arch: str = "llama") -> None:
     """Where the native engine's time goes: its top ops in one run. (transformers'
     generate is not shown: under the profiler its cache torch.cat slows down ~7x.)"""
     with tempfile.TemporaryDirectory() as tmp:
-        model, _ = build_models(preset, len(tok), tmp)
+        model, _ = build_models(preset, len(tok), tmp, arch)
     engine = make_engine("native", model, tok)
     engine.generate(prompts[:4], SamplingParams(max_new_tokens=4))
     params = SamplingParams(max_new_tokens=NEW_TOKENS, stop_token_ids=[], seed=0)
@@ -255,13 +272,14 @@ def main() -> None:
     parser.add_argument(
         "--profile", action="store_true", help="only profile the first preset's ops"
     )
+    parser.add_argument("--arch", choices=list(ARCHS), default="llama", help="model family (ARCHS)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     tok = build_tokenizer()
     prompts = [r["prompt"] for r in get_task("arithmetic").generate(BATCH, random.Random(0))]
     if args.profile:
-        return profile(args.presets[0], prompts, tok)
+        return profile(args.presets[0], prompts, tok, args.arch)
     peak = matmul_peak_gflops()
     bandwidths = {"cache-resident": read_bandwidth_gbs(32), "from memory": read_bandwidth_gbs(256, tries=4)}
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
@@ -274,7 +292,7 @@ def main() -> None:
         "?",
     )
     print(
-        f"# {time.strftime('%Y-%m-%d %H:%M %Z')}, {model_name}, torch {torch.__version__}, "
+        f"# {time.strftime('%Y-%m-%d %H:%M %Z')}, {model_name}, torch {torch.__version__}, arch {args.arch}, "
         f"{torch.get_num_threads()} threads; fp32 matmul peak {peak:.0f} GFLOP per CPU-second, "
         f"read bandwidth {bandwidths['cache-resident']:.1f} (32 MB) / "
         f"{bandwidths['from memory']:.1f} (256 MB) GB per CPU-second",
@@ -286,14 +304,14 @@ def main() -> None:
         "|---|---|---|---|---|---|---|",
     ]
     for preset in args.presets:
-        table += bench_preset(preset, prompts, tok, args.repeats, peak, bandwidths)
+        table += bench_preset(preset, prompts, tok, args.repeats, peak, bandwidths, args.arch)
     print("\n".join(table))
     print(
         "\n| engine (rows stop early) | tokens | decode steps | compactions | cpu s | wall s "
         "| tokens/CPU-s |"
     )
     print("|---|---|---|---|---|---|---|")
-    print("\n".join(bench_compaction(prompts, tok, args.repeats)))
+    print("\n".join(bench_compaction(prompts, tok, args.repeats, args.arch)))
 
 
 if __name__ == "__main__":

@@ -98,6 +98,16 @@ def test_generate_prints_n_completions(model_dir, capsys):
     assert capsys.readouterr().out.count("--- sample") == 1
 
 
+def test_generate_with_engine_hf_on_a_llama_checkpoint_matches_native(model_dir, capsys):
+    """Seen: --engine hf on a Llama checkpoint failed (the built-in model has no generate());
+    it now loads the model with transformers, and greedy text is the native engine's."""
+    args = ["generate", str(model_dir), "12+3=", "--temperature", "0", "--max-new-tokens", "6"]
+    assert main([*args, "--engine", "hf"]) == 0
+    by_hf = capsys.readouterr().out
+    assert main([*args, "--engine", "native"]) == 0
+    assert capsys.readouterr().out == by_hf and "--- sample 1/1 (6 tokens" in by_hf
+
+
 @needs_rg
 def test_data_make_rg_writes_scorable_rows(tmp_path, capsys):
     out = tmp_path / "rg"

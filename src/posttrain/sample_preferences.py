@@ -2,8 +2,8 @@
 
     sample_preferences("arithmetic", "data/arith_dpo", "runs/sft/final", samples=8)
 
-Loads the local model (native engine for the built-in model and Llama checkpoints, else
-transformers' generate), samples `samples` completions per prompt at temperature 1 and hands
+Loads the local model (native engine for the checkpoints the built-in model runs: Llama, Qwen2,
+Qwen3, Mistral; else transformers' generate), samples `samples` completions per prompt at temperature 1 and hands
 them to `data.make_preferences`, which scores them, keeps a right and a wrong one per prompt
 and writes the files (see its module doc: which prompts, which pair, what is counted).
 """

@@ -206,7 +206,7 @@ def test_dtype_on_load(tmp_path, tiny_lm):
             {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}},
             "rope_parameters.rope_type='linear'",
         ),
-        ({"model_type": "mistral"}, "model_type='mistral'"),
+        ({"model_type": "gemma"}, "model_type='gemma'"),
     ],
 )
 def test_unsupported_llama_features_are_named(tmp_path, tiny_lm, change, message):

@@ -255,9 +255,18 @@ def test_native_runs_a_lora_wrapped_model_with_its_adapters(tok):
     assert torch.equal(with_adapters, merged) and not torch.equal(with_adapters, base)
 
 
-def test_native_rejects_models_it_cannot_run(tok):
-    with pytest.raises(TypeError, match="hf"):
+def test_engines_refuse_models_they_cannot_run_in_config_keys(model, tok):
+    """Seen: a raw TypeError naming make_engine('hf', ...); now the keys that fix it."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=262, n_embd=8, n_layer=1, n_head=2))
+    with pytest.raises(ValueError, match=r"rollout.engine=native cannot run this GPT2LMHeadModel: "
+                                         r"model_type='gpt2' .*set rollout.engine=hf"):
+        make_engine("native", gpt2, tok)
+    with pytest.raises(ValueError, match="Linear is not a transformers model"):
         make_engine("native", torch.nn.Linear(2, 2), tok)
+    with pytest.raises(ValueError, match=r"rollout.engine=hf .*BuiltinLM .*model.impl=hf"):
+        make_engine("hf", model, tok)
 
 
 @pytest.mark.parametrize("kind", ["native", "hf"])

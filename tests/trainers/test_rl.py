@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 import yaml
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
@@ -23,6 +24,7 @@ from posttrain.data.tasks import make_task
 from posttrain.models import BuiltinLM
 from posttrain.models.lora import apply_lora
 from posttrain.rewards.checks import RewardFunctionError
+from posttrain.rollout.hf import HFEngine
 from posttrain.rollout.native import NativeEngine
 from posttrain.trainers.rl import RLTrainer
 
@@ -521,6 +523,55 @@ def test_a_reward_model_folder_is_not_a_policy(tmp_path):
     cfg = config(tmp_path / "run", **{"model.path": str(tmp_path / "rm"), "model.init": "null"})
     with pytest.raises(ValueError, match=r"is a reward model \(LlamaForSequenceClassification\), not a causal LM"):
         GRPOTrainer(args=cfg, reward_funcs=[starts_with_a], train_dataset=PROMPTS, processing_class=word_tokenizer())
+
+
+# rollout.engine against the policy, as a TRL user sets it: the hf engine runs a Llama checkpoint (as a
+# transformers model); an engine that cannot run the policy is refused in config keys before any model loads.
+
+
+def grpo_for(cfg, model=None):
+    return GRPOTrainer(model, reward_funcs=[starts_with_a], args=cfg, train_dataset=PROMPTS,
+                       processing_class=word_tokenizer())
+
+
+def test_hf_engine_on_a_llama_checkpoint_trains_a_transformers_policy(tmp_path):
+    """Seen: rollout.engine=hf on a Llama folder failed in the engine unless model.impl=hf."""
+    tiny_model().save_pretrained(tmp_path / "llama")
+    cfg = config(tmp_path / "run", **{"model.path": str(tmp_path / "llama"), "rollout.engine": "hf",
+                                      "trainer.max_steps": 1, "data.train_batch_size": 2})
+    trainer = grpo_for(cfg)
+    assert isinstance(trainer.model, transformers.LlamaForCausalLM)
+    assert isinstance(trainer.roles.rollout.engine, HFEngine)
+    trainer.train()
+    (step,) = metric_lines(tmp_path / "run")
+    assert 0.0 <= step["reward/mean"] <= 1.0 and step["response_length/mean"] > 0
+
+
+def test_native_engine_on_a_model_it_cannot_run_is_refused_before_it_loads(tmp_path):
+    """Seen: a raw TypeError naming make_engine('hf', ...), after the model had loaded. The folder
+    has a GPT-2 config.json and no weights: loading it would fail otherwise."""
+    (tmp_path / "gpt2").mkdir()
+    gpt2 = transformers.GPT2Config(vocab_size=11, n_embd=8, n_layer=1, n_head=2).to_dict()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps(gpt2))
+    cfg = config(tmp_path / "run", **{"model.path": str(tmp_path / "gpt2"), "rollout.engine": "native"})
+    with pytest.raises(ConfigError, match=r"rollout.engine=native cannot run model.path=.*gpt2: model_type='gpt2' "
+                                          r".*set rollout.engine=hf"):
+        grpo_for(cfg)
+    given = transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**gpt2, "vocab_size": 11}))
+    with pytest.raises(ConfigError, match="cannot run the GPT2LMHeadModel passed as the model"):
+        grpo_for(config(tmp_path / "run2", **{"rollout.engine": "native"}), given)
+
+
+@pytest.mark.parametrize("setting,key", [({"model.impl": "builtin"}, "model.impl"),
+                                         ({"model.init": "tiny"}, "model.init")])
+def test_hf_engine_on_the_builtin_model_is_refused_by_key(tmp_path, setting, key):
+    tiny_model().save_pretrained(tmp_path / "llama")
+    path = {} if "model.init" in setting else {"model.path": str(tmp_path / "llama")}
+    cfg = config(tmp_path / "run", **{**path, **setting, "rollout.engine": "hf"})
+    with pytest.raises(ConfigError, match=rf"{key}: rollout.engine=hf .*rollout.engine=native"):
+        grpo_for(cfg)
+    with pytest.raises(ConfigError, match=r"rollout.engine: .*BuiltinLM: set rollout.engine=native"):
+        grpo_for(config(tmp_path / "run2", **{"rollout.engine": "hf"}), tiny_model())
 
 
 def test_critic_model_path_needs_a_trained_head_unless_fresh_head(tmp_path):

@@ -305,7 +305,7 @@ def _add_serve_command(sub: Any) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
     p.add_argument("--engine", choices=["native", "hf"], default=None,
-                   help="generation engine (default: native for Llama checkpoints the built-in model runs, else hf)")
+                   help="generation engine (default: native for the checkpoints the built-in model runs: Llama, Qwen2, Qwen3, Mistral; else hf)")
     p.add_argument("--max-batch-size", type=int, default=32, metavar="B",
                    help="most rows (prompts x n) per generate call (default 32)")
     p.add_argument("--batch-wait-ms", type=float, default=10.0, metavar="W",

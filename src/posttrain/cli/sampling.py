@@ -23,7 +23,7 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
                    help=f"most generated tokens per sample (default {max_new_tokens})")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed (default 0)")
     p.add_argument("--engine", choices=["native", "hf", "vllm"], default=None,
-                   help="rollout engine (default: native for Llama checkpoints the built-in model runs, else hf)")
+                   help="rollout engine (default: native for the checkpoints the built-in model runs: Llama, Qwen2, Qwen3, Mistral; else hf)")
     p.add_argument("--device", default="auto", metavar="DEV", help="auto (CUDA when available), cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weight dtype (default auto: bfloat16 on CUDA when supported, else float32)")
@@ -143,10 +143,12 @@ def _load_model(args: argparse.Namespace) -> tuple[Any, Any]:
     from posttrain.config.sections import check_device
     from posttrain.models.factory import build_model_and_tokenizer
     from posttrain.models.llama_checkpoint import read_config_json
+    from posttrain.rollout import model_impl_for
 
     check_device(args.device, "--device")
     read_config_json(args.model)  # a clear error when MODEL is not a model directory
-    return build_model_and_tokenizer(ModelConfig(path=args.model, device=args.device, dtype=args.dtype))
+    impl = model_impl_for(args.engine or "auto", "auto")  # --engine hf: a transformers model
+    return build_model_and_tokenizer(ModelConfig(path=args.model, impl=impl, device=args.device, dtype=args.dtype))
 
 
 def _episodes(args: argparse.Namespace) -> tuple[Any, Any]:

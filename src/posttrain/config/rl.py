@@ -151,8 +151,10 @@ class RolloutConfig:
         trl("use_vllm", {True: "vllm", False: "auto"}),
         verl("actor_rollout_ref.rollout.name", {"vllm": "vllm", "hf": "hf"}),
         openrlhf("vllm_num_engines", same_value=False, note="rollout.engine=vllm runs one vLLM engine per worker")))
-    """Generation engine: `native` (KV-cache decoding of built-in/Llama models), `hf`
-    (transformers generate), `vllm` (GPU), or `auto` (native when the model allows it, else hf)."""
+    """Generation engine: `native` (KV-cache decoding of the built-in model: Llama, Qwen2/Qwen2.5,
+    Qwen3 and Mistral checkpoints), `hf` (transformers generate, any causal LM; model.impl=auto
+    then loads the policy with transformers), `vllm` (GPU), or `auto` (native when the model
+    allows it, else hf). A model the engine cannot run is refused before it loads."""
     max_batch_size: int = 0
     """Native engine: most rows decoded at once (0 = all)."""
     gpu_memory_utilization: float = field(default=0.5, metadata=aliases(

@@ -39,7 +39,7 @@ class LoraConfig:
         metadata=aliases(trl("lora_target_modules"), verl("actor_rollout_ref.model.target_modules"),
                          openrlhf("target_modules")),
     )
-    """Names of the linear layers that get adapters (Llama names; also `all-linear`)."""
+    """Names of the linear layers that get adapters (Llama names, the same in Qwen2/Qwen3/Mistral; also `all-linear`)."""
     quantize: Literal["none", "4bit", "8bit"] = field(default="none", metadata=aliases(
         trl("load_in_4bit", {True: "4bit", False: "none"}), trl("load_in_8bit", {True: "8bit", False: "none"}),
         openrlhf("load_in_4bit", {True: "4bit", False: "none"})))
@@ -67,7 +67,7 @@ class ModelConfig:
     tokenizer: str | None = None
     """Tokenizer directory; defaults to `model.path` (Python API: the folder a model passed in was loaded from, else `processing_class=` is needed), or the built-in tokenizer with `model.init`."""
     impl: Literal["auto", "builtin", "hf"] = "auto"
-    """Model code: `builtin` (our Llama implementation, fast native rollout), `hf` (transformers), or `auto` (builtin for Llama checkpoints)."""
+    """Model code: `builtin` (our implementation of Llama, Qwen2/Qwen2.5, Qwen3 and Mistral without a sliding window; fast native rollout), `hf` (transformers, any causal LM), or `auto` (builtin for those checkpoints when it implements every feature, else hf; hf under `rollout.engine=hf`)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(default="auto", metadata=aliases(
         trl("torch_dtype")))
     """Weight dtype: `auto` is float32 for weights the command trains (the master copy; `trainer.precision` sets the compute dtype), else (a frozen LoRA base, eval, generate) bfloat16 on CUDA when supported, else float32."""

@@ -1,4 +1,4 @@
-"""The built-in decoder-only language model (seed section 一), architecturally Llama.
+"""The built-in decoder-only language model (seed section 一): Llama, Qwen2, Qwen3, Mistral.
 
 Notation: B batch, T new tokens, T_kv keys attended (cached + new), H hidden
 size, nh query heads, nkv key/value heads, D head dim, V vocab, L layers.
@@ -10,9 +10,12 @@ size, nh query heads, nkv key/value heads, D head dim, V vocab, L layers.
 Module and parameter names are those of transformers' `LlamaForCausalLM`
 (`model.embed_tokens`, `model.layers.{i}.self_attn.q_proj`, ..., `model.norm`,
 `lm_head`), so state dicts map 1:1 and peft `target_modules` are the same.
-`save_pretrained` writes a standard Llama checkpoint that plain transformers
-loads with the same logits; `from_pretrained` reads any Llama checkpoint whose
-features it implements (see `llama_checkpoint.unsupported_llama_features`).
+`config.model_type` picks the family, whose names are Llama's plus its own:
+qwen2 gives q/k/v_proj a bias; qwen3 adds `self_attn.q_norm` / `k_norm` (RMSNorm over
+each head's D features of q and k, before RoPE); mistral is Llama's layers.
+`save_pretrained` writes a standard checkpoint of that family that plain transformers
+loads with the same logits; `from_pretrained` reads any such checkpoint whose
+features it implements (see `llama_checkpoint.unsupported_features`).
 
 Departures from the seed: RoPE uses the half-split pairing of HF Llama (see
 layers.py); the input embedding and output head are tied by default but may be
@@ -72,8 +75,25 @@ class BuiltinConfig:
     """End-of-sequence id(s) that stop generation."""
     pad_token_id: int | None = None
     """Padding id (padding is excluded by the attention mask, not by this id)."""
+    model_type: str = "llama"
+    """The transformers family saved and loaded (`llama_checkpoint.ARCHITECTURES`): "llama",
+    "mistral" (the same layers), "qwen2" (bias on q/k/v), "qwen3" (q/k RMSNorm per head)."""
+
+    @property
+    def qkv_bias(self) -> bool:
+        """q_proj, k_proj and v_proj have a bias (Qwen2; o_proj has none)."""
+        return self.model_type == "qwen2"
+
+    @property
+    def qk_norm(self) -> bool:
+        """Each query and key head is RMS-normalised over its D features before RoPE (Qwen3)."""
+        return self.model_type == "qwen3"
 
     def __post_init__(self) -> None:
+        if self.model_type not in ckpt.ARCHITECTURES:
+            raise ValueError(
+                f"BuiltinConfig.model_type={self.model_type!r}; choose one of {list(ckpt.ARCHITECTURES)}"
+            )
         for name in (
             "vocab_size",
             "hidden_size",
@@ -190,7 +210,7 @@ def attention_mask_for_sdpa(
 
 
 class DecoderStack(nn.Module):
-    """Embeddings, decoder blocks and final norm: HF `LlamaModel`'s counterpart."""
+    """Embeddings, decoder blocks and final norm: HF `LlamaModel`'s (`Qwen2Model`'s, ...) counterpart."""
 
     def __init__(self, config: BuiltinConfig):
         super().__init__()
@@ -203,6 +223,8 @@ class DecoderStack(nn.Module):
                 config.num_key_value_heads,
                 config.head_dim,
                 config.rms_norm_eps,
+                qkv_bias=config.qkv_bias,
+                qk_norm=config.qk_norm,
             )
             for _ in range(config.num_hidden_layers)
         )
@@ -256,6 +278,8 @@ class BuiltinLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)  # as transformers initialises Qwen2's q/k/v bias
 
     def tie_weights(self) -> None:
         """Make lm_head.weight the embedding tensor itself when the config ties them."""
@@ -363,8 +387,9 @@ class BuiltinLM(nn.Module):
         return self.lm_head(self.hidden_states(input_ids, attention_mask, position_ids, cache))
 
     def save_pretrained(self, path: str | Path) -> None:
-        """Write a standard Llama checkpoint (config.json, generation_config.json,
-        model.safetensors) that `transformers.AutoModelForCausalLM` loads as is.
+        """Write a standard checkpoint of `config.model_type` (config.json,
+        generation_config.json, model.safetensors) that `transformers.AutoModelForCausalLM`
+        loads as is (a `LlamaForCausalLM`, `Qwen2ForCausalLM`, ...).
 
         With tied embeddings only `model.embed_tokens.weight` is stored, as HF does.
         """
@@ -375,7 +400,7 @@ class BuiltinLM(nn.Module):
         ckpt.write_checkpoint(
             path,
             state,
-            ckpt.llama_config_json(fields, self.dtype),
+            ckpt.hf_config_json(fields, self.dtype),
             ckpt.generation_config_json(fields),
         )
 
@@ -386,14 +411,15 @@ class BuiltinLM(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> BuiltinLM:
-        """Load a Llama checkpoint directory (safetensors, sharded or not, or pytorch_model.bin).
+        """Load a Llama, Qwen2, Qwen3 or Mistral checkpoint directory (safetensors, sharded or
+        not, or pytorch_model.bin).
 
         dtype None keeps the dtype recorded in config.json (else that of the
         stored embedding); device None means CPU. Raises ValueError naming the
         config.json field when the checkpoint needs something BuiltinLM lacks.
         """
         hf = ckpt.read_config_json(path)
-        problems = ckpt.unsupported_llama_features(hf)
+        problems = ckpt.unsupported_features(hf)
         if problems:
             raise ValueError(
                 f"{Path(path) / 'config.json'} cannot be loaded as a BuiltinLM: "
@@ -416,7 +442,7 @@ class BuiltinLM(nn.Module):
         missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
         if missing or unexpected:
             raise ValueError(
-                f"weights in {str(path)!r} do not match the Llama layout: "
+                f"weights in {str(path)!r} do not match the {config.model_type} layout: "
                 f"missing {missing[:5]}, unexpected {unexpected[:5]}"
             )
         model.load_state_dict(state, strict=False, assign=True)

@@ -9,8 +9,9 @@ Notation: B batch, T tokens, H hidden size.
 The layout is transformers' `LlamaForSequenceClassification` (`model.*` backbone, `score`
 head, no bias), so the state dict of a `ScalarHeadModel` is that of the HF checkpoint,
 `peft` sees the same module names (`modules_to_save=["score"]`), and a built-in backbone
-saves as a standard `LlamaForSequenceClassification` checkpoint that plain
-`transformers.AutoModelForSequenceClassification` loads with the same pooled scores.
+saves as a standard `*ForSequenceClassification` checkpoint of its family (Llama, Qwen2,
+Qwen3, Mistral) that plain `transformers.AutoModelForSequenceClassification` loads with
+the same pooled scores.
 
 Two backbones:
 - built-in: the `DecoderStack` of a `BuiltinLM` (embeddings, blocks, final norm; no
@@ -263,7 +264,7 @@ class ScalarHeadModel(nn.Module):
         init_std None = 1/sqrt(H + 1), 0.0 = zeros.
 
         dtype None keeps the checkpoint's dtype; device None means CPU. impl as in
-        `load_causal_lm`: "builtin" (Llama checkpoints), "hf", or "auto" (builtin when
+        `load_causal_lm`: "builtin" (Llama, Qwen2, Qwen3, Mistral), "hf", or "auto" (builtin when
         BuiltinLM implements every feature of the checkpoint).
         """
         if impl not in IMPLS:
@@ -275,7 +276,7 @@ class ScalarHeadModel(nn.Module):
             require_score_head(path, hf)  # before loading any weight
         dtype = None if dtype is None else resolve_dtype(dtype, device or "cpu")
         if impl == "auto":
-            impl = "hf" if ckpt.unsupported_llama_features(hf) else "builtin"
+            impl = "hf" if ckpt.unsupported_features(hf) else "builtin"
         if impl == "builtin":
             model, stored = cls._load_builtin(path, hf, dtype)
         else:
@@ -292,7 +293,7 @@ class ScalarHeadModel(nn.Module):
         cls, path: str | Path, hf: dict, dtype: torch.dtype | None
     ) -> tuple[ScalarHeadModel, torch.Tensor | None]:
         """The model with its backbone loaded, and the stored score weight (None: none)."""
-        problems = ckpt.unsupported_llama_features(hf)
+        problems = ckpt.unsupported_features(hf)
         if problems:
             raise ValueError(
                 f"{Path(path) / 'config.json'} cannot be loaded with a built-in backbone: "
@@ -320,7 +321,7 @@ class ScalarHeadModel(nn.Module):
         )
         if missing or unexpected:
             raise ValueError(
-                f"weights in {str(path)!r} do not match the Llama layout: "
+                f"weights in {str(path)!r} do not match the {config.model_type} layout: "
                 f"missing {missing[:5]}, unexpected {unexpected[:5]}"
             )
         decoder.load_state_dict(decoder_state, assign=True)
@@ -355,7 +356,7 @@ class ScalarHeadModel(nn.Module):
     def save_pretrained(self, path: str | Path) -> None:
         """Write an HF checkpoint that `transformers.AutoModelForSequenceClassification` loads.
 
-        Built-in backbone: a standard `LlamaForSequenceClassification` checkpoint
+        Built-in backbone: a standard `LlamaForSequenceClassification` (`Qwen2...`, ...) checkpoint
         (config.json with num_labels 1 and pad_token_id, weights `model.*` + `score.weight`).
         HF backbone: its *ForSequenceClassification class's own `save_pretrained`.
         HF pools at the last token that is not pad_token_id, so config.json must name one:
@@ -364,8 +365,8 @@ class ScalarHeadModel(nn.Module):
         if self.is_builtin:
             fields = {**self.config.to_dict(), "pad_token_id": _pad_token_id(self.config)}
             config = {
-                **ckpt.llama_config_json(fields, self.dtype),
-                "architectures": ["LlamaForSequenceClassification"],
+                **ckpt.hf_config_json(fields, self.dtype),
+                "architectures": [ckpt.sequence_classifier(self.config.model_type)],
                 "id2label": {"0": "LABEL_0"},
                 "label2id": {"LABEL_0": 0},
             }

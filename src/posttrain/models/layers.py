@@ -1,4 +1,4 @@
-"""Building blocks of the built-in decoder (seed section 一, 1.1-1.6), Llama-compatible.
+"""Building blocks of the built-in decoder (seed section 一, 1.1-1.6): Llama, Qwen2, Qwen3.
 
 Notation: B batch, T new tokens, T_kv keys (cached + new), H hidden size,
 nh query heads, nkv key/value heads (nh % nkv == 0), D head dim, I MLP width.
@@ -11,6 +11,8 @@ checkpoints load 1:1 and give the same logits:
 - RMSNorm normalises in float32 and casts back before the weight multiply (as HF).
 - Attention uses torch's fused scaled_dot_product_attention and supports grouped
   KV heads (GQA) and a KV cache.
+- Two switches for the Qwen families: a bias on q/k/v (Qwen2), and an RMSNorm of each
+  query and key head over its D features before RoPE (Qwen3's q_norm / k_norm).
 """
 
 from __future__ import annotations
@@ -38,11 +40,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # float32 statistics keep bf16 training stable; the cast back before the
-        # weight multiply matches HF's LlamaRMSNorm bit for bit.
-        x32 = x.float()
-        inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)  # (..., 1)
-        return self.weight * (x32 * inv_rms).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm's arithmetic: x (..., H), weight broadcast against it (H,) -> (..., H)."""
+    # float32 statistics keep bf16 training stable; the cast back before the
+    # weight multiply matches HF's LlamaRMSNorm bit for bit.
+    x32 = x.float()
+    inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
+    return weight * (x32 * inv_rms).to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
@@ -154,15 +161,31 @@ def grouped_attention(
 
 
 class Attention(nn.Module):
-    """Multi-head causal self-attention with RoPE, grouped KV heads and an optional cache."""
+    """Multi-head causal self-attention with RoPE, grouped KV heads and an optional cache.
 
-    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int):
+    qkv_bias: q/k/v projections have a bias (Qwen2). qk_norm_eps: given, `q_norm` and
+    `k_norm` (RMSNorm over D, weights (D,)) normalise each head of q and k before RoPE (Qwen3).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        qkv_bias: bool = False,
+        qk_norm_eps: float | None = None,
+    ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        self.q_norm = self.k_norm = None
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
 
     def forward(
         self,
@@ -181,10 +204,12 @@ class Attention(nn.Module):
         """
         b, t, _ = x.shape
         d = self.head_dim
-        q = self.q_proj(x).view(b, t, self.num_heads, d).transpose(1, 2)  # (B, nh, T, D)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, d).transpose(1, 2)  # (B, nkv, T, D)
+        q = self.q_proj(x).view(b, t, self.num_heads, d)  # (B, T, nh, D)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, d)  # (B, T, nkv, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, d).transpose(1, 2)  # (B, nkv, T, D)
-        q, k = apply_rope(q, k, cos, sin)
+        q, k = apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         if cache is not None:
             k, v = cache.write(layer_idx, k, v)  # (B, nkv, T_kv, D)
         out = grouped_attention(q, k, v, mask, is_causal)  # (B, nh, T, D)
@@ -216,9 +241,13 @@ class DecoderLayer(nn.Module):
         num_kv_heads: int,
         head_dim: int,
         eps: float,
+        qkv_bias: bool = False,
+        qk_norm: bool = False,
     ):
         super().__init__()
-        self.self_attn = Attention(hidden_size, num_heads, num_kv_heads, head_dim)
+        self.self_attn = Attention(
+            hidden_size, num_heads, num_kv_heads, head_dim, qkv_bias, eps if qk_norm else None
+        )
         self.mlp = MLP(hidden_size, intermediate_size)
         self.input_layernorm = RMSNorm(hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)

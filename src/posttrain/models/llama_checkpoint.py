@@ -1,9 +1,17 @@
-"""The Hugging Face Llama checkpoint format: config.json fields and weight files.
+"""The Hugging Face checkpoint format of the decoders BuiltinLM implements: config.json
+fields and weight files.
+
+Architectures (config.json `model_type`, see ARCHITECTURES): Llama; Qwen2/Qwen2.5 (bias on
+q/k/v); Qwen3 (RMSNorm of each query and key head before RoPE; head_dim need not be H/nh);
+Mistral (Llama's layers). Sliding-window attention (Mistral v0.1, Qwen with
+use_sliding_window) is not implemented: a window shorter than max_position_embeddings is
+refused by name (`unsupported_features`), never ignored.
 
 Works on plain dicts and tensors (no model classes), so that `builtin.py` (the
 model) and `loading.py` (choosing an implementation) share one reading of a
-checkpoint. Defaults for missing config.json fields are those of transformers 5
-`LlamaConfig`, so a checkpoint means the same thing here as in transformers.
+checkpoint. Defaults for missing config.json fields are those of the transformers 5
+config class of the model_type (`DEFAULTS`), so a checkpoint means the same thing here
+as in transformers.
 """
 
 from __future__ import annotations
@@ -20,6 +28,32 @@ LLAMA3_ROPE_KEYS = (
     "high_freq_factor",
     "original_max_position_embeddings",
 )
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+"""The config.json `model_type`s BuiltinLM implements, and the transformers class of each."""
+_LLAMA_DEFAULTS = dict(
+    vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=None, head_dim=None, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
+)
+_QWEN_DEFAULTS = dict(
+    _LLAMA_DEFAULTS, vocab_size=151936, intermediate_size=22016, num_key_value_heads=32,
+    max_position_embeddings=32768, bos_token_id=None, eos_token_id=None,
+)
+DEFAULTS = {
+    "llama": _LLAMA_DEFAULTS,
+    "qwen2": _QWEN_DEFAULTS,
+    "qwen3": dict(_QWEN_DEFAULTS, head_dim=128),
+    "mistral": dict(_LLAMA_DEFAULTS, intermediate_size=14336, num_key_value_heads=8, max_position_embeddings=131072),
+}
+"""Sizes and ids transformers 5's config class of each model_type assumes when config.json
+omits them (`LlamaConfig`, `Qwen2Config`, `Qwen3Config`, `MistralConfig`)."""
+BIAS_FLAGS = {"llama": ("attention_bias", "mlp_bias"), "qwen2": (), "qwen3": ("attention_bias",), "mistral": ()}
+"""The config.json bias switches each model_type's transformers class reads (all refused:
+Qwen2's fixed q/k/v bias is BuiltinConfig.qkv_bias, not a switch)."""
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -56,14 +90,15 @@ def rope_settings(hf: dict) -> tuple[str, float, dict, str]:
     return rope_type, float(theta), params, field
 
 
-def unsupported_llama_features(hf: dict) -> list[str]:
+def unsupported_features(hf: dict) -> list[str]:
     """Reasons why BuiltinLM cannot reproduce this checkpoint exactly (empty list: it can)."""
+    model_type = hf.get("model_type")
+    if model_type not in ARCHITECTURES:
+        return [f"model_type={model_type!r} (BuiltinLM loads {', '.join(map(repr, ARCHITECTURES))})"]
     problems = []
-    if hf.get("model_type") != "llama":
-        problems.append(f"model_type={hf.get('model_type')!r} (BuiltinLM loads 'llama' only)")
-    for flag in ("attention_bias", "mlp_bias"):
+    for flag in BIAS_FLAGS[model_type]:
         if hf.get(flag):
-            problems.append(f"{flag}=true (BuiltinLM has no bias terms)")
+            problems.append(f"{flag}=true (BuiltinLM's {model_type} has no such bias)")
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={hf['hidden_act']!r} (BuiltinLM uses 'silu')")
     rope_type, _, params, field = rope_settings(hf)
@@ -79,13 +114,43 @@ def unsupported_llama_features(hf: dict) -> list[str]:
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
         problems.append(f"partial_rotary_factor={partial} (BuiltinLM rotates the full head)")
+    window = sliding_window(hf)
+    max_pos = hf.get("max_position_embeddings", DEFAULTS[model_type]["max_position_embeddings"])
+    if window is not None and window < max_pos:
+        problems.append(
+            f"sliding_window={window} < max_position_embeddings={max_pos} (BuiltinLM has no "
+            "sliding-window attention; its results would differ past the window)"
+        )
     return problems
 
 
+def sliding_window(hf: dict) -> int | None:
+    """The attention window transformers applies to some layer of this checkpoint, or None.
+
+    Mistral: `sliding_window` (every layer). Qwen2/Qwen3: `sliding_window` only with
+    `use_sliding_window`, on the layers `layer_types` marks "sliding_attention" (by default
+    those from `max_window_layers` on).
+    """
+    model_type = hf.get("model_type")
+    if model_type == "mistral":
+        return hf.get("sliding_window", 4096)
+    window = hf.get("sliding_window", 4096)
+    if model_type not in ("qwen2", "qwen3") or not hf.get("use_sliding_window") or window is None:
+        return None
+    layers = hf.get("num_hidden_layers", 32)
+    types = hf.get("layer_types") or [
+        "sliding_attention" if i >= hf.get("max_window_layers", 28) else "full_attention" for i in range(layers)
+    ]
+    return window if "sliding_attention" in types else None
+
+
 def builtin_fields(hf: dict) -> dict:
-    """BuiltinConfig keyword arguments for a Llama config.json dict (LlamaConfig defaults)."""
+    """BuiltinConfig keyword arguments for a config.json dict of an ARCHITECTURES model_type
+    (missing fields take the transformers defaults of that type, `DEFAULTS`)."""
+    model_type = hf.get("model_type", "llama")
+    hf = {**DEFAULTS[model_type], **hf}
     rope_type, theta, params, _ = rope_settings(hf)
-    max_pos = hf.get("max_position_embeddings", 2048)
+    max_pos = hf["max_position_embeddings"]
     scaling = None
     if rope_type == "llama3":
         scaling = {k: params[k] for k in LLAMA3_ROPE_KEYS[:3]}
@@ -93,34 +158,36 @@ def builtin_fields(hf: dict) -> dict:
             "original_max_position_embeddings", max_pos
         )
     return {
-        "vocab_size": hf.get("vocab_size", 32000),
-        "hidden_size": hf.get("hidden_size", 4096),
-        "intermediate_size": hf.get("intermediate_size", 11008),
-        "num_hidden_layers": hf.get("num_hidden_layers", 32),
-        "num_attention_heads": hf.get("num_attention_heads", 32),
-        "num_key_value_heads": hf.get("num_key_value_heads"),
-        "head_dim": hf.get("head_dim"),
+        "model_type": model_type,
+        "vocab_size": hf["vocab_size"],
+        "hidden_size": hf["hidden_size"],
+        "intermediate_size": hf["intermediate_size"],
+        "num_hidden_layers": hf["num_hidden_layers"],
+        "num_attention_heads": hf["num_attention_heads"],
+        "num_key_value_heads": hf["num_key_value_heads"],
+        "head_dim": hf["head_dim"],
         "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
         "rope_theta": theta,
         "rope_scaling": scaling,
         "max_position_embeddings": max_pos,
         "tie_word_embeddings": hf.get("tie_word_embeddings", False),
         "initializer_range": hf.get("initializer_range", 0.02),
-        "bos_token_id": hf.get("bos_token_id", 1),
-        "eos_token_id": hf.get("eos_token_id", 2),
+        "bos_token_id": hf["bos_token_id"],
+        "eos_token_id": hf["eos_token_id"],
         "pad_token_id": hf.get("pad_token_id"),
     }
 
 
-def llama_config_json(fields: dict, dtype: torch.dtype) -> dict:
-    """config.json dict (transformers 5 LlamaConfig layout) for BuiltinConfig fields `fields`."""
+def hf_config_json(fields: dict, dtype: torch.dtype) -> dict:
+    """config.json dict (the transformers 5 layout of `fields["model_type"]`) for BuiltinConfig
+    fields `fields`. Sliding windows are written off, since BuiltinLM attends to every key."""
+    model_type = fields["model_type"]
     rope = {"rope_theta": fields["rope_theta"], "rope_type": "default"}
     if fields["rope_scaling"] is not None:
         rope = {**rope, "rope_type": "llama3", **fields["rope_scaling"]}
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "attention_bias": False,
+    config = {
+        "architectures": [ARCHITECTURES[model_type]],
+        "model_type": model_type,
         "attention_dropout": 0.0,
         "bos_token_id": fields["bos_token_id"],
         "dtype": str(dtype).removeprefix("torch."),
@@ -131,18 +198,31 @@ def llama_config_json(fields: dict, dtype: torch.dtype) -> dict:
         "initializer_range": fields["initializer_range"],
         "intermediate_size": fields["intermediate_size"],
         "max_position_embeddings": fields["max_position_embeddings"],
-        "mlp_bias": False,
         "num_attention_heads": fields["num_attention_heads"],
         "num_hidden_layers": fields["num_hidden_layers"],
         "num_key_value_heads": fields["num_key_value_heads"],
         "pad_token_id": fields["pad_token_id"],
-        "pretraining_tp": 1,
         "rms_norm_eps": fields["rms_norm_eps"],
         "rope_parameters": rope,
         "tie_word_embeddings": fields["tie_word_embeddings"],
         "use_cache": True,
         "vocab_size": fields["vocab_size"],
     }
+    layers = fields["num_hidden_layers"]
+    extra = {
+        "llama": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
+        "qwen2": {"use_sliding_window": False, "sliding_window": None, "max_window_layers": layers,
+                  "layer_types": ["full_attention"] * layers},
+        "qwen3": {"attention_bias": False, "use_sliding_window": False, "sliding_window": None,
+                  "max_window_layers": layers, "layer_types": ["full_attention"] * layers},
+        "mistral": {"sliding_window": None},
+    }
+    return {**config, **extra[model_type]}
+
+
+def sequence_classifier(model_type: str) -> str:
+    """The transformers reward-model class of a family: "qwen3" -> "Qwen3ForSequenceClassification"."""
+    return ARCHITECTURES[model_type].removesuffix("ForCausalLM") + "ForSequenceClassification"
 
 
 def generation_config_json(fields: dict) -> dict:

@@ -65,9 +65,9 @@ def load_causal_lm(
 ) -> nn.Module:
     """Load the causal LM saved in the local directory `path`.
 
-    impl: "builtin" -> BuiltinLM (Llama checkpoints only); "hf" ->
-    transformers.AutoModelForCausalLM; "auto" -> builtin when config.json is a
-    Llama whose every feature BuiltinLM implements, else hf. A reward model (a
+    impl: "builtin" -> BuiltinLM (Llama, Qwen2, Qwen3 and Mistral checkpoints); "hf" ->
+    transformers.AutoModelForCausalLM; "auto" -> builtin when config.json is one of those
+    whose every feature BuiltinLM implements, else hf. A reward model (a
     `*ForSequenceClassification` checkpoint) is refused: see `check_causal_lm`.
     """
     if impl not in IMPLS:
@@ -77,7 +77,7 @@ def load_causal_lm(
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     if impl == "auto":
-        impl = "hf" if ckpt.unsupported_llama_features(hf_config) else "builtin"
+        impl = "hf" if ckpt.unsupported_features(hf_config) else "builtin"
     if impl == "builtin":
         return BuiltinLM.from_pretrained(path, device=device, dtype=dtype)
     from transformers import AutoModelForCausalLM

@@ -6,9 +6,11 @@
     engine.sync_weights(model)                               # after each policy update
 
 Engines (one interface, `RolloutEngine`; config key `rollout.engine`):
-- native: batched KV-cache decoding of the built-in model (and Llama checkpoints) in
-  eager PyTorch; finished rows leave the batch. The default on CPU and for the demo.
-- hf: transformers' `generate`, for any causal LM.
+- native: batched KV-cache decoding of the built-in model (Llama, Qwen2, Qwen3 and Mistral
+  checkpoints, and transformers models of those families) in eager PyTorch; finished rows
+  leave the batch. The default on CPU and for the demo.
+- hf: transformers' `generate`, for any transformers causal LM (`model_impl_for`: under it,
+  model.impl=auto loads a checkpoint with transformers).
 - vllm: a vLLM engine with in-place weight sync (optional extra, CUDA).
 All three return the same `Completions`, whose logprobs are log softmax(logits / T)
 of the sampled tokens (see base.py). `generate(..., on_tokens=f)` calls f with each
@@ -68,6 +70,14 @@ def engine_kind_for(model: nn.Module) -> str:
     return "native" if isinstance(base, BuiltinLM) else "hf"
 
 
+def model_impl_for(engine: str, impl: str) -> str:
+    """The model implementation (`model.impl`) to load a policy with for rollout engine `engine`:
+    `auto` becomes `hf` under the hf engine, whose `generate` needs a transformers model (what a
+    TRL user's run holds); `auto` otherwise picks the built-in model where it can
+    (`load_causal_lm`). An explicit impl stays."""
+    return "hf" if engine == "hf" and impl == "auto" else impl
+
+
 def make_engine(kind: str, model: nn.Module, tokenizer, **opts) -> RolloutEngine:
     """Build the rollout engine `kind` ("native" | "hf" | "vllm") over `model`.
 
@@ -94,5 +104,6 @@ __all__ = [
     "engine_kind_for",
     "filter_logits",
     "make_engine",
+    "model_impl_for",
     "sample_next",
 ]

@@ -80,9 +80,11 @@ class HFEngine:
     def sync_weights(self, model: nn.Module) -> None:
         """Point the engine at `model` (generate reads its live weights)."""
         if not hasattr(model, "generate"):
-            raise TypeError(
-                f"the hf engine needs a transformers model with .generate(); got "
-                f"{type(model).__name__}. Use make_engine('native', ...) for a BuiltinLM."
+            raise ValueError(
+                f"rollout.engine=hf runs transformers' generate, which this {type(model).__name__} lacks "
+                "(the built-in model): load the model with transformers (model.impl=hf; model.impl=auto "
+                "does so under rollout.engine=hf), or set rollout.engine=native or auto (--engine native "
+                "on the command line)"
             )
         self.model = model
 

@@ -39,9 +39,10 @@ for the same seed (a test pins this). In "row" mode row i's draw at step t is
 batch's tokens (and the hf engine's, for the same logits). Greedy decoding matches
 transformers' `generate` token for token.
 
-Models: a BuiltinLM (also peft-wrapped), or a transformers LlamaForCausalLM whose
-features BuiltinLM implements, which is viewed as a BuiltinLM sharing the same
-parameter tensors (no copy).
+Models: a BuiltinLM (also peft-wrapped), or a transformers Llama, Qwen2, Qwen3 or Mistral
+causal LM whose features BuiltinLM implements, which is viewed as a BuiltinLM sharing the
+same parameter tensors (no copy). Qwen2's q/k/v bias is stacked like the weights; Qwen3's
+q_norm / k_norm run on the step's q and k heads before RoPE, as in `Attention`.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from torch import nn
 from posttrain.data.collate import left_pad, pad_id_of
 from posttrain.models import BuiltinConfig, BuiltinLM
 from posttrain.models import llama_checkpoint as ckpt
-from posttrain.models.layers import grouped_attention
+from posttrain.models.layers import grouped_attention, rms_norm
 from posttrain.rollout.base import (
     Completions,
     Draws,
@@ -71,25 +72,43 @@ from posttrain.rollout.base import (
 from posttrain.rollout.episodes import Episodes, MultiTurnLimits, TurnHandler, run_episodes
 
 
+def native_problems(model: nn.Module) -> list[str]:
+    """Why the native engine cannot run `model` (empty: it can). It runs a BuiltinLM (peft-wrapped
+    or not) and transformers models of a family BuiltinLM implements (`ckpt.unsupported_features`)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if isinstance(base, BuiltinLM):
+        return []
+    config = getattr(base, "config", None)
+    if not hasattr(config, "to_dict"):
+        return [f"{type(base).__name__} is not a transformers model"]
+    return ckpt.unsupported_features(config.to_dict())
+
+
+def native_refusal(what: str, problems: list[str]) -> str:
+    """The error message for a model the native engine cannot run, in config keys."""
+    return (
+        f"rollout.engine=native cannot run {what}: {'; '.join(problems)}. The native engine runs the "
+        f"built-in decoder ({', '.join(ckpt.ARCHITECTURES)} checkpoints); set rollout.engine=hf "
+        "(transformers' generate, any causal LM) or auto; on the command line of generate, eval "
+        "and serve: --engine hf"
+    )
+
+
 def as_builtin(model: nn.Module) -> BuiltinLM:
     """The BuiltinLM that computes `model`'s logits, sharing its parameters.
 
     BuiltinLM -> itself; peft model -> its (adapter-injected) base model; transformers
-    LlamaForCausalLM -> a BuiltinLM whose parameters are the HF model's tensors.
+    Llama/Qwen2/Qwen3/Mistral model -> a BuiltinLM whose parameters are the HF model's tensors.
+    Raises ValueError (`native_refusal`) for any other model.
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if isinstance(base, BuiltinLM):
         return base
-    config = getattr(base, "config", None)
-    hf = config.to_dict() if hasattr(config, "to_dict") else None
-    problems = ["not a transformers model"] if hf is None else ckpt.unsupported_llama_features(hf)
+    problems = native_problems(base)
     if problems:
-        raise TypeError(
-            f"the native engine runs BuiltinLM and Llama models; {type(base).__name__} "
-            f"cannot be one ({'; '.join(problems)}). Use make_engine('hf', ...) instead."
-        )
+        raise ValueError(native_refusal(f"this {type(base).__name__}", problems))
     with torch.device("meta"):
-        view = BuiltinLM(BuiltinConfig(**ckpt.builtin_fields(hf)))
+        view = BuiltinLM(BuiltinConfig(**ckpt.builtin_fields(base.config.to_dict())))
     state = dict(base.state_dict())
     if view.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -115,7 +134,8 @@ class NativeEngine:
     ):
         """
         Args:
-            model: BuiltinLM, peft-wrapped BuiltinLM, or transformers LlamaForCausalLM.
+            model: BuiltinLM, peft-wrapped BuiltinLM, or a transformers Llama, Qwen2, Qwen3
+                or Mistral causal LM (`native_problems` says why another cannot run).
             tokenizer: encodes string prompts, decodes texts, gives eos/pad ids.
             compact_fraction: drop finished rows from the decode batch once this
                 fraction of its rows has finished; None never drops them (tests).
@@ -314,10 +334,15 @@ def _stop_string_hits(
 @dataclass
 class DecodeWeights:
     """The decoder's matrices laid out for one-token steps, each (in, out) row-major (copies,
-    made once per `generate` call). Per layer: q/k/v stacked (H, (nh + 2·nkv)·D), o
+    made once per `generate` call). Per layer: q/k/v stacked (H, (nh + 2·nkv)·D) and their
+    stacked bias ((nh + 2·nkv)·D,) (Qwen2; None without), the q_norm weight repeated for
+    the nh query heads above the k_norm weight for the nkv key heads, (nh + nkv, D) (Qwen3;
+    None without: one RMSNorm over all q and k heads then does what the two modules do), o
     (nh·D, H), gate/up stacked (H, 2·I), down (I, H); then lm_head (H, V)."""
 
     qkv: list[torch.Tensor]
+    qkv_bias: list[torch.Tensor] | None
+    qk_norm: list[torch.Tensor] | None
     o: list[torch.Tensor]
     gate_up: list[torch.Tensor]
     down: list[torch.Tensor]
@@ -325,20 +350,27 @@ class DecodeWeights:
 
     @classmethod
     def of(cls, model: BuiltinLM) -> DecodeWeights | None:
-        """None when a projection is not a plain `nn.Linear` without bias (LoRA adapters
-        injected): the layers then run as modules."""
+        """None when a projection is not a plain `nn.Linear` (LoRA adapters injected): the
+        layers then run as modules."""
         layers = model.model.layers
         linears = [m for layer in layers for m in (layer.self_attn.q_proj, layer.self_attn.k_proj,
                    layer.self_attn.v_proj, layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
                    layer.mlp.down_proj)] + [model.lm_head]
-        if any(type(m) is not nn.Linear or m.bias is not None for m in linears):
+        if any(type(m) is not nn.Linear for m in linears):
             return None
 
         def rows_in(*mods: nn.Linear) -> torch.Tensor:
             return torch.cat([m.weight for m in mods]).t().contiguous()
 
+        def norms_of(attn) -> torch.Tensor:
+            q, k = attn.q_norm.weight, attn.k_norm.weight
+            return torch.cat([q.expand(attn.num_heads, -1), k.expand(attn.num_kv_heads, -1)])
+
+        qkv = [(x.self_attn.q_proj, x.self_attn.k_proj, x.self_attn.v_proj) for x in layers]
         return cls(
-            qkv=[rows_in(x.self_attn.q_proj, x.self_attn.k_proj, x.self_attn.v_proj) for x in layers],
+            qkv=[rows_in(*mods) for mods in qkv],
+            qkv_bias=[torch.cat([m.bias for m in mods]) for mods in qkv] if model.config.qkv_bias else None,
+            qk_norm=[norms_of(x.self_attn) for x in layers] if model.config.qk_norm else None,
             o=[rows_in(x.self_attn.o_proj) for x in layers],
             gate_up=[rows_in(x.mlp.gate_proj, x.mlp.up_proj) for x in layers],
             down=[rows_in(x.mlp.down_proj) for x in layers],
@@ -375,11 +407,17 @@ def _decode_step(
 
 def _decode_layer(layer, x, w: DecodeWeights, i: int, cos, signed_sin, mask, cache) -> torch.Tensor:
     """`DecoderLayer.forward` of layer i for one new token per row, x (R, 1, H) -> (R, 1, H),
-    on `DecodeWeights` (fused q/k/v and gate/up, RoPE on q and k at once)."""
+    on `DecodeWeights` (fused q/k/v and gate/up; Qwen3's q/k norms, then RoPE, on q and k at
+    once)."""
     attn, r = layer.self_attn, x.shape[0]
     nh, nkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    qkv = (layer.input_layernorm(x) @ w.qkv[i]).view(r, nh + 2 * nkv, d)
+    qkv = layer.input_layernorm(x) @ w.qkv[i]  # (R, 1, (nh + 2·nkv)·D)
+    if w.qkv_bias is not None:
+        qkv = qkv + w.qkv_bias[i]
+    qkv = qkv.view(r, nh + 2 * nkv, d)
     qk = qkv[:, : nh + nkv]
+    if w.qk_norm is not None:  # q_norm and k_norm in one call
+        qk = rms_norm(qk, w.qk_norm[i], attn.q_norm.eps)
     qk = qk * cos + qk.roll(d // 2, dims=-1) * signed_sin  # (R, nh + nkv, D)
     k, v = cache.write(i, qk[:, nh:, None], qkv[:, nh + nkv :, None])  # (R, nkv, T_kv, D)
     out = grouped_attention(qk[:, :nh, None], k, v, mask, False)  # (R, nh, 1, D)

@@ -46,8 +46,8 @@ sampled requests run alone so their seed reproduces them). Requests wait for it 
 uvicorn's event loop. The server has no authentication: it binds 127.0.0.1 unless told
 otherwise.
 
-Engines: `native` (the built-in model and Llama checkpoints it implements; the default for
-them) or `hf` (transformers' generate; the default for anything else).
+Engines: `native` (the built-in model: the Llama, Qwen2, Qwen3 and Mistral checkpoints it
+implements; the default for them) or `hf` (transformers' generate; the default for anything else).
 """
 
 from posttrain.serve.batcher import Batcher, BatcherClosed, Generated

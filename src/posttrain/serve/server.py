@@ -340,7 +340,7 @@ def load_server(
     from posttrain.config import ModelConfig
     from posttrain.export import LORA_ADAPTER, SEQUENCE_CLASSIFIER, detect_kind, resolve_model_dir
     from posttrain.models.factory import build_model_and_tokenizer
-    from posttrain.rollout import engine_kind_for, make_engine
+    from posttrain.rollout import engine_kind_for, make_engine, model_impl_for
 
     if engine is not None and engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose one of {ENGINES}")
@@ -356,9 +356,8 @@ def load_server(
         raise ValueError(
             f"{model_dir} is a sequence classifier (a reward model or critic); serve takes a causal LM"
         )
-    impl = "hf" if engine == "hf" else "auto"
     model, tokenizer = build_model_and_tokenizer(
-        ModelConfig(path=str(model_dir), impl=impl, device=device, dtype=dtype)
+        ModelConfig(path=str(model_dir), impl=model_impl_for(engine or "auto", "auto"), device=device, dtype=dtype)
     )
     model.eval()
     engine = engine or engine_kind_for(model)
@@ -370,10 +369,7 @@ def load_server(
         context_length=getattr(config, "max_position_embeddings", None),
         default_max_tokens=default_max_tokens,
     )
-    try:
-        generator = make_engine(engine, model, tokenizer)
-    except TypeError as err:  # e.g. the native engine asked to run a non-Llama model
-        raise ValueError(str(err)) from None
+    generator = make_engine(engine, model, tokenizer)  # ValueError for a model the engine cannot run
     app = App(generator, info, engine, max_batch_size, batch_wait_ms, max_body_bytes)
     return ModelServer(app, host, port)
 

@@ -134,6 +134,55 @@ def build_rollout(cfg: RLConfig, model: torch.nn.Module, tokenizer: Any, env_fac
                    env_factory, MultiTurnLimits.from_config(rc.multi_turn))
 
 
+def check_engine_fits(cfg: RLConfig, model: Any) -> None:
+    """rollout.engine can run the policy (`model`, else model.path / model.init): checked before
+    any model loads (reads config.json only), with the keys that fix it. The hf engine's
+    policy is a transformers model: model.impl=auto loads it so (`policy_config`)."""
+    from posttrain.models.builtin import BuiltinLM
+    from posttrain.models.llama_checkpoint import read_config_json, unsupported_features
+    from posttrain.rollout.native import native_problems, native_refusal
+
+    engine, m = cfg.rollout.engine, cfg.model
+    given = isinstance(model, torch.nn.Module)
+    if engine == "hf":
+        base = model.get_base_model() if given and hasattr(model, "get_base_model") else model
+        check(not isinstance(base, BuiltinLM), "rollout.engine",
+              "rollout.engine=hf runs transformers' generate, and the model passed is posttrain's built-in "
+              "BuiltinLM: set rollout.engine=native (or auto), or pass a transformers model")
+        if not given:
+            check(m.impl != "builtin", "model.impl",
+                  "rollout.engine=hf runs transformers' generate, which the built-in model lacks: set "
+                  "model.impl=auto or hf (a transformers model), or rollout.engine=native")
+            check(m.init is None, "model.init",
+                  f"rollout.engine=hf (transformers' generate) cannot run a fresh built-in model "
+                  f"(model.init={m.init}): set rollout.engine=native (or auto)")
+    if engine != "native":
+        return
+    if given:
+        problems = native_problems(model)
+        if problems:
+            raise ConfigError(native_refusal(f"the {type(model).__name__} passed as the model", problems))
+        return
+    check(m.lora.quantize == "none", "model.lora.quantize",
+          f"rollout.engine=native runs full-precision weights, not a {m.lora.quantize} base: set "
+          "rollout.engine=hf (or auto)")
+    if m.path is not None:
+        problems = unsupported_features(read_config_json(m.path))
+        if problems:
+            raise ConfigError(native_refusal(f"model.path={m.path}", problems))
+
+
+def policy_config(cfg: RLConfig) -> Any:
+    """model.* to load the policy with: model.impl=auto means hf under rollout.engine=hf, whose
+    `generate` needs a transformers model (as in a TRL run); anything else as set."""
+    from posttrain.rollout import model_impl_for
+
+    impl = model_impl_for(cfg.rollout.engine, cfg.model.impl)
+    if impl != cfg.model.impl:
+        log.info("rollout.engine=%s: the policy loads with transformers (model.impl=auto -> %s)", cfg.rollout.engine, impl)
+    return dataclasses.replace(cfg.model, impl=impl)
+
+
 def check_critic_source(cfg: RLConfig) -> None:
     """critic.model_path holds a trained score head, unless critic.fresh_head asks for a new one
     (cheap: reads config.json and the weights' names)."""
@@ -190,14 +239,16 @@ def build_reference(cfg: RLConfig, policy: torch.nn.Module) -> Reference | None:
 
 def build_roles(cfg: RLConfig, tokenizer: Any, model: Any, reward_funcs: Any, value_model: Any,
                 columns: Sequence[str] | None = None, data: str = "the data", env_factory: Any = None) -> Roles:
-    """Reward and critic checks first (cheap, fail early: `build_reward` checks the reward
-    against the data's `columns`, plus `env_reward` for episodes), then the policy (a module
-    passed in gets `model.lora` adapters, as a built one), reference, critic, actor, rollout. Dropout is off in every model: see `disable_dropout`.
+    """Engine, reward and critic checks first (cheap, fail early: `check_engine_fits`, then
+    `build_reward` checks the reward against the data's `columns`, plus `env_reward` for
+    episodes), then the policy (a module passed in gets `model.lora` adapters, as a built
+    one), reference, critic, actor, rollout. Dropout is off in every model: see `disable_dropout`.
     trainer.backend=ray: the policy and a critic's value model go to the workers, which build
     actor, reference, critic and rollout each (`rl_ray`); the reward stays here."""
     from posttrain.models.factory import build_model
     from posttrain.models.loading import disable_dropout
 
+    check_engine_fits(cfg, model)
     if env_factory is not None and columns is not None:
         columns = [*columns, "env_reward"]
     reward = build_reward(cfg, reward_funcs, columns, data, episodes=env_factory is not None)
@@ -205,7 +256,7 @@ def build_roles(cfg: RLConfig, tokenizer: Any, model: Any, reward_funcs: Any, va
     if isinstance(model, torch.nn.Module):
         model = apply_lora(model, cfg.model.lora)  # as build_model does, for local and Ray runs
     else:
-        model = build_model(cfg.model, tokenizer, train=True)
+        model = build_model(policy_config(cfg), tokenizer, train=True)
     disable_dropout(model, "policy")  # before the reference and a critic are copied from it
     if cfg.trainer.backend == "ray":
         from posttrain.trainers.rl_ray import build_ray_roles
