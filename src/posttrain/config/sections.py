@@ -158,6 +158,15 @@ class TrainerConfig:
     first step that finishes past it (training, evaluation and checkpoints count), then
     evaluates, checkpoints and writes final/ as at max_steps. The lr schedule still spans
     max_steps (or lr_schedule_steps). null = no budget. A resumed run gets the budget afresh."""
+    save_on_signal: bool = True
+    """On SIGTERM or SIGUSR1 (a preemption: SLURM, Kubernetes, spot instances; SIGUSR1 is
+    SLURM's `--signal` warning before its time limit) the step running finishes, a checkpoint
+    of it is saved and sealed, one line names it, and the process exits 143;
+    `trainer.resume=auto` continues the run exactly. A signal during a save lets the save
+    finish first. Under torchrun every rank stops at the same step; on Ray the driver stops
+    and the workers are shut down. false: stop at once without saving (still one line and
+    exit 143). A step must finish within the scheduler's grace period (SLURM's KillWait,
+    Kubernetes' terminationGracePeriodSeconds, 30 s by default) plus the save."""
     learning_rate: float = field(default=1e-4, metadata=aliases(
         trl("learning_rate"), verl("actor_rollout_ref.actor.optim.lr"), verl("optim.lr"),
         openrlhf("actor_learning_rate"), openrlhf("learning_rate")))
