@@ -305,3 +305,45 @@ def test_torchrun_forwards_sigterm_and_both_ranks_stop_at_one_step_with_one_chec
             os.killpg(resumed.pid, signal.SIGKILL)
     assert rc == 0, log[-4000:]
     assert f"resumed from {run / 'checkpoints' / step}" in log and (run / "final" / "model.safetensors").is_file()
+
+
+def raylets(marker):
+    """Pids of live raylet processes whose command line holds `marker`."""
+    found = set()
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            with contextlib.suppress(OSError):
+                cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                if marker in cmd and "/raylet" in cmd.split(" ")[0]:
+                    found.add(int(proc.name))
+    return found
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_ray_driver_saves_stops_the_workers_and_exits_143(data, tmp_path):
+    """Ray installs a SIGTERM handler of its own in `ray.init` (the driver then died with exit
+    134 and Ray's C++ stack dump); the loop's, installed after it, wins: the step finishes, the
+    checkpoint is sealed, the workers and the Ray the run started are shut down."""
+    pytest.importorskip("ray")
+    run = tmp_path / "run"
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "grpo.yaml"
+    proc = posttrain("grpo", "--config", str(recipe), "model.path=null", "model.init=tiny",
+                     f"data.train_files=[{data / 'train.jsonl'}]", "trainer.save_steps=0", "data.train_batch_size=2",
+                     "actor.ppo_mini_batch_size=2", "rollout.n=2", "rollout.max_new_tokens=6",
+                     "actor.micro_batch_size=4", "trainer.max_steps=40", "algorithm.overlong.buffer=0",
+                     f"trainer.output_dir={run}", *QUIET, "trainer.backend=ray", "trainer.nnodes=1",
+                     "trainer.n_workers_per_node=2")
+    wait_for_step(proc, run, 3)
+    own = raylets(f"/tmp/ptray-{proc.pid}-")
+    proc.send_signal(signal.SIGTERM)
+    rc, _, err = finish(proc)
+    (step,) = checkpoints(run)
+    assert rc == 143, err[-3000:]
+    assert err.strip().splitlines()[-1] == (f"posttrain grpo: stopped by SIGTERM at {step.replace('-', ' ')}: saved "
+                                            f"checkpoint {run / 'checkpoints' / step}; resume with trainer.resume=auto")
+    assert "Traceback" not in err and "SIGTERM received" not in err and (run / "checkpoints" / step / COMPLETE).is_file()
+    assert own, "the run's raylet was not found while it ran"
+    deadline = time.monotonic() + 15
+    while raylets(f"/tmp/ptray-{proc.pid}-") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not raylets(f"/tmp/ptray-{proc.pid}-"), "the run left its raylet behind"
