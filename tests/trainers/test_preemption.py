@@ -169,6 +169,12 @@ def test_save_on_signal_false_stops_at_once_without_saving(tok, tmp_path):
     assert not (run / "checkpoints").exists() and not (run / "final").exists()
 
 
+def test_a_signal_at_the_last_step_lets_the_run_finish(tok, tmp_path):
+    result = trainer("sft", tok, tmp_path / "run", callbacks=[SignalAt(4)]).train()
+    assert result.step == 4 and (tmp_path / "run" / "final" / "model.safetensors").is_file()
+    assert checkpoints(tmp_path / "run") == ["step-4"]
+
+
 def sft_argv(data, run, *extra):
     return ["sft", "model.init=tiny", f"data.train_files=[{data / 'train.jsonl'}]", "data.train_batch_size=4",
             "trainer.micro_batch_size=4", f"trainer.output_dir={run}", *QUIET, *extra]

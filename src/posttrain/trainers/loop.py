@@ -15,6 +15,9 @@ follows the same rules:
   new run never shares its folder with another (`checkpoint.claim_run_dir`,
   `trainer.overwrite`); config.yaml is written once these checks pass; then the task
   restores everything in the checkpoint, and every checkpoint it saves records the run;
+- preemption (`trainers/preempt.py`): SIGTERM or SIGUSR1 ends the step running, saves a
+  sealed checkpoint of it and raises `Preempted` (the CLI: one line, exit 143), all ranks at
+  the same step; `trainer.save_on_signal=false` raises at once;
 - the wall-clock budget (`trainer.max_time_s`) and `trainer.max_steps` (filled from
   `trainer.num_train_epochs` by the trainer once its data is loaded); `epoch` (passes over
   the data, fractional) in every command's metrics;

@@ -11,6 +11,8 @@ training loop runs (`trainers/loop.run`), these signals are handled here:
   process). A signal that arrives during a save lets the save finish, then the run stops at
   the checkpoint it sealed; more signals meanwhile change nothing. A step whose loss was
   NaN/inf is never saved: the line then names the last good checkpoint.
+  A signal at the last step, or after it (the final evaluation, `final/`), lets the run
+  finish as it would have: it returns, and the CLI exits 0.
 - `trainer.save_on_signal=false`: the handler raises `Preempted` at once (like Ctrl-C's
   KeyboardInterrupt), no save; still one line and exit 143.
 
