@@ -42,6 +42,7 @@ RESUME_MAY_CHANGE = (
     "trainer.output_dir", "trainer.resume", "trainer.overwrite",
     # how long it runs (the lr schedule spans trainer.max_steps: it follows a new value)
     "trainer.max_steps", "trainer.num_train_epochs", "trainer.max_time_s", "trainer.max_bad_steps",
+    "trainer.save_on_signal",
     # cadences and sinks
     "trainer.save_steps", "trainer.save_total_limit", "trainer.eval_steps", "trainer.logging_steps",
     "trainer.report_to", "trainer.progress",

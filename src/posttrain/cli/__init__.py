@@ -21,7 +21,8 @@ from posttrain.cli.sampling import _add_eval_commands
 from posttrain.config import ConfigError, RunStopped, build_config, iter_fields
 from posttrain.config.aliases import alias_summary, aliases_by_key
 from posttrain.config.core import type_name
-from posttrain.distributed.env import refuse_launch_of_several
+from posttrain.distributed.env import is_main_process, refuse_launch_of_several
+from posttrain.trainers.preempt import EXIT_CODE, Preempted
 
 
 @dataclass(frozen=True)
@@ -432,6 +433,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Preempted as stop:
+        if is_main_process():  # every rank stopped at the same step, with one checkpoint
+            print(f"posttrain {args.command}: stopped by {stop}", file=sys.stderr)
+        return EXIT_CODE
     finally:
         distributed.shutdown()  # leave torchrun's process group (a no-op in one process)
 

@@ -158,6 +158,12 @@ class TrainerConfig:
     first step that finishes past it (training, evaluation and checkpoints count), then
     evaluates, checkpoints and writes final/ as at max_steps. The lr schedule still spans
     max_steps (or lr_schedule_steps). null = no budget. A resumed run gets the budget afresh."""
+    save_on_signal: bool = True
+    """On SIGTERM or SIGUSR1 (a preemption: SLURM, Kubernetes, spot instances; SIGUSR1 is
+    SLURM's `--signal` warning) the step running finishes, a checkpoint of it is saved and
+    sealed (a save under way finishes first), one line names it, and the process exits 143;
+    `trainer.resume=auto` continues exactly. torchrun's ranks all stop at one step; on Ray the
+    driver stops the workers. false: stop at once, unsaved (one line, exit 143)."""
     learning_rate: float = field(default=1e-4, metadata=aliases(
         trl("learning_rate"), verl("actor_rollout_ref.actor.optim.lr"), verl("optim.lr"),
         openrlhf("actor_learning_rate"), openrlhf("learning_rate")))

@@ -15,6 +15,9 @@ follows the same rules:
   new run never shares its folder with another (`checkpoint.claim_run_dir`,
   `trainer.overwrite`); config.yaml is written once these checks pass; then the task
   restores everything in the checkpoint, and every checkpoint it saves records the run;
+- preemption (`trainers/preempt.py`): SIGTERM or SIGUSR1 ends the step running, saves a
+  sealed checkpoint of it and raises `Preempted` (the CLI: one line, exit 143), all ranks at
+  the same step; `trainer.save_on_signal=false` raises at once;
 - the wall-clock budget (`trainer.max_time_s`) and `trainer.max_steps` (filled from
   `trainer.num_train_epochs` by the trainer once its data is loaded); `epoch` (passes over
   the data, fractional) in every command's metrics;
@@ -73,6 +76,7 @@ from posttrain.config.inputs import recorded_config
 from posttrain.logging import MetricsLogger, Progress, get_logger
 from posttrain.models.lora import is_peft, merged_for_export
 from posttrain.trainers.callbacks import Callbacks
+from posttrain.trainers.preempt import Preemption
 from posttrain.training.core import (
     BadStepGuard,
     LossFn,
@@ -202,13 +206,16 @@ def run(task: Task, config: Any, ref_sync: RefSync | None = None, callbacks: Cal
     """Train `task` for `config.trainer.max_steps` steps; see the module doc. `config` is the
     command's whole config tree (its class names the command, e.g. `SFTConfig.command`).
     The run directory is locked from before the start to after final/ (`checkpoint.lock`;
-    rank 0 holds it for data-parallel ranks, the driver on Ray)."""
+    rank 0 holds it for data-parallel ranks, the driver on Ray). SIGTERM and SIGUSR1 stop it
+    at a sealed checkpoint and raise `Preempted` (`trainers/preempt.py`)."""
     main = getattr(task, "is_main", True)
-    with run_lock.hold(config.trainer.output_dir) if main else contextlib.nullcontext():
-        return _run(task, config, ref_sync, callbacks)
+    stop = Preemption(config.trainer.save_on_signal, getattr(task, "collective", None))
+    with run_lock.hold(config.trainer.output_dir) if main else contextlib.nullcontext(), stop.installed():
+        return _run(task, config, ref_sync, callbacks, stop)
 
 
-def _run(task: Task, config: Any, ref_sync: RefSync | None, callbacks: Callbacks | None) -> FitResult:
+def _run(task: Task, config: Any, ref_sync: RefSync | None, callbacks: Callbacks | None,
+         stop: Preemption) -> FitResult:
     cfg: TrainerConfig = config.trainer
     hooks = callbacks if callbacks is not None else Callbacks([], config)
     run_dir = Path(cfg.output_dir)
@@ -219,6 +226,7 @@ def _run(task: Task, config: Any, ref_sync: RefSync | None, callbacks: Callbacks
     config_dict = recorded_config(to_dict(config), getattr(task, "inputs", None))  # what Python passed, too
     record = RunRecord.of(config.command, config_dict, task.model)
     step, last_ckpt = _start(task, config, config_dict, record, main, collective)
+    stop.at(step, last_ckpt)
     sink = MetricsLogger(run_dir, cfg.report_to, config_dict) if main else _NoSink()
     sink.truncate_after(step)
     guard = BadStepGuard(cfg.max_bad_steps)
@@ -226,6 +234,7 @@ def _run(task: Task, config: Any, ref_sync: RefSync | None, callbacks: Callbacks
     last_eval: dict[str, float] = {}
     evaluated_at = None
     budget = Budget(cfg.max_time_s, collective)
+    preempted = False
     hooks.begin(task, config, step, main)
     asked = partial(hooks.agreed, collective=collective)  # a callback's control flag, agreed over ranks
     with sink, Progress(cfg.max_steps, task.desc, initial=step, enabled=cfg.progress and main,
@@ -243,7 +252,8 @@ def _run(task: Task, config: Any, ref_sync: RefSync | None, callbacks: Callbacks
                 last_eval = _timed_eval(task, step, sink, hooks)
                 metrics.update(last_eval)
                 evaluated_at = step
-            last = step == cfg.max_steps or budget.spent(step) or asked("should_training_stop")
+            preempted = step < cfg.max_steps and stop.requested()  # at max_steps the run just finishes
+            last = preempted or step == cfg.max_steps or budget.spent(step) or asked("should_training_stop")
             if step % cfg.logging_steps == 0 or evaluated_at == step or last or asked("should_log"):
                 sink.log(step, metrics)
                 _log_train_samples(task, step, sink)
@@ -254,9 +264,13 @@ def _run(task: Task, config: Any, ref_sync: RefSync | None, callbacks: Callbacks
             if due and not out.nonfinite:  # a checkpoint is only ever a good state
                 last_ckpt = task.save(run_dir, step, metrics, cfg.save_total_limit, record)
                 hooks.fire("on_save")
-            if last or asked("should_training_stop"):
+                preempted = preempted or step < cfg.max_steps and stop.requested()  # one during the save
+            stop.at(step, last_ckpt)
+            if last or preempted or asked("should_training_stop"):
                 break
             metrics = {}
+        if preempted:
+            raise stop.stopped(step, last_ckpt, f"step {step}'s loss or gradient was NaN/inf" if out.nonfinite else "")
         if task.has_eval and evaluated_at != step:
             last_eval = _timed_eval(task, step, sink, hooks)
             sink.log(step, last_eval)
