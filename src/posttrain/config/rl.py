@@ -366,7 +366,7 @@ class RewardConfig:
     segfault or the OOM killer ends the run, and a hung call keeps its thread. process: each
     call in a pool of worker processes (the functions and their arguments must pickle), so
     those also fail only their samples; the dead or hung worker is killed and replaced. The
-    reward model always runs in the trainer's process."""
+    built-in functions (the reward model included) always run in the trainer's process."""
     model_path: str | None = field(default=None, metadata=aliases(
         trl("reward_model_path"), verl("reward_model.model.path"), openrlhf("reward_pretrain")))
     """A trained reward model directory (`posttrain rm`); its score is added to the functions' total."""

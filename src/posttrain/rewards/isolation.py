@@ -12,12 +12,12 @@ then killed), so the runner counts it as it counts a raise (`reward.failure_rewa
 `reward/<fn>/errors`); the dead worker is replaced by a fresh one on the next call.
 
 The price: the function and its arguments are pickled (cloudpickle: a `file.py:name` or
-working-folder module is pickled by value, `registry.FILE_MODULES`; a built-in by reference,
-its module imported by the worker on first use), each worker keeps its own state (a cache, a
+working-folder module is pickled by value, `registry.FILE_MODULES`; an installed module's by reference, imported by the worker as it warms up), each worker keeps its own state (a cache, a
 counter; `pop_metrics` of the trainer's copy sees none of it, so such figures go through
-`log_metric`, which is forwarded), and a call costs a round trip through a pipe. A function
-that sets `isolation = "thread"` on itself (the reward model, which holds a loaded model)
-stays in the trainer's process.
+`log_metric`, which is forwarded; `trainer_state` arrives as a `SimpleNamespace` copy with
+the same fields), and a call costs a round trip through a pipe. posttrain's own functions
+(the built-ins: the reward model holds a loaded model, `code_tests` runs code in its own
+sandbox) stay in the trainer's process: the runner isolates the user's functions only.
 
 Workers are plain `python _worker_main.py` subprocesses, not `multiprocessing` ones, so a
 user's script without an `if __name__ == "__main__":` guard is never imported again; each
@@ -28,6 +28,7 @@ dies (their pipe closes).
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import inspect
 import os
@@ -40,6 +41,7 @@ import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 WORKER_MAIN = str(Path(__file__).with_name("_worker_main.py"))
@@ -88,8 +90,8 @@ class _Worker:
 
 class WorkerPool:
     """Worker processes, each warmed on `payloads` (the pickled functions `in_worker` was
-    given: their modules are imported before a call, not during it). `warm(k)` starts k in
-    the background. A call takes an idle worker (or starts one when all are busy) and gives
+    given: their modules are imported before a call, not during it). `warm(k)` starts k and
+    waits for them. A call takes an idle worker (or starts one when all are busy) and gives
     it back, unless it died or timed out: then it is ended and a fresh one is started and
     warmed in the background. `replaced` counts the workers ended that way."""
 
@@ -103,9 +105,13 @@ class WorkerPool:
         atexit.register(self.close)
 
     def warm(self, k: int) -> None:
-        """Start k workers in the background."""
-        for _ in range(k):
-            self._start_in_background()
+        """Start k workers at once and wait until they are warm (a worker's start-up is then
+        not spent out of a call's timeout)."""
+        threads = [threading.Thread(target=self._start, daemon=True) for _ in range(k)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
 
     def call(self, message: bytes, timeout_s: float) -> tuple:
         with self._lock:
@@ -134,25 +140,25 @@ class WorkerPool:
         worker.close()
 
     def _start_in_background(self) -> None:
-        """A fresh worker, warmed on `payloads` in a daemon thread, then idle."""
-        def start() -> None:
-            with self._lock:
-                if self._closed:
-                    return
-            worker = _Worker()
-            with self._lock:
-                self._busy.add(worker)  # so close() ends it while it warms up
-            try:
-                for payload in list(self.payloads):
-                    worker.call(pickle.dumps((payload, None, False)), 600.0)
-            except BaseException:  # noqa: BLE001 - a worker that cannot start: calls start their own
-                with self._lock:
-                    self._busy.discard(worker)
-                worker.close()
-                return
-            self._give_back(worker)
+        threading.Thread(target=self._start, daemon=True).start()
 
-        threading.Thread(target=start, daemon=True).start()
+    def _start(self) -> None:
+        """A fresh worker, warmed on `payloads`, then idle."""
+        with self._lock:
+            if self._closed:
+                return
+        worker = _Worker()
+        with self._lock:
+            self._busy.add(worker)  # so close() ends it while it warms up
+        try:
+            for payload in list(self.payloads):
+                worker.call(pickle.dumps((payload, None, False)), 600.0)
+        except BaseException:  # noqa: BLE001 - a worker that cannot start: calls start their own
+            with self._lock:
+                self._busy.discard(worker)
+            worker.close()
+            return
+        self._give_back(worker)
 
     def close(self) -> None:
         """End every worker, idle, busy or warming up."""
@@ -182,6 +188,8 @@ def in_worker(fn: Callable[..., Any], pool: WorkerPool, timeout_s: float) -> Cal
 
     def call(**kwargs: Any) -> Any:
         log = kwargs.pop("log_metric", None)
+        if dataclasses.is_dataclass(kwargs.get("trainer_state")):  # read in the worker without importing posttrain
+            kwargs["trainer_state"] = SimpleNamespace(**vars(kwargs["trainer_state"]))
         answer = pool.call(pickle.dumps((payload, kwargs, log is not None)), timeout_s)
         for name, value in answer[-1]:
             log(name, value)

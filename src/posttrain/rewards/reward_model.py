@@ -79,9 +79,6 @@ class RewardModelScorer:
             conversational prompts.
     """
 
-    isolation = "thread"
-    """Runs in the trainer's process under reward.isolation=process too: it holds a loaded model."""
-
     def __init__(
         self,
         path: str | Path,

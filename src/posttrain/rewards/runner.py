@@ -227,8 +227,8 @@ class RewardRunner:
         failure_reward: the value of a sample whose reward call failed, before weighting.
         max_workers: threads per function for the per-sample retries after a batch call raised.
         isolation: "thread" (functions run in the trainer's process) or "process" (each call
-            in a worker process, `posttrain.rewards.isolation`, except a function that sets
-            `isolation = "thread"` on itself); `close()` ends the workers.
+            of a user's function in a worker process, `posttrain.rewards.isolation`; the
+            built-ins stay here); `close()` ends the workers.
     """
 
     def __init__(
@@ -280,8 +280,9 @@ class RewardRunner:
         """TRL's `trainer_state` reward argument: the trainer sets it to its `TrainerState`."""
 
     def _isolated(self, fn: RewardFn, timeout_s: float) -> RewardFn:
-        """`fn` as the runner calls it: in a worker process under isolation=process."""
-        if self.pool is None or getattr(fn, "isolation", None) == "thread":
+        """`fn` as the runner calls it: in a worker process under isolation=process, unless it
+        is posttrain's own (a built-in)."""
+        if self.pool is None or _is_posttrains(fn):
             return fn
         try:
             return in_worker(fn, self.pool, timeout_s)
@@ -507,6 +508,13 @@ class RewardRunner:
             else ""
         )
         logger.warning("reward function %r %s%s%s", name, what, more, detail)
+
+
+def _is_posttrains(fn: RewardFn) -> bool:
+    """A function (a partial's, a callable object's class) defined in posttrain: a built-in."""
+    target = getattr(fn, "func", fn)
+    module = getattr(target, "__module__", None) or type(target).__module__
+    return module == "posttrain" or module.startswith("posttrain.")
 
 
 def _traceback(error: BaseException | None) -> str:
