@@ -20,7 +20,7 @@ Notation: B dataset rows, n = params.n episodes per row, N = B·n.
   is not a string). Its episode ends (one that did not start ends after its first model
   turn, on the row's bare prompt), the reason is kept in the turn's info (`env_error`,
   counted in `env/errors`, the user's file:line included), and the run goes on. The first
-  start failure of a batch is logged in one line (`user_code.describe`).
+  start failure of a batch is logged in one line, as `user_code` says errors.
 - The observation is tokenised without special tokens (the text protocol), or rendered
   by the chat template as tool messages (`chat.ChatProtocol.format_results`), and appended.
 - Environment reward of an episode: the sum of its steps' rewards (None when no step gave
@@ -52,15 +52,15 @@ class EnvironmentTurns:
     """The `TurnHandler` over one environment per output row (module docstring); `failed`
     maps the rows whose environment did not start to the reason, so their first turn ends them."""
 
-    def __init__(self, envs: Sequence[Environment | None], tokenizer, step_timeout_s: float = 60.0,
+    def __init__(self, envs: Sequence[Environment | None], tokenizer, timeout_s: float = 60.0,
                  failed: dict[int, str] | None = None):
-        self.envs, self.tokenizer, self.step_timeout_s = list(envs), tokenizer, step_timeout_s
+        self.envs, self.tokenizer, self.timeout_s = list(envs), tokenizer, timeout_s
         self.failed = dict(failed or {})
 
     def respond(self, rows: list[int], texts: list[str]) -> list[Reply]:
         jobs = [(row, text) for row, text in zip(rows, texts) if row not in self.failed]
         results, errors, _ = map_in_daemon_threads(
-            lambda job: self.envs[job[0]].step(job[1]), jobs, len(jobs), self.step_timeout_s
+            lambda job: self.envs[job[0]].step(job[1]), jobs, len(jobs), self.timeout_s
         )
         answers = {row: (result, error) for (row, _), result, error in zip(jobs, results, errors)}
         replies = []
@@ -113,7 +113,7 @@ def start_environments(
     """One environment per row, built and reset on it concurrently under one `timeout_s`:
     (environments, the text each `reset` returned, {row: reason} for those that raised, ran
     past `timeout_s` or returned something other than a string or None; their environment is
-    None). The first failure is logged in one line (`user_code.describe`)."""
+    None). The first failure is logged in one line, as `user_code` says errors."""
     stage = ["constructor"] * len(rows)
 
     def start(i: int) -> tuple[Environment, Any]:
