@@ -22,6 +22,8 @@ USER_FILE = textwrap.dedent('''
     class NoSecret(GuessNumber):
         def reset(self, row):
             return f"{lookup(row)}"
+
+        columns = ()  # so the run starts on data without `secret` (GuessNumber's check)
 ''')
 RAISING_LINE = 5  # `return row["secret"]`, under `reset`'s call
 
@@ -53,7 +55,7 @@ def test_a_file_that_fails_to_load_is_said_with_its_line(tmp_path):
         load_object(f"{tmp_path / 'unfinished.py'}:reward")
 
 
-def test_an_environment_that_raises_stops_the_cli_run_with_one_line(tmp_path, capsys):
+def test_an_environment_whose_reset_raises_is_counted_and_said_in_one_line(tmp_path, capsys, caplog):
     (tmp_path / "user_envs.py").write_text(USER_FILE)
     data = tmp_path / "rl.jsonl"
     data.write_text(json.dumps({"prompt": "guess"}) + "\n")  # no `secret` column
@@ -62,7 +64,9 @@ def test_an_environment_that_raises_stops_the_cli_run_with_one_line(tmp_path, ca
                  "trainer.max_steps=1", "data.train_batch_size=1", "rollout.n=2", "actor.micro_batch_size=2", "rollout.max_new_tokens=2",
                  "rollout.multi_turn.max_turns=1", "data.shuffle=false", "algorithm.overlong.buffer=0"])
     err = capsys.readouterr().err
-    assert code == 1
-    assert (f"posttrain grpo: stopped: environment 'NoSecret' raised KeyError: 'secret' at "
-            f"{tmp_path / 'user_envs.py'}:{RAISING_LINE} (in lookup)") in err
+    assert code == 0  # the run goes on: both episodes ended at once, counted
+    assert (f"environment 'NoSecret' reset raised KeyError: 'secret' at "
+            f"{tmp_path / 'user_envs.py'}:{RAISING_LINE} (in lookup)") in caplog.text
     assert "Traceback" not in err
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["env/errors"] for m in metrics if "env/errors" in m] == [2.0]

@@ -5,9 +5,9 @@
     # KeyError('secret') in Shop.reset becomes UserCodeError:
     # environment 'my_envs:Shop' raised KeyError: 'secret' at /work/my_envs.py:12 (in reset)
 
-User code that stops a run when it raises (an environment's constructor or `reset`, in
-`envs.driver`; a `file.py:name` file as it loads, in `rewards.registry`; any user callable a
-trainer calls inside `user_code`) stops it with one line
+User code that stops a run when it raises (a `file.py:name` file or a `module:name`
+module as it loads, in `rewards.registry`, `sys.exit` included; any user callable a trainer
+calls inside `user_code`) stops it with one line
 naming the object, the exception's class and message, and the line of the user's code that
 raised it (the innermost frame outside posttrain, the standard library and the installed
 packages). It reads the same in the CLI and the Python API, and on the local and the Ray
@@ -15,7 +15,8 @@ backends: a Ray worker's `UserCodeError` is raised as itself on the driver
 (`distributed.groups`), not as Ray's wrapper with the worker's traceback. The original
 exception stays chained (`__cause__`) on the backend that raised it. A reward function never
 stops a run by raising (its sample gets reward.failure_reward); its first failure, which a
-run that fails on every sample stops with, starts with the same words (`raised`).
+run that fails on every sample stops with, starts with the same words (`raised`). Nor does
+an environment (`envs.driver`: its failures are counted in env/errors, said the same way).
 """
 
 from __future__ import annotations
@@ -62,10 +63,12 @@ def raised(error: BaseException) -> str:
 
 def user_frame(error: BaseException) -> traceback.FrameSummary | None:
     """The innermost frame of `error`'s traceback in the user's code (a file outside _NOT_USER;
-    a SyntaxError's own file and line), else its innermost frame; None without a traceback."""
+    a SyntaxError's own file and line), else its innermost frame; None without a traceback.
+    An exception sent from a worker process carries its frames as `remote_frames`."""
     if isinstance(error, SyntaxError) and error.filename:
         return traceback.FrameSummary(error.filename, error.lineno or 0, "<module>")
-    frames = traceback.extract_tb(error.__traceback__)
+    remote = getattr(error, "remote_frames", None)  # raised in a reward worker process (rewards.isolation)
+    frames = list(remote) if remote is not None else traceback.extract_tb(error.__traceback__)
     mine = [f for f in frames if not f.filename.startswith("<")  # <frozen importlib._bootstrap>
             and not str(Path(f.filename).resolve()).startswith(_NOT_USER)]
     return (mine or frames or [None])[-1]
@@ -73,13 +76,14 @@ def user_frame(error: BaseException) -> traceback.FrameSummary | None:
 
 @contextmanager
 def user_code(what: str) -> Iterator[None]:
-    """Run the block as a call into `what`: an exception it raises becomes a UserCodeError
-    (one raised by user code called deeper inside passes as it is)."""
+    """Run the block as a call into `what`: an exception it raises, or a `sys.exit` (which
+    would otherwise end the run without a word), becomes a UserCodeError (one raised by user
+    code called deeper inside passes as it is)."""
     try:
         yield
     except UserCodeError:
         raise
-    except Exception as error:
+    except (Exception, SystemExit) as error:
         raise UserCodeError.of(what, error) from error
 
 

@@ -101,7 +101,7 @@ def test_an_environment_that_raises_or_hangs_ends_its_episode_only(taught, tok):
             return StepResult("<result>ok</result>", reward=0.5, done=False)
 
     engine = make_engine("native", taught, tok)
-    turns = EnvironmentTurns([Flaky() for _ in range(3)], tok, step_timeout_s=0.5)
+    turns = EnvironmentTurns([Flaky() for _ in range(3)], tok, timeout_s=0.5)
     out = engine.generate_episodes([PROMPT] * 3, SamplingParams(n=1, temperature=0.0, max_new_tokens=48,
                                                                 stop=("</call>",)), MultiTurnLimits(2, 160), turns)
     kinds = [e.kind for e in turns.envs]

@@ -117,8 +117,13 @@ class MultiTurnConfig:
     max_total_tokens: int = 512
     """Most tokens of an episode after the prompt, model and environment tokens together;
     an episode that would pass it is truncated."""
+    env_timeout_s: float = 60.0
+    """Seconds each environment call may take: building an episode's environment and its
+    `reset` (together), and each `step`. A call past it, one that raises, or one that returns
+    a malformed value ends its episode and is counted in env/errors; the run goes on."""
 
     def validate(self) -> None:
+        check(self.env_timeout_s > 0, "rollout.multi_turn.env_timeout_s", f"must be > 0, got {self.env_timeout_s}")
         check(self.max_turns >= 1, "rollout.multi_turn.max_turns", f"must be >= 1, got {self.max_turns}")
         check(self.max_total_tokens >= 1, "rollout.multi_turn.max_total_tokens",
               f"must be >= 1, got {self.max_total_tokens}")
@@ -357,6 +362,13 @@ class RewardConfig:
     """Seconds a reward function may take on a batch (per-sample retries get as long again)."""
     failure_reward: float = 0.0
     """Reward of a sample whose reward function raised or timed out (counted in reward/<fn>/errors)."""
+    isolation: Literal["thread", "process"] = "thread"
+    """Where the reward functions run. thread: in the trainer's process, each call in a thread;
+    a raise, a `sys.exit` or a call past timeout_s fails its samples, but `os._exit`, a
+    segfault or the OOM killer ends the run, and a hung call keeps its thread. process: each
+    call in a pool of worker processes (the functions and their arguments must pickle), so
+    those also fail only their samples; the dead or hung worker is killed and replaced. The
+    built-in functions (the reward model included) always run in the trainer's process."""
     model_path: str | None = field(default=None, metadata=aliases(
         trl("reward_model_path"), verl("reward_model.model.path"), openrlhf("reward_pretrain")))
     """A trained reward model directory (`posttrain rm`); its score is added to the functions' total."""

@@ -26,6 +26,9 @@ class GuessNumber:
     """Higher / lower feedback on guesses of `row["secret"]` (module docstring)."""
 
     protocol = TextProtocol()
+    columns = ("secret",)
+    """The data columns `reset` reads (`registry.check_environment_columns`); low and high
+    are optional (1 and 100)."""
 
     def reset(self, row: dict[str, Any]) -> str:
         self.secret, self.low, self.high = int(row["secret"]), int(row.get("low", 1)), int(row.get("high", 100))

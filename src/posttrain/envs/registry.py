@@ -82,6 +82,18 @@ def episode_factory(
     return partial(factory, tools=fns) if fns else factory
 
 
+def check_environment_columns(factory: Callable[[], Environment], columns: Sequence[str], data: str) -> None:
+    """Refuse, before the run, data without a column the environment declares it reads (a
+    class attribute `columns`, as the built-ins have: guess_number's `secret`)."""
+    needed = getattr(getattr(factory, "func", factory), "columns", ())  # through functools.partial (tools=)
+    missing = [c for c in needed if c not in columns]
+    if missing:
+        raise ValueError(
+            f"environment {getattr(factory, '__name__', factory)!r} reads the column(s) {missing} of each row, "
+            f"which {data} lacks (its columns: {sorted(columns)}); add them, or use another rollout.env"
+        )
+
+
 def describe_episodes(environment: Any = None, tools: Sequence[Any] | None = None) -> dict[str, Any]:
     """How config.yaml records the environment factory and tools the Python API was given
     (`posttrain.rewards.registry.describe_object`: a spec that loads each again, or None)."""

@@ -28,6 +28,9 @@ class ArithmeticTools(ToolEnvironment):
         timeout_s: wall-clock limit of each call.
     """
 
+    columns = ("answer",)
+    """The data columns the episode reads (`registry.check_environment_columns`)."""
+
     def __init__(self, tools: Sequence[Callable[..., Any]] = (calculator,), timeout_s: float = 5.0):
         super().__init__(tools=tools, timeout_s=timeout_s, describe_tools=False)
         self.task = ArithmeticToolsTask()

@@ -36,7 +36,7 @@ from types import ModuleType
 from typing import Any
 
 from posttrain.rewards.builtin import BUILTIN_REWARDS, REWARD_FACTORIES
-from posttrain.user_code import user_code
+from posttrain.user_code import UserCodeError, user_code
 
 __all__ = ["describe_object", "describe_reward", "load_object", "pickle_file_modules_by_value", "resolve_reward"]
 
@@ -80,7 +80,8 @@ def resolve_reward(spec: str | Mapping[str, Any] | RewardFn) -> tuple[str, Rewar
         except TypeError as e:
             raise ValueError(f"reward {target!r} with options {options}: {e}") from None
     if not callable(obj):
-        raise TypeError(f"reward {target!r} resolved to {obj!r}, which is not callable")
+        raise ValueError(f"reward {target!r} is {_show(obj)}, not a function: name a function, or a "
+                         "factory with options that returns one")
     return name, obj
 
 
@@ -159,11 +160,16 @@ def load_object(path: str) -> Any:
         module = _load_file(module_part, path)
     else:
         try:
-            module = _import_module(module_part)
-        except ImportError as e:
+            with user_code(f"the module {module_part!r}"):
+                module = _import_module(module_part)
+        except UserCodeError as e:
+            missing = getattr(e.__cause__, "name", None)  # ModuleNotFoundError: the module itself is not there
+            if not isinstance(e.__cause__, ModuleNotFoundError) or not (
+                    module_part == missing or module_part.startswith(f"{missing}.")):
+                raise
             raise ValueError(
                 f"reward {path!r}: cannot import module {module_part!r} from the working folder "
-                f"{os.getcwd()!r} or the installed packages ({e})"
+                f"{os.getcwd()!r} or the installed packages ({e.__cause__})"
             ) from None
     try:
         return getattr(module, attr)
@@ -241,3 +247,8 @@ def _unknown_message(name: str) -> str:
         f"unknown reward {name!r}{hint}; built-ins: {', '.join(sorted(BUILTIN_REWARDS))}; "
         "or give an import path 'package.module:function' or 'path/to/file.py:function'"
     )
+
+
+def _show(obj: Any) -> str:
+    text = repr(obj)
+    return f"{text if len(text) <= 60 else text[:57] + '...'} ({type(obj).__name__})"

@@ -47,9 +47,15 @@ in a daemon thread, so it never blocks the process from exiting, its result is t
 and `reward/hung_threads` counts the abandoned threads still alive. A function that hangs in
 pure-Python CPU work keeps one core (and a share of the GIL) busy until it returns; work that
 can hang for good (generated code) belongs in a subprocess, as `code_tests` does through
-`posttrain.rewards.sandbox`. We chose threads over a process pool because reward functions
-are often closures or lambdas that cannot be pickled, and they share caches (tokenizers,
-judges' connection settings) with the trainer process.
+`posttrain.rewards.sandbox`. Threads are the default because reward functions are often
+closures that share caches (tokenizers, judges' connection settings) with the trainer
+process. A `sys.exit` in a function is a raise like any other (SystemExit is caught).
+
+Isolation (`isolation="process"`, config `reward.isolation`): every call of a function runs in
+a worker process (`posttrain.rewards.isolation`), still waited for by a thread here, so the
+timeouts, retries and accounting above are unchanged; in addition a function that ends its
+process (`os._exit`, a segfault) or hangs is counted as a failure, the worker is killed and
+a fresh one takes its place.
 
 Metrics (TRL logs `reward`, `reward_std`, `rewards/<fn>/mean|std`; the meaning is the same):
   reward/mean, reward/std            over the weighted totals of the batch
@@ -82,6 +88,7 @@ from typing import Any
 
 import torch
 
+from posttrain.rewards.isolation import WorkerPool, in_worker
 from posttrain.user_code import raised
 
 logger = logging.getLogger(__name__)
@@ -219,6 +226,9 @@ class RewardRunner:
         timeout_s: how long a batch call may run; per-sample retries get as long again.
         failure_reward: the value of a sample whose reward call failed, before weighting.
         max_workers: threads per function for the per-sample retries after a batch call raised.
+        isolation: "thread" (functions run in the trainer's process) or "process" (each call
+            of a user's function in a worker process, `posttrain.rewards.isolation`; the
+            built-ins stay here); `close()` ends the workers.
     """
 
     def __init__(
@@ -228,6 +238,7 @@ class RewardRunner:
         timeout_s: float = 10.0,
         failure_reward: float = 0.0,
         max_workers: int = 8,
+        isolation: str = "thread",
     ) -> None:
         names = [name for name, _ in functions]
         if not names:
@@ -249,7 +260,13 @@ class RewardRunner:
             )
         if not math.isfinite(failure_reward):
             raise ValueError(f"failure_reward must be finite, got {failure_reward}")
-        self.functions = list(functions)
+        if isolation not in ("thread", "process"):
+            raise ValueError(f"isolation must be 'thread' or 'process', got {isolation!r}")
+        self.pool = WorkerPool() if isolation == "process" else None
+        self._original = dict(functions)
+        self.functions = [(name, self._isolated(fn, timeout_s)) for name, fn in functions]
+        if self.pool is not None:
+            self.pool.warm(len(self.pool.payloads))  # one worker per isolated function, ready before the first batch
         self.weights = weights
         self.timeout_s = timeout_s
         self.failure_reward = float(failure_reward)
@@ -261,6 +278,22 @@ class RewardRunner:
         self._run_kwargs = {name: run_kwargs_of(fn) for name, fn in self.functions}
         self.trainer_state: Any = None
         """TRL's `trainer_state` reward argument: the trainer sets it to its `TrainerState`."""
+
+    def _isolated(self, fn: RewardFn, timeout_s: float) -> RewardFn:
+        """`fn` as the runner calls it: in a worker process under isolation=process, unless it
+        is posttrain's own (a built-in)."""
+        if self.pool is None or _is_posttrains(fn):
+            return fn
+        try:
+            return in_worker(fn, self.pool, timeout_s)
+        except ValueError:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """End the worker processes (isolation=process); a no-op otherwise."""
+        if self.pool is not None:
+            self.pool.close()
 
     def first_failure(self, name: str) -> str | None:
         """What went wrong the first time `name` failed a sample, or None: the exception's
@@ -314,12 +347,9 @@ class RewardRunner:
         for (name, fn), call in zip(self.functions, calls):
             if not call.done.is_set():
                 self._hung.append(call.thread)
-                self._fail(
-                    name,
-                    f"timed out after {self.timeout_s} s on a batch of {n}; "
-                    "the call is abandoned in a daemon thread",
-                    None,
-                )
+                left = ("its worker process is killed" if fn is not self._original[name]
+                        else "the call is abandoned in a daemon thread")
+                self._fail(name, f"timed out after {self.timeout_s} s on a batch of {n}; {left}", None)
                 per_function[name], counts[name] = [self.failure_reward] * n, (n, 0)
             elif call.error is not None:
                 self._log(name, f"raised on a batch of {n}; retrying sample by sample", call.error)
@@ -478,6 +508,13 @@ class RewardRunner:
             else ""
         )
         logger.warning("reward function %r %s%s%s", name, what, more, detail)
+
+
+def _is_posttrains(fn: RewardFn) -> bool:
+    """A function (a partial's, a callable object's class) defined in posttrain: a built-in."""
+    target = getattr(fn, "func", fn)
+    module = getattr(target, "__module__", None) or type(target).__module__
+    return module == "posttrain" or module.startswith("posttrain.")
 
 
 def _traceback(error: BaseException | None) -> str:

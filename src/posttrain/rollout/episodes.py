@@ -66,15 +66,19 @@ class MultiTurnLimits:
     """Most tokens of the whole trajectory after the prompt (model and environment tokens);
     an episode that would pass it is truncated. Each model turn is also cut at
     `SamplingParams.max_new_tokens`."""
+    env_timeout_s: float = 60.0
+    """Seconds each environment call may take: the construction and `reset` of an episode's
+    environment together, and each `step`; a call past it ends its episode (`env/errors`)."""
 
     def __post_init__(self) -> None:
-        if self.max_turns < 1 or self.max_total_tokens < 1:
-            raise ValueError(f"multi-turn limits must be >= 1, got {self}")
+        if self.max_turns < 1 or self.max_total_tokens < 1 or not self.env_timeout_s > 0:
+            raise ValueError(f"multi-turn limits must be >= 1 (env_timeout_s > 0), got {self}")
 
     @classmethod
     def from_config(cls, multi_turn) -> MultiTurnLimits:
         """The limits of a `rollout.multi_turn` config section (`config.rl.MultiTurnConfig`)."""
-        return cls(max_turns=multi_turn.max_turns, max_total_tokens=multi_turn.max_total_tokens)
+        return cls(max_turns=multi_turn.max_turns, max_total_tokens=multi_turn.max_total_tokens,
+                   env_timeout_s=multi_turn.env_timeout_s)
 
 
 @dataclass

@@ -45,7 +45,9 @@ class Roles:
     closed at the end of the run."""
 
     def close(self) -> None:
-        """Stop the workers (and a Ray this run started); nothing on the local backend."""
+        """Stop the workers (and a Ray this run started) and the reward worker processes
+        (reward.isolation=process)."""
+        self.reward.runner.close()
         if self.group is not None:
             self.group.close()
 
@@ -85,7 +87,11 @@ def build_reward(cfg: RLConfig, reward_funcs: Any, columns: Sequence[str] | None
 
         functions.append(("reward_model", reward_model(rc.model_path, device=cfg.model.device).load()))
         weights.append(rc.model_weight)
-    runner = RewardRunner(functions, weights=weights, timeout_s=rc.timeout_s, failure_reward=rc.failure_reward)
+    try:
+        runner = RewardRunner(functions, weights=weights, timeout_s=rc.timeout_s, failure_reward=rc.failure_reward,
+                              isolation=rc.isolation)
+    except ValueError as e:  # a function that cannot go to a worker process
+        raise ConfigError(f"reward.isolation: {e}") from None
     ov = cfg.algorithm.overlong
     return Reward(runner, cfg.rollout.max_response_tokens(episodes), ov.buffer, ov.penalty, rc.missing_eos_penalty,
                   cfg.trainer.max_bad_steps)
@@ -250,6 +256,12 @@ def build_roles(cfg: RLConfig, tokenizer: Any, model: Any, reward_funcs: Any, va
 
     check_engine_fits(cfg, model)
     if env_factory is not None and columns is not None:
+        from posttrain.envs.registry import check_environment_columns
+
+        try:
+            check_environment_columns(env_factory, columns, data)
+        except ValueError as e:
+            raise ConfigError(f"rollout.env: {e}") from None
         columns = [*columns, "env_reward"]
     reward = build_reward(cfg, reward_funcs, columns, data, episodes=env_factory is not None)
     check_critic_source(cfg)
