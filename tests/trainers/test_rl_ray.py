@@ -1,22 +1,19 @@
 """trainer.backend=ray on CPU: 2 workers give the local backend's update exactly (GRPO; PPO's
 actor and critic; a reference synced every 2 steps; GuessNumber episodes played on worker 0;
 generation split over the workers with rollout.seed_mode=row, single-turn and episodes),
-a run resumes exactly (a PPO run's critic too) and at another worker count (2 → 1, 1 → 2:
-the workers' DCP shards reshard), the critic and the rollout on resource pools of their own
-give the local update too, the CLI runs end to end with the local run's directory and
-metrics, an impossible placement (of one pool or of several together) fails in seconds, a
-killed worker stops the run in seconds or restarts it exactly, and no Ray process outlives a run.
+the critic and the rollout on resource pools of their own give the local update too, the CLI
+runs end to end with the local run's directory and metrics, an impossible placement (of one
+pool or of several together) fails in seconds, and no Ray process outlives a run. Resumes
+and dying workers: test_rl_ray_faults.py.
 
 The driver-side roles are first checked without Ray, over a `LocalWorkerGroup`. Ray runs on 127.0.0.1 in a short temp dir; the tests that share a session get it from one
-module fixture, whose finalizer shuts it down and checks that its raylet is gone.
+module fixture (conftest.py), whose finalizer shuts it down and checks that its raylet is gone.
 """
 
 import copy
 import importlib.util
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -28,60 +25,22 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from posttrain import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
-from posttrain.checkpoint import RESUME_MAY_CHANGE
 from posttrain.cli import main
 from posttrain.config import ConfigError, build_config
 from posttrain.data.tasks import make_task
 from posttrain.distributed.groups import GroupSpec, LocalWorkerGroup, RayWorkerGroup
-from posttrain.distributed.ray_session import RaySession
 from posttrain.models import BuiltinLM
 from posttrain.trainers.rl_build import build_rollout
-from posttrain.trainers.rl_faults import WorkerFailure
 from posttrain.trainers.rl_ray import Colocated, RayRollout, build_ray_roles
 from posttrain.workers import RLBatch
+
+from .ray_procs import raylets, wait_gone
 
 ROOT = Path(__file__).resolve().parents[2]
 WORDS = "a b c d e f g h".split()
 PROMPTS = [{"prompt": " ".join(WORDS[(i * 7 + k) % 8] for k in range(1 + i % 4))} for i in range(32)]
 COMPARED = ("grad_norm", "policy_loss", "entropy", "clip_frac", "approx_kl", "kl", "lr", "reward/mean",
             "response_length/mean")
-
-
-def raylets(marker: str = "") -> set[int]:
-    """Pids of live raylet processes (whose command line holds `marker`)."""
-    found = set()
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if "raylet" in cmd and marker in cmd and "/raylet" in cmd.split(" ")[0]:
-                found.add(int(proc.name))
-    return found
-
-
-def wait_gone(pids: set[int], seconds: float = 15.0) -> set[int]:
-    deadline = time.time() + seconds
-    while time.time() < deadline:
-        pids = {p for p in pids if Path(f"/proc/{p}").exists()}
-        if not pids:
-            break
-        time.sleep(0.2)
-    return pids
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    pytest.importorskip("ray")
-    session = RaySession(None, num_cpus=4)  # 4 logical CPUs on CI's 2 cores: room for 3 pools
-    marker = session.temp_dir
-    try:
-        yield session
-    finally:
-        own = raylets(marker)
-        session.close()
-        assert not wait_gone(own), "a raylet outlived ray.shutdown()"
 
 
 def word_tokenizer():
@@ -254,77 +213,6 @@ def test_two_workers_give_the_local_update(ray_session, tmp_path, name):
     if "algorithm.ref_sync_steps" in SETTINGS[name]:
         assert "step-2/reference" in saved_models(tmp_path / "ray")
     assert_same_run(tmp_path / "local", tmp_path / "ray", runs["local"], runs["ray"], name, 1e-10)
-
-
-@pytest.mark.parametrize("pools", [
-    # slow: a resume through the same DCP path runs in the default suite at another worker count
-    # (test_a_ray_checkpoint_resumes_at_another_worker_count)
-    pytest.param({}, id="colocated", marks=pytest.mark.slow),
-    pytest.param(POOLS, id="critic and rollout pools", marks=pytest.mark.slow),
-])
-def test_a_ray_run_resumes_exactly_from_its_checkpoint(ray_session, tmp_path, pools):
-    """The restore loads the driver's mirrors, which go to every worker (`RayActor.steps`):
-    a PPO run's critic, its AdamW moments and its schedule included; a rollout pool loads the
-    restored actor's weights (`RayRollout.sync_from`)."""
-    model = tiny_model_f64()
-    over = {"trainer.backend": "ray", "trainer.n_workers_per_node": 2, "trainer.save_steps": 1, **pools}
-    full = train_grpo(model, config(tmp_path / "full", "ppo", **over))
-    run = tmp_path / "cut"
-    shutil.copytree(tmp_path / "full", run)
-    shutil.rmtree(run / "checkpoints" / "step-3")
-    shutil.rmtree(run / "final")
-    resumed = train_grpo(model, config(run, "ppo", **over))
-    assert set(full) == {"actor", "critic"}
-    for role in full:
-        for k in full[role]:
-            assert float((full[role][k] - resumed[role][k]).abs().max()) <= 1e-10, (role, k)
-    assert [m["step"] for m in lines(run)] == [1, 2, 3]
-
-
-def resume_at(model, name, run, workers, **over):
-    """Resume a copy of `run` from its step-2 checkpoint on `workers` Ray workers; checks
-    the checkpoint's layout first (the workers' DCP shards, no optimizer in trainer_state.pt)."""
-    step2 = run / "checkpoints" / "step-2"
-    roles = {"ppo": {"actor", "critic"}}.get(name, {"actor", "ref"})
-    assert {p.name for p in (step2 / "dcp").iterdir()} == roles
-    assert torch.load(step2 / "trainer_state.pt", weights_only=True)["optimizer"] is None
-    assert (step2 / "model.safetensors").is_file() and not (step2 / "critic" / "optimizer.pt").exists()
-    cut = run.with_name(run.name + "-cut")
-    shutil.copytree(run, cut)
-    shutil.rmtree(cut / "checkpoints" / "step-3", ignore_errors=True)
-    shutil.rmtree(cut / "final")
-    resumed = train_grpo(model, config(cut, name, **over, **{"trainer.n_workers_per_node": workers}))
-    assert [m["step"] for m in lines(cut)] == [1, 2, 3]
-    return resumed
-
-
-def assert_same_params(a, b):
-    assert a.keys() == b.keys()
-    for role in a:
-        for k in a[role]:
-            assert float((a[role][k] - b[role][k]).abs().max()) <= 1e-10, (role, k)
-
-
-def test_a_ray_checkpoint_resumes_at_another_worker_count(ray_session, tmp_path):
-    """GRPO with a synced reference: the workers write each role's DCP shards; a resume at
-    another worker count (2 → 1, 1 → 2) reshards them and ends on the parameters of an
-    uninterrupted run at that count."""
-    model, name = tiny_model_f64(), "reference synced every 2 steps"
-    over = {"trainer.backend": "ray", "trainer.save_steps": 2}
-    full = {n: train_grpo(model, config(tmp_path / f"w{n}", name, **over, **{"trainer.n_workers_per_node": n}))
-            for n in (1, 2)}
-    assert_same_params(full[1], resume_at(model, name, tmp_path / "w2", 1, **over))
-    assert_same_params(full[2], resume_at(model, name, tmp_path / "w1", 2, **over))
-
-
-@pytest.mark.slow
-def test_a_ppo_ray_checkpoint_resumes_at_another_worker_count(ray_session, tmp_path):
-    """PPO 1 → 2: the critic's shards, AdamW moments and schedule too."""
-    model, name = tiny_model_f64(), "ppo"
-    over = {"trainer.backend": "ray", "trainer.save_steps": 2}
-    full = train_grpo(model, config(tmp_path / "w2", name, **over, **{"trainer.n_workers_per_node": 2}))
-    train_grpo(model, config(tmp_path / "w1", name, **over, **{"trainer.n_workers_per_node": 1}))
-    assert_same_params(full, resume_at(model, name, tmp_path / "w1", 2, **over))
 
 
 def test_a_shared_critic_backbone_is_refused_on_ray_naming_the_key(tmp_path):
@@ -565,130 +453,6 @@ def test_episodes_on_a_rollout_pool_of_two_workers_give_the_local_update(ray_ses
     for a, b in zip(local, ray, strict=True):
         for key in ("turns/mean", "env/reward/mean", "reward/mean", "response_length/mean", "grad_norm"):
             assert a[key] == pytest.approx(b[key], abs=1e-9), (a["step"], key)
-
-
-# ---------------------------------------------------------------------------- a worker dies
-
-
-def test_worker_failure_keys_are_refused_off_ray_naming_them(tmp_path):
-    for key, value in (("trainer.on_worker_failure", "restart"), ("trainer.max_restarts", 3)):
-        with pytest.raises(ConfigError, match=rf"{key}: applies to Ray workers only: set trainer.backend=ray"):
-            grpo_config(tmp_path, **{key: value})
-    with pytest.raises(ConfigError, match="trainer.max_restarts: must be >= 0"):
-        grpo_config(tmp_path, **{"trainer.backend": "ray", "trainer.max_restarts": -1})
-    assert {"trainer.on_worker_failure", "trainer.max_restarts"} <= set(RESUME_MAY_CHANGE)  # no change to the math
-
-
-def test_a_killed_worker_restarts_from_the_last_checkpoint_and_ends_as_an_uninterrupted_run(ray_session, tmp_path):
-    """Worker 1 is SIGKILLed at step 1 (no checkpoint yet: the run starts over) and at step 3
-    (after the step-2 checkpoint: it resumes from it), each time just before the update,
-    whose collective worker 0 then waits in: the group fails at once, new workers go on, and
-    the run ends with the weights of an uninterrupted one (the local backend's, which 2
-    workers match exactly: `test_two_workers_give_the_local_update`). No worker of the three
-    sets outlives the run."""
-    model = tiny_model_f64()
-    over = {"trainer.save_steps": 2}
-    local = train_grpo(model, config(tmp_path / "local", "on-policy token-mean", **over))
-    trainer, seen = None, {"calls": 0, "pids": set()}
-
-    def kill_at_steps_1_and_3(prompts, completions, completion_ids, **columns):
-        seen["calls"] += 1
-        seen["group"] = group = trainer.roles.group["global_pool"]  # the same object across restarts
-        seen["pids"] |= set(group.pids)
-        if seen["calls"] in (1, 4):
-            os.kill(group.pids[1], signal.SIGKILL)
-        return starts_with_a(prompts, completions, completion_ids)
-
-    cfg = config(tmp_path / "ray", "on-policy token-mean", **over, **{
-        "trainer.backend": "ray", "trainer.n_workers_per_node": 2, "trainer.on_worker_failure": "restart",
-        "trainer.max_restarts": 2})
-    trainer = GRPOTrainer(copy.deepcopy(model), reward_funcs=[kill_at_steps_1_and_3], args=cfg,
-                          train_dataset=PROMPTS, processing_class=word_tokenizer())
-    trainer.train()
-    assert seen["calls"] == 5  # step 1 (killed), steps 1, 2, 3 (killed), step 3
-    seen["pids"] |= set(seen["group"].pids)
-    assert len(seen["pids"]) == 6 and not wait_gone(seen["pids"]), "a worker outlived the run"
-    for k, v in local["actor"].items():
-        assert float((v - trainer.model.state_dict()[k]).abs().max()) <= 1e-10, k
-    metrics = lines(tmp_path / "ray")
-    assert [m["step"] for m in metrics] == [1, 2, 3]
-    assert [m["worker_restarts"] for m in metrics] == [1, 1, 2]
-
-
-def test_a_worker_killed_mid_save_stops_the_run_in_seconds_naming_it_and_the_last_checkpoint(ray_session, tmp_path):
-    """on_worker_failure=stop (the default): worker 0 is SIGKILLed while the step-2 checkpoint
-    is being written (the driver reads the critic's state from it); the run stops within
-    seconds although a collective may wait 300 s, names the worker and step-1, leaves no
-    step-2 (sealed or not), and no worker process."""
-    model = tiny_model_f64()
-    cfg = config(tmp_path, "ppo", **{"trainer.backend": "ray", "trainer.n_workers_per_node": 2,
-                                     "trainer.save_steps": 1, "trainer.collective_timeout_s": 300})
-    trainer = PPOTrainer(copy.deepcopy(model), reward_funcs=[starts_with_a], args=cfg, train_dataset=PROMPTS,
-                         processing_class=word_tokenizer())
-    group, killed = trainer.roles.group["global_pool"], {}
-    run_one = group._run_one
-
-    def kill_mid_save(rank, method, args):
-        if trainer.at_step == 2 and method == "state" and args[:2] == ("critic", "model") and not killed:
-            killed["at"], killed["pid"] = time.perf_counter(), group.pids[0]
-            os.kill(group.pids[0], signal.SIGKILL)
-        return run_one(rank, method, args)
-
-    group._run_one = kill_mid_save
-    pids = set(group.pids)
-    with pytest.raises(WorkerFailure) as err:
-        trainer.train()
-    assert time.perf_counter() - killed["at"] < 30
-    step1 = tmp_path / "checkpoints" / "step-1"
-    message = str(err.value)
-    for part in (f"rank 0 (pid {killed['pid']}) of 2 (holding actor, rollout, reference, critic) died",
-                 "at step 2", f"The last complete checkpoint is {step1}", "trainer.on_worker_failure=restart"):
-        assert part in message, (part, message)
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-1"]
-    assert (step1 / "COMPLETE").is_file()
-    assert not wait_gone(pids), "a worker outlived the failed run"
-
-
-KILL_AT_STEP_2 = """
-import gc, json, os, signal
-from pathlib import Path
-
-calls = [0]
-
-
-def kill_at_step_2(prompts, completions, completion_ids, **columns):
-    calls[0] += 1
-    if calls[0] == 2:  # the driver's worker group, found without a hook in posttrain
-        group = next(o for o in gc.get_objects() if type(o).__name__ == "RayWorkerGroup")
-        Path(__file__).with_name("pids.json").write_text(json.dumps(group.pids))
-        os.kill(group.pids[1], signal.SIGKILL)
-    return [0.0] * len(completions)
-"""
-
-
-@pytest.mark.slow
-def test_cli_run_whose_worker_dies_stops_naming_it_and_leaves_no_ray_process(tmp_path):
-    """The CLI run starts its own Ray: after a worker is SIGKILLed at step 2 it exits 1 with the
-    error, and neither its raylet nor any worker process (killed or surviving) is left."""
-    pytest.importorskip("ray")
-    data = tmp_path / "data"
-    make_task("arithmetic", data, n_train=16, n_test=4, seed=0, difficulty="easy")
-    (tmp_path / "killer.py").write_text(KILL_AT_STEP_2)
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    args = [*cli_args(data, tmp_path / "ray", "ray"), f"reward.functions=[{tmp_path / 'killer.py'}:kill_at_step_2]",
-            "reward.weights=null", "trainer.eval_steps=0", "trainer.collective_timeout_s=300"]
-    proc = subprocess.Popen([sys.executable, "-m", "posttrain", *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        _, stderr = proc.communicate(timeout=300)
-    finally:
-        proc.kill()
-    assert proc.returncode == 1, stderr[-3000:]
-    pids = json.loads((tmp_path / "pids.json").read_text())
-    assert f"posttrain grpo: stopped: trainer.backend=ray: at step 2, Ray worker rank 1 (pid {pids[1]}) of 2" in stderr
-    assert f"The last complete checkpoint is {tmp_path / 'ray' / 'checkpoints' / 'step-1'}" in stderr
-    assert not wait_gone(raylets(f"/tmp/ptray-{proc.pid}-")), "the failed run left a raylet behind"
-    assert not wait_gone(set(pids)), "a worker outlived the failed run"
 
 
 def test_epochs_callbacks_and_reward_arguments_on_the_ray_roles(tmp_path):
