@@ -1,10 +1,12 @@
 """Checkpoints: exact roundtrip, keep-last-K, atomic saves, corrupt checkpoints, final export."""
 
+import errno
 import json
 import logging
 import os
 import random
 import stat
+import tempfile
 
 import numpy as np
 import pytest
@@ -22,6 +24,8 @@ from posttrain.checkpoint import (
     save_checkpoint,
     save_final,
 )
+from posttrain.checkpoint.files import io_error
+from posttrain.cli import main, os_error_line
 from posttrain.config import ConfigError
 from posttrain.config.sections import TrainerConfig
 from posttrain.data.tokenizer import build_tokenizer
@@ -275,7 +279,55 @@ def test_final_and_checkpoints_get_mkdir_permissions_not_mkdtemp_ones(tmp_path, 
         os.umask(old)
     for path in (step, final):
         assert stat.S_IMODE(path.stat().st_mode) == 0o777 & ~umask != 0o700, path
+        # Every file alike: safetensors writes model.safetensors 0o600, open() the rest 0o666 & ~umask.
+        modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in path.rglob("*") if f.is_file()}
+        assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~umask}, modes
     assert os.umask(old) == old  # the umask is as it was
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full to fill the disk")
+def test_a_full_disk_during_a_save_is_one_oserror_and_the_previous_checkpoint_stays(tmp_path, monkeypatch):
+    model, opt, sched = trained(steps=0)
+    first = save(tmp_path, 1, model, opt, sched)
+    real_mkdtemp = tempfile.mkdtemp
+
+    def mkdtemp_on_a_full_disk(*args, **kwargs):  # trainer_state.pt lands on a full device
+        folder = real_mkdtemp(*args, **kwargs)
+        os.symlink("/dev/full", os.path.join(folder, "trainer_state.pt"))
+        return folder
+
+    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp_on_a_full_disk)
+    with pytest.raises(OSError) as caught:
+        save(tmp_path, 2, model, opt, sched)
+    # Before: RuntimeError('[enforce fail at inline_container.cc:672] . unexpected pos ...').
+    assert caught.value.errno == errno.ENOSPC
+    assert str(caught.value) == f"[Errno 28] cannot save {tmp_path}/checkpoints/step-2: No space left on device"
+    assert os_error_line(caught.value) == f"cannot save {tmp_path}/checkpoints/step-2: No space left on device"
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-1"]  # no half save left
+    assert find_latest_checkpoint(tmp_path) == first
+
+
+def test_io_error_reads_the_cause_out_of_each_writers_report():
+    from safetensors import SafetensorError
+
+    full = SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space" })')
+    assert io_error(full).errno == errno.ENOSPC and io_error(full).strerror == os.strerror(errno.ENOSPC)
+    assert io_error(OSError(errno.EROFS, "Read-only file system")).errno == errno.EROFS
+    assert io_error(SafetensorError("Error while serializing: header too large")) is None
+    assert io_error(FileNotFoundError(errno.ENOENT, "gone")) is None  # a missing input is not a failed write
+    assert io_error(RuntimeError("Os { code: 28")) is None
+
+
+def test_an_output_folder_under_a_regular_file_is_one_line_naming_it(tmp_path, capsys):
+    (tmp_path / "afile").write_text("not a folder")
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "completion": str(i + 1)}) + "\n" for i in range(8)))
+    code = main(["sft", "model.init=tiny", f"data.train_files=[{data}]", f"trainer.output_dir={tmp_path}/afile/run",
+                 "trainer.max_steps=1", "trainer.report_to=[]", "trainer.progress=false", "data.train_batch_size=4",
+                 "trainer.micro_batch_size=4"])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == f"posttrain sft: error: {tmp_path}/afile/run: Not a directory"
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names fsynced files through /proc")
