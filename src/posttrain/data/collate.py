@@ -48,6 +48,7 @@ import torch.nn.functional as F
 
 from posttrain.data.batch import IGNORE_INDEX, LMBatch
 from posttrain.data.formats import DataFormatError, detect_format, is_conversational, validate_rows
+from posttrain.data.sources import first_source
 
 logger = logging.getLogger(__name__)
 
@@ -342,7 +343,7 @@ def tokenize_dataset(
     name = source_name or getattr(rows, "name", None) or "dataset"
     if len(rows) == 0:
         raise DataFormatError(f"{name}: no rows")
-    fmt = fmt or detect_format(rows[0].keys(), rows[0])
+    fmt = fmt or detect_format(rows[0].keys(), rows[0], first_source(rows) or name)
     validate_rows(rows, fmt, name)
     locate = getattr(rows, "locate", None) or (lambda i: f"{name}: row {i + 1}")
     opts = _check_options(
