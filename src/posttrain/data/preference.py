@@ -39,7 +39,13 @@ from typing import Any
 import torch
 
 from posttrain.data.batch import IGNORE_INDEX, PairBatch
-from posttrain.data.collate import TokenizeStats, char_bound, cut_long_fields, pad_collate, tokenize_example
+from posttrain.data.collate import (
+    TokenizeStats,
+    char_bound,
+    cut_long_fields,
+    pad_collate,
+    tokenize_example,
+)
 from posttrain.data.formats import DataFormatError, split_implicit_prompt
 from posttrain.data.sources import load_and_validate
 
