@@ -316,6 +316,13 @@ def test_io_error_reads_the_cause_out_of_each_writers_report():
     assert io_error(SafetensorError("Error while serializing: header too large")) is None
     assert io_error(FileNotFoundError(errno.ENOENT, "gone")) is None  # a missing input is not a failed write
     assert io_error(RuntimeError("Os { code: 28")) is None
+    try:  # torch.save into a Python file on a full disk: its RuntimeError hides the file's OSError
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 12619072 vs 12618960")
+    except RuntimeError as err:
+        assert io_error(err).errno == errno.ENOSPC
 
 
 def test_an_output_folder_under_a_regular_file_is_one_line_naming_it(tmp_path, capsys):
@@ -408,3 +415,45 @@ def test_lora_adapter_roundtrip(tmp_path):
     load_checkpoint(path, target)
     for (name, a), b in zip(source.state_dict().items(), target.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def _in_a_mount_namespace() -> bool:
+    """Whether `unshare -Urm` works here (it lets a test mount a tiny or read-only tmpfs)."""
+    import shutil
+    import subprocess
+
+    return shutil.which("unshare") is not None and subprocess.run(
+        ["unshare", "-Urm", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _in_a_mount_namespace(), reason="needs unprivileged user and mount namespaces")
+def test_a_run_on_a_full_then_a_read_only_disk_stops_with_one_line(tmp_path):
+    # A real full disk: safetensors reports it as SafetensorError(...Os { code: 28 ...}), torch.save
+    # as RuntimeError('[enforce fail at inline_container.cc:672]') (the issue's traceback).
+    import subprocess
+    import sys
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "completion": str(i + 1)}) + "\n" for i in range(8)))
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    run = mnt / "run"
+    cli = (f"{sys.executable} -m posttrain.cli sft model.init=tiny data.train_files=[{data}] trainer.output_dir={run} "
+           "trainer.max_steps=3 trainer.save_steps=1 trainer.report_to=[] trainer.progress=false "
+           "data.train_batch_size=4 trainer.micro_batch_size=4")
+    # One checkpoint (~22 MB: weights, AdamW's two moments) fits in 40 MB, a second does not.
+    script = (f"mount -t tmpfs -o size=40m tmpfs {mnt} && {cli} 2>{tmp_path}/full.err; echo $? > {tmp_path}/full.rc; "
+              f"cp -r {run} {tmp_path}/kept; mount -o remount,ro {mnt} && {cli} trainer.resume=auto "
+              f"2>{tmp_path}/ro.err; echo $? > {tmp_path}/ro.rc")
+    subprocess.run(["unshare", "-Urm", "sh", "-c", script], check=True, timeout=300,
+                   env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    full = (tmp_path / "full.err").read_text()
+    assert (tmp_path / "full.rc").read_text().strip() == "1" and "Traceback" not in full
+    assert full.strip().splitlines()[-1] == f"posttrain sft: error: cannot save {run}/checkpoints/step-2: No space left on device"
+    kept = tmp_path / "kept"
+    assert sorted(p.name for p in (kept / "checkpoints").iterdir()) == ["step-1"]
+    assert find_latest_checkpoint(kept) == kept / "checkpoints" / "step-1"  # sealed, checksums intact
+    read_only = (tmp_path / "ro.err").read_text()
+    assert (tmp_path / "ro.rc").read_text().strip() == "1" and "Traceback" not in read_only
+    assert "Read-only file system" in read_only.strip().splitlines()[-1] and str(run) in read_only.strip().splitlines()[-1]

@@ -306,14 +306,20 @@ def io_error(err: BaseException) -> OSError | None:
     Writers report a full disk each their own way: Python as OSError(ENOSPC), safetensors as
     `SafetensorError('... IoError(Os { code: 28, kind: StorageFull, ...')`, torch.save to a
     path as `RuntimeError('[enforce fail at inline_container.cc...] unexpected pos')`, with no
-    cause at all, which is why we save through `save_torch`.
+    cause at all, which is why we save through `save_torch`: its RuntimeError then comes while
+    handling the file's OSError, found here in the exception's context.
     """
-    if isinstance(err, OSError):
-        code = err.errno
-    else:
-        found = _RUST_IO_ERROR.search(str(err)) if type(err).__name__ == "SafetensorError" else None
-        code = int(found.group(1)) if found else None
-    return OSError(code, os.strerror(code)) if code in _WRITE_ERRORS else None
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, OSError):
+            code = seen.errno
+        else:
+            found = _RUST_IO_ERROR.search(str(seen)) if type(seen).__name__ == "SafetensorError" else None
+            code = int(found.group(1)) if found else None
+        if code in _WRITE_ERRORS:
+            return OSError(code, os.strerror(code))
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def save_torch(obj: Any, file: Path) -> None:
