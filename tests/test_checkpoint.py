@@ -320,7 +320,7 @@ def test_io_error_reads_the_cause_out_of_each_writers_report():
         try:
             raise OSError(errno.ENOSPC, "No space left on device")
         except OSError:
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 12619072 vs 12618960")
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 12619072 vs 12618960")  # noqa: B904 (as torch does)
     except RuntimeError as err:
         assert io_error(err).errno == errno.ENOSPC
 
