@@ -325,16 +325,18 @@ def test_io_error_reads_the_cause_out_of_each_writers_report():
         assert io_error(err).errno == errno.ENOSPC
 
 
-def test_an_output_folder_under_a_regular_file_is_one_line_naming_it(tmp_path, capsys):
+@pytest.mark.parametrize("output, cause", [("afile/run", "Not a directory"),
+                                           ("afile", "is a file, not a folder: name a folder in trainer.output_dir")])
+def test_an_output_folder_under_or_at_a_regular_file_is_one_line_naming_it(tmp_path, capsys, output, cause):
     (tmp_path / "afile").write_text("not a folder")
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "completion": str(i + 1)}) + "\n" for i in range(8)))
-    code = main(["sft", "model.init=tiny", f"data.train_files=[{data}]", f"trainer.output_dir={tmp_path}/afile/run",
+    code = main(["sft", "model.init=tiny", f"data.train_files=[{data}]", f"trainer.output_dir={tmp_path}/{output}",
                  "trainer.max_steps=1", "trainer.report_to=[]", "trainer.progress=false", "data.train_batch_size=4",
                  "trainer.micro_batch_size=4"])
     err = capsys.readouterr().err
     assert code == 1 and "Traceback" not in err
-    assert err.strip().splitlines()[-1] == f"posttrain sft: error: {tmp_path}/afile/run: Not a directory"
+    assert err.strip().splitlines()[-1] == f"posttrain sft: error: {tmp_path}/{output}: {cause}"
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names fsynced files through /proc")
