@@ -1,10 +1,12 @@
 """Checkpoints: exact roundtrip, keep-last-K, atomic saves, corrupt checkpoints, final export."""
 
+import errno
 import json
 import logging
 import os
 import random
 import stat
+import tempfile
 
 import numpy as np
 import pytest
@@ -22,6 +24,8 @@ from posttrain.checkpoint import (
     save_checkpoint,
     save_final,
 )
+from posttrain.checkpoint.files import io_error
+from posttrain.cli import main, os_error_line
 from posttrain.config import ConfigError
 from posttrain.config.sections import TrainerConfig
 from posttrain.data.tokenizer import build_tokenizer
@@ -275,7 +279,64 @@ def test_final_and_checkpoints_get_mkdir_permissions_not_mkdtemp_ones(tmp_path, 
         os.umask(old)
     for path in (step, final):
         assert stat.S_IMODE(path.stat().st_mode) == 0o777 & ~umask != 0o700, path
+        # Every file alike: safetensors writes model.safetensors 0o600, open() the rest 0o666 & ~umask.
+        modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in path.rglob("*") if f.is_file()}
+        assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~umask}, modes
     assert os.umask(old) == old  # the umask is as it was
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full to fill the disk")
+def test_a_full_disk_during_a_save_is_one_oserror_and_the_previous_checkpoint_stays(tmp_path, monkeypatch):
+    model, opt, sched = trained(steps=0)
+    first = save(tmp_path, 1, model, opt, sched)
+    real_mkdtemp = tempfile.mkdtemp
+
+    def mkdtemp_on_a_full_disk(*args, **kwargs):  # trainer_state.pt lands on a full device
+        folder = real_mkdtemp(*args, **kwargs)
+        os.symlink("/dev/full", os.path.join(folder, "trainer_state.pt"))
+        return folder
+
+    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp_on_a_full_disk)
+    with pytest.raises(OSError) as caught:
+        save(tmp_path, 2, model, opt, sched)
+    # Before: RuntimeError('[enforce fail at inline_container.cc:672] . unexpected pos ...').
+    assert caught.value.errno == errno.ENOSPC
+    assert str(caught.value) == f"[Errno 28] cannot save {tmp_path}/checkpoints/step-2: No space left on device"
+    assert os_error_line(caught.value) == f"cannot save {tmp_path}/checkpoints/step-2: No space left on device"
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-1"]  # no half save left
+    assert find_latest_checkpoint(tmp_path) == first
+
+
+def test_io_error_reads_the_cause_out_of_each_writers_report():
+    from safetensors import SafetensorError
+
+    full = SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space" })')
+    assert io_error(full).errno == errno.ENOSPC and io_error(full).strerror == os.strerror(errno.ENOSPC)
+    assert io_error(OSError(errno.EROFS, "Read-only file system")).errno == errno.EROFS
+    assert io_error(SafetensorError("Error while serializing: header too large")) is None
+    assert io_error(FileNotFoundError(errno.ENOENT, "gone")) is None  # a missing input is not a failed write
+    assert io_error(RuntimeError("Os { code: 28")) is None
+    try:  # torch.save into a Python file on a full disk: its RuntimeError hides the file's OSError
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 12619072 vs 12618960")  # noqa: B904 (as torch does)
+    except RuntimeError as err:
+        assert io_error(err).errno == errno.ENOSPC
+
+
+@pytest.mark.parametrize("output, cause", [("afile/run", "Not a directory"),
+                                           ("afile", "is a file, not a folder: name a folder in trainer.output_dir")])
+def test_an_output_folder_under_or_at_a_regular_file_is_one_line_naming_it(tmp_path, capsys, output, cause):
+    (tmp_path / "afile").write_text("not a folder")
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "completion": str(i + 1)}) + "\n" for i in range(8)))
+    code = main(["sft", "model.init=tiny", f"data.train_files=[{data}]", f"trainer.output_dir={tmp_path}/{output}",
+                 "trainer.max_steps=1", "trainer.report_to=[]", "trainer.progress=false", "data.train_batch_size=4",
+                 "trainer.micro_batch_size=4"])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == f"posttrain sft: error: {tmp_path}/{output}: {cause}"
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names fsynced files through /proc")
@@ -356,3 +417,45 @@ def test_lora_adapter_roundtrip(tmp_path):
     load_checkpoint(path, target)
     for (name, a), b in zip(source.state_dict().items(), target.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def _in_a_mount_namespace() -> bool:
+    """Whether `unshare -Urm` works here (it lets a test mount a tiny or read-only tmpfs)."""
+    import shutil
+    import subprocess
+
+    return shutil.which("unshare") is not None and subprocess.run(
+        ["unshare", "-Urm", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _in_a_mount_namespace(), reason="needs unprivileged user and mount namespaces")
+def test_a_run_on_a_full_then_a_read_only_disk_stops_with_one_line(tmp_path):
+    # A real full disk: safetensors reports it as SafetensorError(...Os { code: 28 ...}), torch.save
+    # as RuntimeError('[enforce fail at inline_container.cc:672]') (the issue's traceback).
+    import subprocess
+    import sys
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "completion": str(i + 1)}) + "\n" for i in range(8)))
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    run = mnt / "run"
+    cli = (f"{sys.executable} -m posttrain.cli sft model.init=tiny data.train_files=[{data}] trainer.output_dir={run} "
+           "trainer.max_steps=3 trainer.save_steps=1 trainer.report_to=[] trainer.progress=false "
+           "data.train_batch_size=4 trainer.micro_batch_size=4")
+    # One checkpoint (~22 MB: weights, AdamW's two moments) fits in 40 MB, a second does not.
+    script = (f"mount -t tmpfs -o size=40m tmpfs {mnt} && {cli} 2>{tmp_path}/full.err; echo $? > {tmp_path}/full.rc; "
+              f"cp -r {run} {tmp_path}/kept; mount -o remount,ro {mnt} && {cli} trainer.resume=auto "
+              f"2>{tmp_path}/ro.err; echo $? > {tmp_path}/ro.rc")
+    subprocess.run(["unshare", "-Urm", "sh", "-c", script], check=True, timeout=300,
+                   env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    full = (tmp_path / "full.err").read_text()
+    assert (tmp_path / "full.rc").read_text().strip() == "1" and "Traceback" not in full
+    assert full.strip().splitlines()[-1] == f"posttrain sft: error: cannot save {run}/checkpoints/step-2: No space left on device"
+    kept = tmp_path / "kept"
+    assert sorted(p.name for p in (kept / "checkpoints").iterdir()) == ["step-1"]
+    assert find_latest_checkpoint(kept) == kept / "checkpoints" / "step-1"  # sealed, checksums intact
+    read_only = (tmp_path / "ro.err").read_text()
+    assert (tmp_path / "ro.rc").read_text().strip() == "1" and "Traceback" not in read_only
+    assert "Read-only file system" in read_only.strip().splitlines()[-1] and str(run) in read_only.strip().splitlines()[-1]

@@ -229,3 +229,18 @@ def test_a_recipe_runs_as_typed_on_the_users_own_model_and_data(tmp_path, monkey
     run = tmp_path / "runs" / "grpo"
     assert (run / "final" / "config.json").is_file()
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+@pytest.mark.parametrize("command", ["sft", "grpo"])
+def test_a_batch_far_beyond_the_data_is_refused_before_the_model_is_built(tmp_path, capsys, command):
+    # Before: minutes in the divisor hint, then every step gathered 1e9 rows (a 39 GB allocation).
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "completion": str(i + 1), "answer": str(i + 1)}) + "\n"
+                            for i in range(8)))
+    own = ["trainer.micro_batch_size=1000000000"] if command == "sft" else ["reward.functions=[task_reward]"]
+    code = main([command, "model.init=tiny", f"data.train_files=[{data}]", f"trainer.output_dir={tmp_path / 'run'}",
+                 "data.train_batch_size=1000000000", *own, "trainer.report_to=[]"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert (f"posttrain {command}: config error: data.train_batch_size: 1000000000 is far beyond the data: 8 training "
+            "examples, so one step would pass over them 125,000,000 times (more than 16)") in err

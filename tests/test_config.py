@@ -4,6 +4,7 @@ import copy
 import functools
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -278,7 +279,6 @@ class _Values:
         ("maybe=", ("maybe", "")),  # OmegaConf: null
         ("text=1e-4", ("text", "1e-4")),  # OmegaConf: 0.0001 (a float field still reads 1e-4)
         ("rate=1e-4", ("rate", 1e-4)),
-        ("text=[unclosed", ("text", "[unclosed")),  # OmegaConf: a YAML parser error
         ("text=@home", ("text", "@home")),  # OmegaConf: a YAML scanner error
         ("text=%x", ("text", "%x")),  # OmegaConf: a YAML directive error
         # Read the same by both, pinned here:
@@ -348,3 +348,34 @@ def test_warmup_past_max_steps_warns(caplog):
     assert "warmup_steps" not in caplog.text
     build_config(SFTConfig, None, [*BASE, "trainer.max_steps=10", "trainer.warmup_steps=10"])
     assert "trainer.warmup_steps=10 >= trainer.max_steps=10" in caplog.text
+
+
+@pytest.mark.parametrize("value", ["[a,,]", "[{a: 1}", "[rewards.py:fn", "{a: 1", " [a, , b]"])
+def test_a_malformed_list_is_refused_not_read_as_a_glob_or_a_module(value):
+    with pytest.raises(ConfigError, match=r"^names: malformed list or mapping .* write a list as \[a,b\]"):
+        build_config(_Values, None, [f"names={value}"])
+    with pytest.raises(ConfigError, match="^text: malformed list"):  # a str field too: quote it to mean text
+        build_config(_Values, None, [f"text={value}"])
+    assert build_config(_Values, None, ["text='[unclosed'"]).text == "[unclosed"
+
+
+@pytest.mark.parametrize("override,message", [
+    ("trainer.eval_steps=-1", "trainer.eval_steps: must be >= 0 (0: only at the end), got -1"),
+    ("trainer.save_steps=-2", "trainer.save_steps: must be >= 0 (0: only at the end), got -2"),
+    ("trainer.output_dir=", "trainer.output_dir: is empty; name the run's folder"),
+    ("trainer.output_dir=' '", "trainer.output_dir: is empty"),
+])
+def test_each_cadence_and_the_output_dir_are_checked_under_their_own_name(override, message):
+    with pytest.raises(ConfigError) as caught:
+        build_config(SFTConfig, None, [*BASE, override])
+    assert str(caught.value).startswith(message)
+
+
+def test_a_huge_micro_batch_is_checked_at_once():
+    # The hint's divisor search was O(batch) and ran even when the check passed: 1e9 took minutes.
+    start = time.perf_counter()
+    cfg = build_config(SFTConfig, None, [*BASE, "data.train_batch_size=1000000000", "trainer.micro_batch_size=1000000000"])
+    assert cfg.trainer.micro_batch_size == 10**9 and time.perf_counter() - start < 1.0
+    with pytest.raises(ConfigError, match=r"trainer.micro_batch_size: 7 must divide data.train_batch_size=1000000000 "
+                       r"\(e.g. trainer.micro_batch_size=5\)"):
+        build_config(SFTConfig, None, [*BASE, "data.train_batch_size=1000000000", "trainer.micro_batch_size=7"])

@@ -398,6 +398,8 @@ BAD_REQUESTS = [
     ("POST", "/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", "greater than 0"),
     ("POST", "/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop[0]", "at least 1"),
     ("POST", "/v1/completions", {"prompt": "x", "seed": "1"}, 400, "seed", "valid integer"),
+    ("POST", "/v1/completions", {"prompt": "x", "seed": 2**64}, 400, "seed", "less than 18446744073709551616"),
+    ("POST", "/v1/completions", {"prompt": "x", "seed": -(2**63) - 1}, 400, "seed", "greater than or equal to"),
     ("POST", "/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream", "boolean"),
     ("POST", "/v1/completions", {"prompt": "x", "echo": True}, 400, "echo", "not supported"),
     ("POST", "/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", "less than or equal to 20"),

@@ -305,3 +305,49 @@ def test_padding_never_changes_the_loss_sum(one_thread, examples, multiple):
         )
     assert padded_n.item() == sum(n.item() for _, n in alone)
     assert padded_sum.item() == pytest.approx(sum(s.item() for s, _ in alone), abs=1e-4)
+
+
+def _small_bpe() -> PreTrainedTokenizerFast:
+    """A BPE with multi-character merges (up to whole words), trained here in milliseconds."""
+    from tokenizers import pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    corpus = ["the cat sat on the mat, 12+34=46 and thethethe"] * 50
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"],
+                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="</s>")
+
+
+@pytest.mark.parametrize("which, fmt", [("builtin", "text"), ("builtin", "prompt_completion"), ("builtin", "messages"),
+                                        ("bpe", "text"), ("bpe", "prompt_completion")])  # the BPE has no chat template
+def test_a_long_row_is_cut_before_tokenising_with_the_same_tokens(tok, which, fmt):
+    tokenizer = tok if which == "builtin" else _small_bpe()
+    words = "the cat sat on the mat, 12+34=46 and thethethe " * 3000  # 141,000 characters
+
+    def row(text):
+        if fmt == "text":
+            return {"text": text}
+        if fmt == "prompt_completion":
+            return {"prompt": "say: ", "completion": text}
+        return {"messages": [{"role": "user", "content": "say"}, {"role": "assistant", "content": text}]}
+
+    for text, max_length in [("the cat", 64), (words, 64), (words, 500), ("thethethe" * 20000, 100)]:
+        got = tokenize_example(row(text), tokenizer, fmt, max_length=max_length)
+        # The reference: the whole row tokenised, then its first max_length tokens.
+        stats = TokenizeStats()
+        full = tokenize_example(row(text), tokenizer, fmt, max_length=None, stats=stats)
+        assert got == {k: v[:max_length] for k, v in full.items()}
+        assert len(got["input_ids"]) == min(max_length, len(full["input_ids"]))
+
+
+def test_a_30_mb_row_costs_milliseconds_not_minutes(tok):
+    import time
+
+    huge = {"prompt": "say: ", "completion": "12+34=46 " * 3_500_000}  # 31.5 MB on one line
+    start = time.perf_counter()
+    examples, stats = tokenize_dataset([huge, {"prompt": "1+1=", "completion": "2"}], tok, max_length=128)
+    # Before: the whole row was tokenised, then cut (≈47 s and GBs of ids with this tokenizer).
+    assert time.perf_counter() - start < 1.0
+    assert [len(e["input_ids"]) for e in examples] == [128, 7] and stats.n_truncated == 1
+    assert examples[0]["input_ids"] == ([BOS, *b("say: ")] + b("12+34=46 ") * 14)[:128]

@@ -271,3 +271,18 @@ def test_cli_make_preferences(tmp_path, capsys):
     assert {r["form"].split("/")[0] for r in load_rows(tmp_path / "b" / "train.jsonl")} == {"bare", "worked"}
     assert main(["data", "make-preferences", "--task", "countdown", "--out", str(out)]) == 1
     assert "pass a model" in capsys.readouterr().err
+
+
+def test_a_huge_response_is_cut_before_tokenising_with_the_same_pair(tok):
+    import time
+
+    rows = [{"prompt": "2+2=", "chosen": "4 " * 3_000_000, "rejected": "5"},  # a 6 MB response
+            {"prompt": "1+1=", "chosen": "2" * 300, "rejected": "3 " * 100}]
+    start = time.perf_counter()
+    examples, stats = tokenize_pairs(rows, tok, "preference", max_length=64)
+    assert time.perf_counter() - start < 1.0  # before: ≈9 s, the whole response tokenised
+    assert stats.n_truncated == 2
+    # The same as the whole of each side tokenised, then cut to max_length.
+    for row, example in zip(rows, examples):
+        full, _, _ = encode_pair({**row, "chosen": row["chosen"][:2000]}, tok, "preference", max_length=64)
+        assert example == full and len(example["prompt_ids"]) + len(example["chosen_ids"]) == 64

@@ -232,3 +232,17 @@ def test_an_unknown_sharegpt_role_names_the_row(tmp_path):
     path.write_text(json.dumps(SHAREGPT) + "\n" + json.dumps(bad) + "\n")
     with pytest.raises(DataFormatError, match=r"chat.jsonl:2: column 'messages': message 1 is from 'bot'.*human"):
         load_rows(path)
+
+
+@pytest.mark.parametrize("kind", ["parquet", "csv", "jsonl"])
+def test_a_file_with_the_wrong_columns_is_named(tmp_path, kind):
+    from posttrain.data.collate import tokenize_dataset
+    from posttrain.data.tokenizer import build_tokenizer
+
+    good = _write(tmp_path / "good.jsonl", ROWS, "jsonl")
+    path = _write(tmp_path / f"wrong.{kind}", [{"question": "2+2=", "reply": "4"}], kind)
+    with pytest.raises(DataFormatError, match=f"^{path}: cannot tell the dataset format from its columns;.*"
+                       "found question, reply"):
+        load_and_validate(path)
+    with pytest.raises(DataFormatError, match=f"^{path}: cannot tell"):  # the SFT path, the first of two files
+        tokenize_dataset(load_rows([str(path), str(good)]), build_tokenizer(), max_length=32)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import socket
 import statistics
 import subprocess
@@ -507,6 +508,41 @@ def test_no_connection_to_a_local_listener(box):
     assert "PermissionError" in direct.stderr or "unreachable" in direct.stderr
     assert spawned.ok
     assert spawned.stdout == "child exit 1\n"
+
+
+NEW_NAMESPACES = """
+import ctypes, os, platform
+libc = ctypes.CDLL(None, use_errno=True)
+CLONE_NEWUSER, CLONE_NEWNET, SIGCHLD = 0x10000000, 0x40000000, 17
+for name, flags in (("user", CLONE_NEWUSER), ("net", CLONE_NEWNET), ("user+net", CLONE_NEWUSER | CLONE_NEWNET)):
+    print("unshare", name, libc.unshare(flags), os.strerror(ctypes.get_errno()))
+nr_clone = {"x86_64": 56, "aarch64": 220}[platform.machine()]
+pid = libc.syscall(nr_clone, CLONE_NEWUSER | SIGCHLD, 0, 0, 0, 0)
+if pid == 0:
+    os._exit(0)
+if pid > 0:
+    os.waitpid(pid, 0)
+print("clone user", min(pid, 0), os.strerror(ctypes.get_errno()) if pid < 0 else "made one")
+pid = os.fork()  # a plain fork still works
+if pid == 0:
+    os._exit(7)
+print("fork", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "aarch64"), reason="syscall numbers for x86_64/aarch64")
+def test_no_new_namespace_can_be_made(box):
+    # A user namespace would give the code every capability inside it: the namespace plan gets
+    # EPERM from the kernel, the seccomp fallback from its filter (before: unshare succeeded there).
+    result = box.run(NEW_NAMESPACES)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "unshare user -1 Operation not permitted",
+        "unshare net -1 Operation not permitted",
+        "unshare user+net -1 Operation not permitted",
+        "clone user -1 Operation not permitted",
+        "fork 7",
+    ]
 
 
 def test_python_level_socket_block_stops_direct_connections():

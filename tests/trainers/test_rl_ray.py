@@ -340,10 +340,40 @@ def test_vllm_engines_on_gpu_workers_sample_like_the_local_engine_and_take_the_n
     assert [m["step"] for m in lines(tmp_path / "ray")] == [1, 2, 3]
 
 
+LISTENERS = """
+import json, os, psutil
+from posttrain.distributed.groups import GroupSpec, RayWorkerGroup
+from posttrain.distributed.ray_session import RaySession
+
+session = RaySession(None, num_cpus=2)
+group = RayWorkerGroup(GroupSpec(1, 2, 1, None), lambda rank, world, collective: rank)
+try:
+    assert group.one_to_all("bit_length") == [0, 1]  # the group works: its store and gloo are up
+    found = {str(pid): sorted({c.laddr.ip for c in psutil.Process(pid).net_connections(kind="inet")
+                               if c.status == psutil.CONN_LISTEN}) for pid in [os.getpid(), *group.pids]}
+finally:
+    group.close()
+    session.close()
+print(json.dumps(found))
+"""
+
+
+@pytest.mark.slow  # ~15 s: a Ray of its own (this process imported ray before QUIET_ENV), two workers
+def test_a_ray_run_listens_on_loopback_only():
+    # Before: rank 0's rendezvous store (init_process_group("tcp://...")) listened on *:<port>.
+    result = subprocess.run([sys.executable, "-c", LISTENERS], capture_output=True, text=True, timeout=240,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    loopback = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+    assert len(found) == 3 and all(set(ips) <= loopback for ips in found.values()), found
+    assert any(found.values())  # the workers' listeners (the store, gloo, Ray's) were seen
+
+
 def test_an_impossible_placement_fails_in_seconds_naming_the_key(ray_session):
     start = time.perf_counter()
     with pytest.raises(ConfigError, match=r"trainer.n_workers_per_node, placement.cpus_per_worker: .* 64 CPUs, "
-                                          r"but the Ray cluster has 4 CPUs on 1 node\(s\) \(\d free\)"):
+                                          r"but the Ray cluster at \S+:\d+ has 4 CPUs on 1 node\(s\) \(\d free\)"):
         RayWorkerGroup(GroupSpec(1, 64, 1, None), dict)
     assert time.perf_counter() - start < 10
     assert ray_session.ray.is_initialized()  # a joined session is left running
@@ -362,7 +392,7 @@ def test_impossible_pools_fail_in_seconds_over_the_sum_of_their_bundles(ray_sess
     with pytest.raises(ConfigError, match=r"trainer.n_workers_per_node, placement.cpus_per_worker, "
                        r"placement.critic.n_workers_per_node, placement.rollout.n_workers_per_node: .*"
                        r"placement.critic.n_workers_per_node=2 × placement.critic.nnodes=1 .* = 5 CPUs, "
-                       r"but the Ray cluster has 4 CPUs on 1 node\(s\) \(\d free\)"):
+                       r"but the Ray cluster at \S+:\d+ has 4 CPUs on 1 node\(s\) \(\d free\)"):
         build_ray_roles(cfg, word_tokenizer(), tiny_model_f64(), None, tiny_model_f64())
     ray = ray_session.ray
     held = place(ray, [Bundles(3, 1, "3 held", ("held",))], 5)  # 3 of the 4 CPUs taken

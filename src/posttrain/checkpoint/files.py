@@ -42,6 +42,7 @@ bool, None) and tensors only.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -116,7 +117,7 @@ def save_checkpoint(
             "rng": _rng_state(),
             "data_state": data_state,
         }
-        torch.save(state, tmp / STATE_PT)
+        save_torch(state, tmp / STATE_PT)
         readable = {
             "step": step,
             "metrics": jsonable(metrics or {}),
@@ -270,23 +271,62 @@ def atomic_dir(final: str | Path) -> Iterator[Path]:
     """Write a folder that appears at `final` whole or not at all.
 
     Yields a fresh `.tmp-<name>-*` folder beside `final` to write into. On a clean exit
-    every file and folder in it is fsynced, it gets the mode `mkdir` would give it
-    (0o777 less the umask: mkdtemp makes it 0o700, private, and checkpoints and exports
-    are read by other programs and users), and it is renamed to `final` in one
-    `os.rename`; an old `final` is moved aside first and removed only after. On an
-    exception the temporary folder is removed and `final` is left as it was.
+    every file and folder in it is fsynced, gets the mode `open` and `mkdir` would give it
+    (0o666 / 0o777 less the umask: mkdtemp makes the folder 0o700 and safetensors its files
+    0o600, private, and checkpoints and exports are read by other programs and users), and
+    the folder is renamed to `final` in one `os.rename`; an old `final` is moved aside first
+    and removed only after. On an exception the temporary folder is removed and `final` is
+    left as it was; a write that failed for want of space or permission (however the writer
+    reported it: `io_error`) is raised as an OSError naming `final` and the cause.
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{final.name}-", dir=final.parent))
     try:
         yield tmp
-        tmp.chmod(0o777 & ~_umask())
+        _set_default_modes(tmp)
         _fsync_tree(tmp)
         _publish(tmp, final)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        cause = io_error(err)
+        if cause is None:
+            raise
+        raise OSError(cause.errno, f"cannot save {final}: {cause.strerror}") from err
+
+
+_WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
+_RUST_IO_ERROR = re.compile(r"Os \{ code: (\d+)")
+
+
+def io_error(err: BaseException) -> OSError | None:
+    """The operating system's error behind a failed write (no space, quota, read-only, permission,
+    I/O), or None when `err` is not one.
+
+    Writers report a full disk each their own way: Python as OSError(ENOSPC), safetensors as
+    `SafetensorError('... IoError(Os { code: 28, kind: StorageFull, ...')`, torch.save to a
+    path as `RuntimeError('[enforce fail at inline_container.cc...] unexpected pos')`, with no
+    cause at all, which is why we save through `save_torch`: its RuntimeError then comes while
+    handling the file's OSError, found here in the exception's context.
+    """
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, OSError):
+            code = seen.errno
+        else:
+            found = _RUST_IO_ERROR.search(str(seen)) if type(seen).__name__ == "SafetensorError" else None
+            code = int(found.group(1)) if found else None
+        if code in _WRITE_ERRORS:
+            return OSError(code, os.strerror(code))
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def save_torch(obj: Any, file: Path) -> None:
+    """`torch.save(obj, file)` through a Python file, so that a full disk is an OSError(ENOSPC)
+    (given a path, torch.save reports it as a RuntimeError that names no cause)."""
+    with open(file, "wb") as f:
+        torch.save(obj, f)
 
 
 class RunModels:
@@ -320,7 +360,7 @@ class RunModels:
             return
         self.critic.model.save_pretrained(directory / self.CRITIC)
         if self.with_optimizer and self.critic.optimizer is not None:
-            torch.save({"optimizer": self.critic.optimizer.state_dict(),
+            save_torch({"optimizer": self.critic.optimizer.state_dict(),
                         "scheduler": self.critic.scheduler.state_dict(), "steps": self.critic.steps},
                        directory / self.CRITIC / self.CRITIC_STATE)
 
@@ -492,6 +532,18 @@ def _fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _set_default_modes(directory: Path) -> None:
+    """Give `directory` and everything under it the mode a plain `mkdir` / `open` gives:
+    0o777 (folders) or 0o666 (files) less the umask; an executable file keeps its x bits."""
+    mask = _umask()
+    directory.chmod(0o777 & ~mask)
+    for path in directory.rglob("*"):
+        if path.is_symlink():
+            continue
+        executable = path.is_dir() or path.stat().st_mode & 0o111
+        path.chmod((0o777 if executable else 0o666) & ~mask)
 
 
 def _umask() -> int:

@@ -14,6 +14,7 @@ No torch import here: a test holds the lock from a bare subprocess with this sam
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 from collections.abc import Iterator
@@ -30,6 +31,9 @@ def acquire(run_dir: str | Path) -> int:
     """Take `run_dir`'s lock (making the folder) and write this pid into it; returns the file
     descriptor that holds it (`os.close` releases it). Raises RunDirBusy, naming the holder."""
     run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():  # mkdir would say "File exists"
+        raise NotADirectoryError(errno.ENOTDIR, "is a file, not a folder: name a folder in trainer.output_dir",
+                                 str(run_dir))
     run_dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:

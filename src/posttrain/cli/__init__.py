@@ -406,6 +406,13 @@ def quiet_third_party() -> None:
     hf_logging.disable_progress_bar()
 
 
+def os_error_line(err: OSError) -> str:
+    """`/path: cause` (Python's `[Errno 20] Not a directory: '/path'` reads backwards)."""
+    if err.filename is None:
+        return err.strerror or str(err)
+    return f"{err.filename}: {err.strerror}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     # key=value words may come before or after --flags; argparse only takes one run of them.
@@ -429,6 +436,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except RunStopped as err:
         print(f"posttrain {args.command}: stopped: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:  # a full disk, a read-only folder, a path under a file: one line
+        print(f"posttrain {args.command}: error: {os_error_line(err)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

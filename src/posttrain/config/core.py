@@ -206,7 +206,9 @@ class _Loader(yaml.SafeLoader):
 def parse_override(text: str) -> tuple[str, Any]:
     """Split `a.b.c=value` into the key and a YAML-parsed value (`[x,y]` is a list). Values
     read as in a YAML file, not by OmegaConf's dotlist loader: `key=` is "", `1e-4` is text
-    until a field's type reads it, and a value that is not YAML (`[x`, `@x`) stays a string."""
+    until a field's type reads it, and a value that is not YAML (`@x`, `%x`) stays a string,
+    except one that opens a list or a mapping (`[a,,]`, `[{a: 1}`): that is a malformed list,
+    refused, rather than read as a file glob or a module name."""
     key, sep, raw = text.partition("=")
     key = key.strip()
     if not sep or not key:
@@ -215,7 +217,11 @@ def parse_override(text: str) -> tuple[str, Any]:
         )
     try:
         value = yaml.load(raw, Loader=_Loader) if raw.strip() else ""
-    except yaml.YAMLError:
+    except yaml.YAMLError as err:
+        if raw.lstrip()[:1] in ("[", "{"):
+            problem = getattr(err, "problem", None) or "not YAML"
+            raise ConfigError(f"{key}: malformed list or mapping {raw!r} ({problem}); write a list as [a,b] or "
+                              f"[{{k: v}}], and quote a text that starts with a bracket: {key}='{raw}'") from None
         value = raw
     return key, value
 

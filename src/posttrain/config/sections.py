@@ -251,8 +251,10 @@ class TrainerConfig:
         check(self.warmup_steps >= 0, "trainer.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
         check(self.max_bad_steps >= 1, "trainer.max_bad_steps", f"must be >= 1, got {self.max_bad_steps}")
         check(self.logging_steps >= 1, "trainer.logging_steps", f"must be >= 1, got {self.logging_steps}")
-        check(self.save_steps >= 0 and self.eval_steps >= 0, "trainer.save_steps",
-              "save_steps and eval_steps must be >= 0 (0: only at the end)")
+        check(self.save_steps >= 0, "trainer.save_steps", f"must be >= 0 (0: only at the end), got {self.save_steps}")
+        check(self.eval_steps >= 0, "trainer.eval_steps", f"must be >= 0 (0: only at the end), got {self.eval_steps}")
+        check(self.output_dir.strip() != "", "trainer.output_dir",
+              "is empty; name the run's folder, e.g. trainer.output_dir=runs/my_run")
         check(len(self.adam_betas) == 2, "trainer.adam_betas", "needs two values, e.g. [0.9,0.999]")
         check(all(0.0 <= b < 1.0 for b in self.adam_betas), "trainer.adam_betas",
               f"each beta must be in [0, 1), got {self.adam_betas}")
@@ -347,15 +349,15 @@ def check_device(device: str, key: str) -> None:
 
 def check_divides(batch: int, batch_key: str, part: int, part_key: str) -> None:
     """`part` must divide `batch` (micro batch into mini batch, mini batch into batch)."""
-    check(
-        part <= batch and batch % part == 0,
-        part_key,
-        f"{part} must divide {batch_key}={batch} (e.g. {part_key}={_largest_divisor(batch, part)})",
-    )
+    if part > batch or batch % part:
+        raise ConfigError(f"{part_key}: {part} must divide {batch_key}={batch} "
+                          f"(e.g. {part_key}={_largest_divisor(batch, part)})")
 
 
 def _largest_divisor(n: int, at_most: int) -> int:
-    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
+    """The largest divisor of `n` that is <= `at_most`, in O(√n) (batch sizes may be huge)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return max(d for d in small + [n // d for d in small] if d <= at_most)
 
 
 @dataclass

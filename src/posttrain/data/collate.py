@@ -28,7 +28,9 @@ Conventions (every trainer relies on these):
     only the tokens inside the template's `{% generation %}` marks (assistant content and
     end-of-turn). Conversational data gets no extra EOS: the template ends turns.
 - Longer than `max_length`: cut to the first `max_length` tokens (`truncation="truncate"`,
-  counted in `TokenizeStats.n_truncated`) or dropped (`"drop"`, counted). An example left
+  counted in `TokenizeStats.n_truncated`) or dropped (`"drop"`, counted). Each text field
+  is cut to `char_bound` characters before it is tokenised, which changes no result (the
+  row is as long in tokens either way) but makes a 30 MB row cost milliseconds. An example left
   with no trained token (e.g. a prompt that fills `max_length`) is dropped and counted:
   it would add zero loss while looking like data. Drops and truncations are logged.
 - `pad_collate` makes an `LMBatch` (`posttrain.data.batch`), padded on the right: `input_ids` with the pad id, `attention_mask` 0 and
@@ -48,6 +50,7 @@ import torch.nn.functional as F
 
 from posttrain.data.batch import IGNORE_INDEX, LMBatch
 from posttrain.data.formats import DataFormatError, detect_format, is_conversational, validate_rows
+from posttrain.data.sources import first_source
 
 logger = logging.getLogger(__name__)
 
@@ -276,8 +279,43 @@ def _fit(ids: list[int], labels: list[int], max_length: int | None, truncation: 
     return ids, labels, outcome
 
 
-def _encode(row: Mapping, tokenizer: Any, opts: _Options, max_length: int | None, truncation: str):
-    ids, mask = _ENCODERS[opts.fmt](row, tokenizer, opts)
+def char_bound(tokenizer: Any, max_length: int | None) -> int | None:
+    """How many characters of one text field can matter to the first `max_length` tokens:
+    2 · (max_length + 1) · L, L the longest vocabulary entry in characters (None: no bound).
+
+    A token covers at most L characters of text (a byte-level entry of k characters stands
+    for k bytes, so at most k characters), so a field longer than the bound already makes
+    more than max_length tokens: cutting it there keeps the row over max_length (truncated,
+    or dropped, as before) and leaves its first max_length tokens as they were. The factor 2
+    is slack for normalizers that drop characters and for the token that spans the cut."""
+    if max_length is None:
+        return None
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    return 2 * (max_length + 1) * max(longest, 1)
+
+
+def cut_long_fields(row: Mapping, bound: int | None) -> Mapping:
+    """`row` with each string field and message `content` cut to `bound` characters (see
+    `char_bound`), so that a pathological row (one 30 MB line) is not tokenised whole only to
+    be truncated: it costs milliseconds, not minutes and gigabytes."""
+    if bound is None:
+        return row
+
+    def cut(value: Any) -> Any:
+        if isinstance(value, str):
+            return value[:bound]
+        if isinstance(value, list):
+            return [cut(v) for v in value]
+        if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+            return {**value, "content": value["content"][:bound]}
+        return value
+
+    return {k: cut(v) for k, v in row.items()}
+
+
+def _encode(row: Mapping, tokenizer: Any, opts: _Options, max_length: int | None, truncation: str,
+            bound: int | None = None):
+    ids, mask = _ENCODERS[opts.fmt](cut_long_fields(row, bound), tokenizer, opts)
     labels = [tok if m else IGNORE_INDEX for tok, m in zip(ids, mask)]
     return _fit(ids, labels, max_length, truncation)
 
@@ -311,7 +349,7 @@ def tokenize_example(
         add_eos,
         environment_markers,
     )
-    ids, labels, outcome = _encode(row, tokenizer, opts, max_length, truncation)
+    ids, labels, outcome = _encode(row, tokenizer, opts, max_length, truncation, char_bound(tokenizer, max_length))
     if stats is not None:
         stats._record(outcome, None)
     elif ids is None:
@@ -342,7 +380,7 @@ def tokenize_dataset(
     name = source_name or getattr(rows, "name", None) or "dataset"
     if len(rows) == 0:
         raise DataFormatError(f"{name}: no rows")
-    fmt = fmt or detect_format(rows[0].keys(), rows[0])
+    fmt = fmt or detect_format(rows[0].keys(), rows[0], first_source(rows) or name)
     validate_rows(rows, fmt, name)
     locate = getattr(rows, "locate", None) or (lambda i: f"{name}: row {i + 1}")
     opts = _check_options(
@@ -355,10 +393,10 @@ def tokenize_dataset(
         add_eos,
         environment_markers,
     )
-    stats, examples = TokenizeStats(), []
+    stats, examples, bound = TokenizeStats(), [], char_bound(tokenizer, max_length)
     for i, row in enumerate(rows):
         try:
-            ids, labels, outcome = _encode(row, tokenizer, opts, max_length, truncation)
+            ids, labels, outcome = _encode(row, tokenizer, opts, max_length, truncation, bound)
         except Exception as e:
             raise DataFormatError(f"{locate(i)}: cannot tokenize: {e}") from e
         stats._record(outcome, locate(i))

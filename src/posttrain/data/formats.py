@@ -90,11 +90,12 @@ def _chatml_message(message: Any, col: str, j: int) -> Any:
     return {"role": role, "content": message.get("value"), **rest}
 
 
-def detect_format(columns: Iterable[str], first_row: Mapping[str, Any] | None = None) -> str:
+def detect_format(columns: Iterable[str], first_row: Mapping[str, Any] | None = None, source: str | None = None) -> str:
     """Name the format of a dataset from its column names (see the table in the module doc).
 
-    `first_row` only enriches the error when no format matches (it shows the row's keys and
-    value types); the format itself depends on the columns alone.
+    `first_row` and `source` (the file the columns are from) only enrich the error when no
+    format matches (it names the file, and shows the row's keys and value types); the format
+    itself depends on the columns alone.
     """
     present = set(columns)
     for fmt in _DETECTION_ORDER:
@@ -103,6 +104,8 @@ def detect_format(columns: Iterable[str], first_row: Mapping[str, Any] | None = 
     expected = "; ".join(f"{fmt}: {', '.join(cols)}" for fmt, cols in FORMAT_COLUMNS.items())
     found = ", ".join(sorted(present)) or "no columns"
     msg = f"cannot tell the dataset format from its columns; expected one of [{expected}]; found {found}"
+    if source is not None:
+        msg = f"{source}: {msg}"
     if first_row is not None:
         types = ", ".join(f"{k}: {type(v).__name__}" for k, v in first_row.items())
         msg += f" (first row: {{{types}}})"

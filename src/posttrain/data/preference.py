@@ -39,7 +39,13 @@ from typing import Any
 import torch
 
 from posttrain.data.batch import IGNORE_INDEX, PairBatch
-from posttrain.data.collate import TokenizeStats, pad_collate, tokenize_example
+from posttrain.data.collate import (
+    TokenizeStats,
+    char_bound,
+    cut_long_fields,
+    pad_collate,
+    tokenize_example,
+)
 from posttrain.data.formats import DataFormatError, split_implicit_prompt
 from posttrain.data.sources import load_and_validate
 
@@ -95,8 +101,11 @@ def check_margins(rows: Sequence[Mapping[str, Any]]) -> bool:
     return True
 
 
-def _encode_side(tokenizer: Any, prompt: Any, response: Any) -> tuple[list[int], list[int]]:
-    """(prompt ids, response ids) of one side, as the SFT prompt/completion encoder makes them."""
+def _encode_side(tokenizer: Any, prompt: Any, response: Any, bound: int | None = None) -> tuple[list[int], list[int]]:
+    """(prompt ids, response ids) of one side, as the SFT prompt/completion encoder makes them;
+    the response is first cut to `bound` characters (`collate.char_bound` of max_length: it is
+    cut at the end to at most max_length tokens anyway)."""
+    response = cut_long_fields({"response": response}, bound)["response"]
     ex = tokenize_example(
         {"prompt": prompt, "completion": response}, tokenizer, "prompt_completion", completion_only_loss=True
     )
@@ -112,14 +121,17 @@ def encode_pair(
     max_length: int,
     max_prompt_length: int | None = None,
     truncation: str = "truncate",
+    bound: int | None = None,
 ) -> tuple[dict[str, Any] | None, str, bool]:
     """One pair example (see the module doc), the length outcome and whether the prompt was cut.
 
     outcome: kept | truncated | too_long | no_loss; the example is None when it is dropped.
+    `bound`: `collate.char_bound(tokenizer, max_length)`, so that a huge response is not
+    tokenised whole (the same example either way).
     """
     prompt, chosen, rejected = split_row(row, fmt)
-    prompt_ids, chosen_ids = _encode_side(tokenizer, prompt, chosen)
-    prompt_again, rejected_ids = _encode_side(tokenizer, prompt, rejected)
+    prompt_ids, chosen_ids = _encode_side(tokenizer, prompt, chosen, bound)
+    prompt_again, rejected_ids = _encode_side(tokenizer, prompt, rejected, bound)
     if prompt_again != prompt_ids:
         raise DataFormatError("the prompt tokenizes differently before chosen and before rejected")
     prompt_cut = max_prompt_length is not None and len(prompt_ids) > max_prompt_length
@@ -153,11 +165,11 @@ def tokenize_pairs(
     name = getattr(rows, "name", "dataset")
     locate = getattr(rows, "locate", None) or (lambda i: f"{name}: row {i + 1}")
     check_margins(rows)
-    stats, examples = PairStats(), []
+    stats, examples, bound = PairStats(), [], char_bound(tokenizer, max_length)
     for i, row in enumerate(rows):
         try:
             example, outcome, prompt_cut = encode_pair(
-                row, tokenizer, fmt, max_length, max_prompt_length, truncation
+                row, tokenizer, fmt, max_length, max_prompt_length, truncation, bound
             )
         except Exception as e:
             raise DataFormatError(f"{locate(i)}: cannot tokenize the pair: {e}") from e

@@ -309,10 +309,16 @@ def load_and_validate(
 def validate_loaded(rows: Rows, format: str | None = None) -> tuple[Rows, str]:
     """Detect the format of loaded `rows` (or take `format`) and validate every row."""
     if format is None:
-        format = detect_format(rows[0].keys(), rows[0])
+        format = detect_format(rows[0].keys(), rows[0], first_source(rows))
         logger.info("%s: %d rows, detected format %r", rows.name, len(rows), format)
     validate_rows(rows, format, rows.name)
     return rows, format
+
+
+def first_source(rows: Sequence[Mapping[str, Any]]) -> str | None:
+    """The name of the file (or dataset) the first row came from, when `rows` knows it."""
+    segments = getattr(rows, "segments", None)
+    return segments[0][1] if segments else getattr(rows, "name", None)
 
 
 def rows_sha256(rows: Sequence[Mapping[str, Any]]) -> str:

@@ -207,15 +207,18 @@ class _Worker:
 
         torch.set_num_threads(threads)
         self.obj: Any = None
+        self.listener: socket.socket | None = None
 
     def master_address(self) -> tuple[str, int]:
-        """This node's address and a free port, for rank 0 to host the group's rendezvous."""
+        """This node's address (127.0.0.1 under a local Ray) and a port listening there only,
+        for rank 0 to host the group's rendezvous store (`setup`)."""
         import ray
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        addr = ray.util.get_node_ip_address()
+        self.listener = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET)
+        self.listener.bind((addr, 0))
+        self.listener.listen(128)
+        return addr, self.listener.getsockname()[1]
 
     def setup(self, rank: int, world: int, local_rank: int, addr: str, port: int, timeout_s: float,
               gpus: float, factory: Factory, *args: Any) -> int:
@@ -229,8 +232,13 @@ class _Worker:
         if addr == "127.0.0.1" and os.path.isdir("/sys/class/net/lo"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # stay on loopback
         backend = collective_backend(gpus, torch.cuda.is_available())
-        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        # The store on the socket `master_address` bound: `init_method="tcp://..."` would make
+        # torch listen on every interface (`*:port`), whatever the address.
+        listen_fd = self.listener.detach() if self.listener is not None else None  # the store owns it now
+        store = dist.TCPStore(addr, port, world, is_master=listen_fd is not None, timeout=timeout,
+                              master_listen_fd=listen_fd, use_libuv=False)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         device = torch.device("cuda" if backend == "nccl" else "cpu")  # Ray shows each worker its GPU(s)
         collective = Collective(world, device, average_gradients=True)
         self.obj = factory(rank, world, collective, *args)

@@ -11,6 +11,7 @@ groups a bounded time.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from posttrain.config import ConfigError
+
+log = logging.getLogger(__name__)
 
 QUIET_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
 
@@ -32,6 +35,11 @@ def import_ray() -> Any:
     except ImportError:
         raise ConfigError("trainer.backend: ray needs Ray installed: pip install 'posttrain[ray]'") from None
     return ray
+
+
+def joined_address(ray: Any) -> str:
+    """The GCS address (HOST:PORT) of the Ray cluster this process is connected to."""
+    return ray.get_runtime_context().gcs_address
 
 
 class RaySession:
@@ -59,6 +67,8 @@ class RaySession:
                      _temp_dir=self.temp_dir)
         else:
             ray.init(address=address, log_to_driver=False, logging_level="WARNING")
+            # `auto` joins whichever cluster RAY_ADDRESS or /tmp/ray names: say which one it was
+            log.info("ray.address=%s: joined the Ray cluster at %s", address, joined_address(ray))
         self.started = True
 
     @property
@@ -117,11 +127,11 @@ def place(ray: Any, pools: Sequence[Bundles], timeout_s: float) -> list[Any]:
     advice = (f"lower {' or '.join(keys)}, declare more CPUs than the cores (ray.num_cpus=N, when the run starts "
               "Ray itself), or add nodes to the cluster (ray start --address=HEAD:6379, then ray.address=auto)")
     if need > total:
-        raise ConfigError(f"{', '.join(keys)}: {shape} = {need} CPUs, but the Ray cluster has "
+        raise ConfigError(f"{', '.join(keys)}: {shape} = {need} CPUs, but the Ray cluster at {joined_address(ray)} has "
                           f"{total:g} CPUs on {nodes} node(s) ({free:g} free); {advice}")
     gpus, need_gpus = ray.cluster_resources().get("GPU", 0.0), sum(p.workers * p.gpus_per_worker for p in pools)
     if need_gpus > gpus:
-        raise ConfigError(f"placement.gpus_per_worker: the pools need {need_gpus:g} GPUs, but the Ray cluster has "
+        raise ConfigError(f"placement.gpus_per_worker: the pools need {need_gpus:g} GPUs, but the Ray cluster at {joined_address(ray)} has "
                           f"{gpus:g}; lower placement.gpus_per_worker (0.5: two workers per GPU) or "
                           "trainer.n_workers_per_node")
     groups = [placement_group([bundle(p.cpus_per_worker, p.gpus_per_worker)] * p.workers, strategy="PACK")

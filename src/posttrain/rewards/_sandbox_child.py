@@ -12,7 +12,7 @@ no Python wrapper): no site-packages are on the path. It becomes three processes
              orphans, writes the program's wait status to the control pipe and exits. Its
              exit makes the kernel SIGKILL everything left in the namespace.
     program  sets the rlimits, switches to the per-run uid, drops every capability, sets
-             no_new_privs, installs the seccomp socket filter (fallback only), then runs the
+             no_new_privs, installs the seccomp socket and namespace filter (fallback only), then runs the
              untrusted code in this same interpreter (`_sandbox_program._run`): `main.py`
              as `__main__`, or (tests mode) `solution.py` followed by the tests read from
              stdin, each outcome written to fd 3 behind a per-run nonce.
@@ -288,10 +288,13 @@ def _enter_namespaces(setup: _Setup) -> None:
 
 
 def _seccomp_block_sockets() -> None:
-    """Kernel-enforced network fallback: socket() fails unless the family is AF_UNIX.
+    """Kernel-enforced fallback: socket() fails unless the family is AF_UNIX, and no new
+    namespace can be made (unshare() at all, clone() with CLONE_NEWUSER: a user namespace
+    would give the code every capability inside it, which the namespace plan refuses too).
 
     Inherited by every child and across exec. Foreign syscall ABIs (x32, int 0x80) and
-    io_uring, which can open sockets without socket(), are refused as well.
+    io_uring, which can open sockets without socket(), are refused as well. clone3() keeps its
+    flags in memory a filter cannot read, so it fails with ENOSYS: libc then falls back to clone().
     """
     import ctypes
     import struct
@@ -299,9 +302,11 @@ def _seccomp_block_sockets() -> None:
     machine = os.uname().machine
     if machine not in ("x86_64", "aarch64"):
         raise OSError(95, f"no seccomp filter for {machine}")
-    arch, nr_socket = {"x86_64": (0xC000003E, 41), "aarch64": (0xC00000B7, 198)}[machine]
-    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
-    allow, deny = 0x7FFF0000, 0x00050000 | 1  # SECCOMP_RET_ERRNO | EPERM
+    arch, nr_socket, nr_unshare, nr_clone = {"x86_64": (0xC000003E, 41, 272, 56),
+                                             "aarch64": (0xC00000B7, 198, 97, 220)}[machine]
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    allow, deny, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38  # SECCOMP_RET_ERRNO | EPERM, ENOSYS
+    clone_newuser = 0x10000000
     program = [
         (ld, 0, 0, 4),  # arch
         (jeq, 1, 0, arch),
@@ -311,6 +316,15 @@ def _seccomp_block_sockets() -> None:
         (ret, 0, 0, deny),
         (jeq, 0, 1, 425),  # io_uring_setup
         (ret, 0, 0, deny),
+        (jeq, 0, 1, nr_unshare),
+        (ret, 0, 0, deny),
+        (jeq, 0, 1, 435),  # clone3
+        (ret, 0, 0, enosys),
+        (jeq, 0, 4, nr_clone),
+        (ld, 0, 0, 16),  # args[0]: clone's flags (low 32 bits)
+        (jset, 0, 1, clone_newuser),
+        (ret, 0, 0, deny),
+        (ret, 0, 0, allow),
         (jeq, 0, 3, nr_socket),
         (ld, 0, 0, 16),  # args[0]: the address family
         (jeq, 1, 0, 1),  # AF_UNIX

@@ -18,7 +18,8 @@ process and returns the fraction that passed. What confines the code, strongest 
 - rlimits: CPU seconds, address space (`memory_mb`), file size, processes, open files, no
   core dumps; no_new_privs (setuid binaries give no privileges).
 - Fallback without namespaces: a seccomp filter that refuses socket() for any family but
-  AF_UNIX (or, where seccomp is missing, a Python-level patch of `socket`, which is weaker);
+  AF_UNIX and any new namespace (unshare, clone with CLONE_NEWUSER) (or, where seccomp is
+  missing, a Python-level patch of `socket`, which is weaker);
   the init, a child subreaper, kills every descendant of the program when it ends; as root,
   a sweep then kills any process of the run's uid and removes its files from /tmp,
   /var/tmp and /dev/shm.

@@ -12,7 +12,7 @@ Parameters (both endpoints; defaults as in OpenAI's API where it has one; `null`
     context (config.json `max_position_embeddings`).
   temperature: >= 0, default 1 (0 = greedy); top_p in (0, 1], default 1; top_k (vLLM's
     extension): -1 or 0 = off; min_p in [0, 1]; n: 1 .. MAX_N; stop: a string or a list of
-    up to MAX_STOP non-empty strings; seed: int or null; stream: bool.
+    up to MAX_STOP non-empty strings; seed: a 64-bit int or null; stream: bool.
   Log-probs (`serve.logprobs`: the model's log softmax of each generated token, from a
     scoring forward): chat `logprobs: true` with `top_logprobs` 0 .. MAX_LOGPROBS (refused
     without `logprobs: true`); completions `logprobs` 0 .. MAX_LOGPROBS (the chosen tokens
@@ -187,7 +187,7 @@ class _Body(BaseModel):
         BeforeValidator(lambda v: [v] if isinstance(v, str) else v),
         Field(max_length=MAX_STOP),
     ] = []
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch's manual_seed takes: 64 bits
     stream: bool = False
 
     @model_validator(mode="before")

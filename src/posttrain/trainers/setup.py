@@ -88,12 +88,24 @@ def model_type_of(model: torch.nn.Module | None, path: str | None) -> str:
     return "llama"
 
 
+MAX_PASSES_PER_STEP = 16
+"""The most passes over the training data one step may make. A step may cross epoch boundaries
+(a batch of 32 on 8 rows sees each row 4 times), but a batch this far beyond the data is a
+typo or a mix-up of units, and would be gathered and allocated whole (1e9 rows: tens of GB)."""
+
+
 def set_train_length(args: Any, examples: int) -> int:
     """Fill trainer.max_steps from trainer.num_train_epochs (or the default length) once the
     trainer knows its `examples` (prompts for RL), at data.train_batch_size per step
-    (`TrainerConfig.set_length`), and run the checks that need it. Returns max_steps."""
+    (`TrainerConfig.set_length`), and run the checks that need it, before any model is built:
+    a batch more than `MAX_PASSES_PER_STEP` passes over the data is refused. Returns max_steps."""
     trainer: TrainerConfig = args.trainer
-    steps = trainer.set_length(examples, args.data.train_batch_size)
+    batch = args.data.train_batch_size
+    check(batch <= MAX_PASSES_PER_STEP * examples, "data.train_batch_size",
+          f"{batch} is far beyond the data: {examples} training examples, so one step would pass over them "
+          f"{batch / max(examples, 1):,.0f} times (more than {MAX_PASSES_PER_STEP}); set data.train_batch_size "
+          f"<= {examples}, or add data")
+    steps = trainer.set_length(examples, batch)
     if hasattr(args, "check_length"):
         args.check_length()
     return steps
