@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from posttrain.algos import compute_gae, policy_loss, value_loss
-from posttrain.config.rl import AlgorithmConfig, MultiTurnConfig, RolloutConfig
+from posttrain.config.rl import AlgorithmConfig
+from posttrain.config.rollout import MultiTurnConfig, RolloutConfig
 from posttrain.rewards import RewardRunner
 from posttrain.trainers.rl_steps import compute_advantages
 from posttrain.workers import Reward, RLBatch

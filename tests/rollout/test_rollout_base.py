@@ -187,7 +187,8 @@ def test_make_engine_names_the_choices(model, tok):
 
 
 def test_every_sampling_field_of_the_rollout_config_reaches_sampling_params():
-    from posttrain.config.rl import ROLLOUT_ENGINE_OPTIONS, PPORolloutConfig, RolloutConfig
+    from posttrain.config.rl import PPORolloutConfig
+    from posttrain.config.rollout import ROLLOUT_ENGINE_OPTIONS, RolloutConfig
 
     # One value per sampling field, none of them a default of either class: a field added to
     # RolloutConfig fails here (and in from_config until SamplingParams has it too).

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 if TYPE_CHECKING:
-    from posttrain.config.rl import RolloutConfig
+    from posttrain.config.rollout import RolloutConfig
 
 Prompts = Sequence[str] | Sequence[Sequence[int]]
 """A batch of prompts: strings (tokenized by the engine, BOS as the tokenizer adds it)
@@ -112,7 +112,7 @@ class SamplingParams:
         """The params of an RL `rollout` config section: each of its fields but the engine
         options (`ROLLOUT_ENGINE_OPTIONS`) under the same name; the rest keep their defaults.
         A sampling field RolloutConfig gains and SamplingParams lacks is a TypeError here."""
-        from posttrain.config.rl import ROLLOUT_ENGINE_OPTIONS
+        from posttrain.config.rollout import ROLLOUT_ENGINE_OPTIONS
 
         names = [f.name for f in fields(rollout) if f.name not in ROLLOUT_ENGINE_OPTIONS]
         return cls(**{name: getattr(rollout, name) for name in names})

@@ -68,7 +68,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from posttrain.config.rl import check_vllm_temperature as check_temperature
+from posttrain.config.rollout import check_vllm_temperature as check_temperature
 from posttrain.data.collate import pad_id_of
 from posttrain.rollout.base import (
     Completions,
