@@ -24,7 +24,7 @@ from posttrain.checkpoint import (
     save_checkpoint,
     save_final,
 )
-from posttrain.checkpoint.files import io_error
+from posttrain.checkpoint.io_errors import io_error
 from posttrain.cli import main, os_error_line
 from posttrain.config import ConfigError
 from posttrain.config.sections import TrainerConfig
