@@ -12,7 +12,6 @@ from posttrain import DPOConfig, DPOTrainer
 from posttrain.cli import main
 from posttrain.config import build_config
 from posttrain.data.make_preferences import make_preferences
-from posttrain.data.tokenizer import build_tokenizer
 from posttrain.models import BuiltinLM
 from posttrain.trainers.dpo import sequence_logps
 
@@ -22,11 +21,6 @@ ROWS = [
     {"prompt": "7*8=", "chosen": "56", "rejected": "54 or so"},
     {"prompt": "1+1=", "chosen": "2", "rejected": "11"},
 ]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tokenizer()
 
 
 def tiny_lm(tok, seed=0, scale=0.3):

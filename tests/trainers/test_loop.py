@@ -27,7 +27,6 @@ from posttrain import (
 )
 from posttrain.config import ConfigError, LoraConfig, build_config
 from posttrain.data.sources import rows_sha256
-from posttrain.data.tokenizer import build_tokenizer
 from posttrain.models import BuiltinLM
 from posttrain.models.lora import apply_lora
 from posttrain.training.core import TrainingDiverged
@@ -37,19 +36,6 @@ from posttrain.workers import actor as actor_module
 PAIRS = [{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)} for a in range(4) for b in range(4)]
 TEXTS = [{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a in range(4) for b in range(4)]
 PROMPTS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(4) for b in range(4)]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tokenizer()
 
 
 def tiny_lm(tok, seed=0):

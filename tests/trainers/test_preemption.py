@@ -27,7 +27,6 @@ from posttrain.checkpoint import COMPLETE, files
 from posttrain.cli import main
 from posttrain.config import build_config
 from posttrain.data.tasks import make_task
-from posttrain.data.tokenizer import build_tokenizer
 from posttrain.models import BuiltinLM
 from posttrain.trainers.preempt import EXIT_CODE, Preempted
 
@@ -55,11 +54,6 @@ def no_default_sigterm():
     for sig, handler in previous.items():
         signal.signal(sig, handler)
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tokenizer()
 
 
 def tiny_lm(tok):

@@ -12,7 +12,6 @@ from posttrain import RewardTrainer, RMConfig
 from posttrain.cli import main
 from posttrain.config import build_config
 from posttrain.data.make_preferences import make_preferences
-from posttrain.data.tokenizer import build_tokenizer
 from posttrain.models import BuiltinLM
 from posttrain.models.heads import ScalarHeadModel
 from posttrain.rewards.reward_model import encode_for_reward, reward_model
@@ -23,11 +22,6 @@ ROWS = [
     {"prompt": "7*8=", "chosen": "56", "rejected": "54", "margin": 1.5},
     {"prompt": "1+1=", "chosen": "2", "rejected": "11", "margin": -1.0},
 ]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tokenizer()
 
 
 def tiny_rm(tok, seed=0, init_std=None):

@@ -14,8 +14,6 @@ import pytest
 import torch
 import transformers
 import yaml
-from tokenizers import Tokenizer, models, pre_tokenizers, processors
-from transformers import PreTrainedTokenizerFast
 
 from posttrain import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
 from posttrain.cli import main
@@ -28,8 +26,9 @@ from posttrain.rollout.hf import HFEngine
 from posttrain.rollout.native import NativeEngine
 from posttrain.trainers.rl import RLTrainer
 
+from .words import WORDS, word_tokenizer
+
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
-WORDS = "a b c d e f g h".split()
 TARGET = 3  # the id of "a"
 RL_METRICS = (
     "reward/mean reward/std accuracy advantage/mean kl approx_kl clip_frac clip_frac/low clip_frac/high "
@@ -37,23 +36,6 @@ RL_METRICS = (
     "value_loss policy_loss grad_norm lr timing/gen timing/reward timing/old_logprob timing/ref timing/values "
     "timing/adv timing/update_actor timing/update_critic timing/step throughput/tokens_per_s"
 ).split()
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls on a shared 2-core machine run ~100x slower with 2 intra-op threads."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def word_tokenizer():
-    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    core.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
 
 
 def tiny_model(seed=0):

@@ -21,8 +21,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, processors
-from transformers import PreTrainedTokenizerFast
 
 from posttrain import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
 from posttrain.cli import main
@@ -35,20 +33,12 @@ from posttrain.trainers.rl_ray import Colocated, RayRollout, build_ray_roles
 from posttrain.workers import RLBatch
 
 from .ray_procs import raylets, wait_gone
+from .words import WORDS, word_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
-WORDS = "a b c d e f g h".split()
 PROMPTS = [{"prompt": " ".join(WORDS[(i * 7 + k) % 8] for k in range(1 + i % 4))} for i in range(32)]
 COMPARED = ("grad_norm", "policy_loss", "entropy", "clip_frac", "approx_kl", "kl", "lr", "reward/mean",
             "response_length/mean")
-
-
-def word_tokenizer():
-    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    core.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
 
 
 def tiny_model_f64():

@@ -34,8 +34,8 @@ from .test_rl_ray import (
     starts_with_a,
     tiny_model_f64,
     train_grpo,
-    word_tokenizer,
 )
+from .words import word_tokenizer
 
 
 @pytest.mark.parametrize("pools", [

@@ -29,14 +29,6 @@ from posttrain.models import BuiltinLM
 QUIET = ["trainer.report_to=[]", "trainer.progress=false"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     out = tmp_path_factory.mktemp("arith")

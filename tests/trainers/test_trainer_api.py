@@ -14,24 +14,10 @@ from transformers import TrainerCallback
 
 from posttrain import GRPOConfig, SFTConfig, SFTTrainer
 from posttrain.config import ConfigError, build_config
-from posttrain.data.tokenizer import build_tokenizer
 
 from .test_loop import COMMANDS, metric_lines, overrides, tiny_lm, weights
 
 BY_EPOCHS = {"trainer.max_steps": "null"}
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tokenizer()
 
 
 @pytest.mark.parametrize("command", list(COMMANDS))

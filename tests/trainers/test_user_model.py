@@ -11,8 +11,7 @@ import logging
 import peft
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, processors
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from posttrain import (
     DPOConfig,
@@ -28,17 +27,10 @@ from posttrain.checkpoint import save_tokenizer
 from posttrain.config import ConfigError, LoraConfig, build_config
 from posttrain.models.lora import is_peft, lora_from_peft
 
-WORDS = "a b c d e f g h".split()
+from .words import WORDS, word_tokenizer
+
 ROWS = [{"prompt": " ".join(WORDS[(i + k) % 8] for k in range(3)), "completion": WORDS[i % 8]} for i in range(8)]
 PAIRS = [{"prompt": "a b", "chosen": "c", "rejected": "d"}, {"prompt": "e f", "chosen": "g", "rejected": "h"}]
-
-
-def word_tokenizer():
-    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    core.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
 
 
 def llama_config():
