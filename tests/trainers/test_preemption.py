@@ -30,6 +30,8 @@ from posttrain.data.tasks import make_task
 from posttrain.models import BuiltinLM
 from posttrain.trainers.preempt import EXIT_CODE, Preempted
 
+from .ray_procs import raylets
+
 SRC = Path(__file__).resolve().parents[2] / "src"
 TEXTS = [{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a in range(4) for b in range(4)]
 PROMPTS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(4) for b in range(4)]
@@ -305,18 +307,6 @@ def test_torchrun_forwards_sigterm_and_both_ranks_stop_at_one_step_with_one_chec
             os.killpg(resumed.pid, signal.SIGKILL)
     assert rc == 0, log[-4000:]
     assert f"resumed from {run / 'checkpoints' / step}" in log and (run / "final" / "model.safetensors").is_file()
-
-
-def raylets(marker):
-    """Pids of live raylet processes whose command line holds `marker`."""
-    found = set()
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            with contextlib.suppress(OSError):
-                cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                if marker in cmd and "/raylet" in cmd.split(" ")[0]:
-                    found.add(int(proc.name))
-    return found
 
 
 @pytest.mark.slow
