@@ -6,13 +6,13 @@ import typing
 import pytest
 
 import posttrain.algos as algos
-from posttrain.config.preference import DPOAlgorithmConfig
-from posttrain.config.rl import (
+from posttrain.config.algorithm import (
     AlgorithmConfig,
     KLConfig,
     PolicyLossConfig,
     PPOAlgorithmConfig,
 )
+from posttrain.config.preference import DPOAlgorithmConfig
 
 FIELDS = [
     (AlgorithmConfig, "adv_estimator", "ADV_ESTIMATORS"),

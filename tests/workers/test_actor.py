@@ -9,7 +9,8 @@ import torch
 
 from posttrain.algos import aggregate_loss, grpo_advantages, kl_penalty, token_logprobs
 from posttrain.config import LoraConfig
-from posttrain.config.rl import GRPOConfig, PolicyLossConfig
+from posttrain.config.algorithm import PolicyLossConfig
+from posttrain.config.rl import GRPOConfig
 from posttrain.models.lora import apply_lora
 from posttrain.training.core import train_step
 from posttrain.workers import Actor, Reference, forward

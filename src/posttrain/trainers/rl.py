@@ -441,7 +441,7 @@ def rl_step(trainer: RLTrainer, step: int) -> tuple[dict[str, float], RLBatch]:
            **actor_metrics}
     trainer.kl_ctrl.update(out["kl"], len(batch))
     elapsed = time.perf_counter() - started
-    if kl.enabled:  # β only acts through a KL term (`config.rl.KLConfig`)
+    if kl.enabled:  # β only acts through a KL term (`config.algorithm.KLConfig`)
         out["kl_coef"] = beta
     out.update(timer.metrics(), **{
         "lr": actor_metrics.get("lr", r.actor.lr),

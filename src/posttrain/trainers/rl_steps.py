@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from posttrain.algos import filter_groups, masked_mean, masked_sum, masked_whiten
-from posttrain.config.rl import AlgorithmConfig
+from posttrain.config.algorithm import AlgorithmConfig
 from posttrain.envs import merge_episode_metrics
 from posttrain.logging import get_logger
 from posttrain.logging.timing import StageTimer
