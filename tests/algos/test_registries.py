@@ -11,6 +11,7 @@ from posttrain.config.algorithm import (
     KLConfig,
     PolicyLossConfig,
     PPOAlgorithmConfig,
+    RolloutCorrectionConfig,
 )
 from posttrain.config.preference import DPOAlgorithmConfig
 
@@ -22,6 +23,8 @@ FIELDS = [
     (PolicyLossConfig, "level", "RATIO_LEVELS"),
     (KLConfig, "kind", "KL_KINDS"),
     (DPOAlgorithmConfig, "loss_type", "DPO_LOSS_TYPES"),
+    (RolloutCorrectionConfig, "rollout_is", "IS_LEVELS"),
+    (RolloutCorrectionConfig, "rollout_is_mode", "IS_MODES"),
 ]
 
 

@@ -1,5 +1,5 @@
-"""The algorithm of an RL run: the advantage estimator, the KL term, DAPO's data tricks
-(`RLConfig.algorithm`), and the actor's clipped surrogate loss (`RLConfig.actor.policy_loss`)."""
+"""The algorithm of an RL run: the advantage estimator, the KL term, DAPO's data tricks, the
+rollout correction (`RLConfig.algorithm`), and the actor's clipped surrogate loss (`RLConfig.actor.policy_loss`)."""
 
 from __future__ import annotations
 
@@ -133,9 +133,72 @@ class OverlongConfig:
     """α: the penalty at the length limit."""
 
 
+TRL_IS_MODES = {"token_truncate": "token", "token_mask": "token", "sequence_truncate": "sequence",
+                "sequence_mask": "sequence"}
+"""TRL's vllm_importance_sampling_mode → our rollout_is (the part after `_` is rollout_is_mode)."""
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """Correcting the gap between the engine's log-probs and the trainer's (vLLM's kernels,
+    bf16, KV-cache decoding): importance weights on the policy-gradient term
+    (`posttrain.algos.rollout_correction`, docs/rollout_correction.md). Needs the engine's
+    log-probs, rollout.calculate_log_probs (true by default when this is on)."""
+
+    rollout_is: Literal["token", "sequence"] | None = field(default=None, metadata=aliases(
+        trl("vllm_importance_sampling_mode", TRL_IS_MODES,
+            note="also set algorithm.rollout_correction.rollout_is_mode to the part after the underscore "
+                 "(truncate or mask); TRL's sequence_mask bounds the product of the ratios, ours their "
+                 "geometric mean"),
+        trl("vllm_importance_sampling_correction", same_value=False,
+            note="TRL's default (true with sequence_mask and a cap of 3) is rollout_is=sequence, "
+                 "rollout_is_mode=mask, rollout_is_threshold=3; false is rollout_is=null (the default)"),
+        verl("algorithm.rollout_correction.rollout_is"), verl("algorithm.rollout_is_level")))
+    """Importance weights per token (TIS, IcePop) or per sequence (sequence TIS, MIS);
+    null = no correction (the gap is still logged with rollout.calculate_log_probs=true)."""
+    rollout_is_mode: Literal["truncate", "mask"] = field(default="truncate", metadata=aliases(
+        verl("algorithm.rollout_is_mode"),
+        verl("algorithm.rollout_correction.rollout_rs", same_value=False,
+             note="veRL's rejection sampling is rollout_is_mode=mask: rollout_rs=token_k1 is rollout_is=token, "
+                  "seq_mean_k1 (Geo-RS) is rollout_is=sequence, with the bounds in rollout_is_threshold_lower "
+                  "and rollout_is_threshold; a kept token keeps its ratio as its weight")))
+    """truncate: a ratio is clipped into [rollout_is_threshold_lower, rollout_is_threshold]
+    (TIS). mask: a ratio outside them gives weight 0, one inside is its own weight (IcePop,
+    MIS); at the sequence level the bounds are on the geometric mean of the token ratios."""
+    rollout_is_threshold: float = field(default=2.0, metadata=aliases(
+        trl("vllm_importance_sampling_clip_max"), trl("vllm_importance_sampling_cap"),
+        verl("algorithm.rollout_correction.rollout_is_threshold"), verl("algorithm.rollout_is_threshold")))
+    """C_high: the upper bound of a weight (veRL 2.0, TRL 3.0)."""
+    rollout_is_threshold_lower: float | None = field(default=None, metadata=aliases(
+        trl("vllm_importance_sampling_clip_min"), verl("algorithm.rollout_is_threshold_lower"),
+        verl("algorithm.rollout_correction.rollout_rs_threshold", same_value=False,
+             note="a lower_upper string is rollout_is_threshold_lower and rollout_is_threshold")))
+    """C_low: the lower bound (null = none: 0)."""
+    bypass_mode: bool = field(default=False, metadata=aliases(verl("algorithm.rollout_correction.bypass_mode")))
+    """Old log-probs := the engine's, with no recompute pass (veRL's bypass mode with its
+    ppo_clip loss): the PPO ratio π_θ / π_rollout then carries the correction, clipped as
+    usual, even on an on-policy update. No rollout_corr/* metrics (nothing to compare with);
+    the update's first approx_kl compares the actor with the engine. Not with rollout_is."""
+
+    def validate(self) -> None:
+        key = "algorithm.rollout_correction"
+        check(self.rollout_is_threshold > 0, f"{key}.rollout_is_threshold", f"must be > 0, got {self.rollout_is_threshold}")
+        low = self.rollout_is_threshold_lower
+        check(low is None or 0 <= low < self.rollout_is_threshold, f"{key}.rollout_is_threshold_lower",
+              f"must be in [0, rollout_is_threshold={self.rollout_is_threshold}), got {low}")
+        check(not (self.bypass_mode and self.rollout_is), f"{key}.bypass_mode",
+              "bypass mode makes the old log-probs the engine's, so every weight would be 1: the PPO ratio "
+              "π_θ / π_rollout is the correction there. Set rollout_is=null, or bypass_mode=false for the weights")
+
+    @property
+    def needs_rollout_logprobs(self) -> bool:
+        """Weights or bypass mode read the engine's log-probs."""
+        return self.rollout_is is not None or self.bypass_mode
+
+
 @dataclass
 class AlgorithmConfig(RefSyncConfig):
-    """Advantages, KL and the DAPO data tricks."""
+    """Advantages, KL, the DAPO data tricks and the rollout correction."""
 
     adv_estimator: AdvEstimatorName = field(default="grpo", metadata=ADV_ESTIMATOR_ALIASES)
     """gae (PPO: critic + GAE), grpo (group-normalised), dr_grpo (group mean only), rloo
@@ -165,6 +228,8 @@ class AlgorithmConfig(RefSyncConfig):
     """Soft overlong punishment."""
     mask_truncated_completions: bool = field(default=False, metadata=aliases(trl("mask_truncated_completions")))
     """Leave truncated responses out of the loss (DAPO's overlong filtering)."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Importance weights for the engine–trainer log-prob gap (TIS, IcePop, MIS), bypass mode."""
 
     def validate(self) -> None:
         self.check_ref_sync()

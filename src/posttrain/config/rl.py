@@ -341,6 +341,11 @@ class RLConfig:
               f"{'apply' if len(ray_keys) > 1 else 'applies'} to Ray workers only: set trainer.backend=ray, or "
               f"drop {'them' if len(ray_keys) > 1 else 'it'} (trainer.backend=local runs every role in this one process)")
         self.check_overlong()
+        corr = self.algorithm.rollout_correction
+        check(not (corr.needs_rollout_logprobs and self.rollout.calculate_log_probs is False),
+              "rollout.calculate_log_probs",
+              f"algorithm.rollout_correction.{'rollout_is' if corr.rollout_is else 'bypass_mode'} reads the engine's "
+              "log-probs: set rollout.calculate_log_probs=true, or leave it null (true when the correction is on)")
         if self.rollout.engine == "vllm" and self.eval.task is None:  # eval samples through the engine
             problem = check_vllm_temperature(self.eval.temperature)
             check(problem is None, "eval.temperature", problem or "")
@@ -431,6 +436,13 @@ class RLConfig:
     def mini_batch_prompts(self) -> int:
         """actor.ppo_mini_batch_size, or data.train_batch_size when it is null."""
         return self.actor.ppo_mini_batch_size or self.data.train_batch_size
+
+    @property
+    def rollout_log_probs(self) -> bool:
+        """rollout.calculate_log_probs, null resolved: the engine returns log-probs when the
+        rollout correction reads them."""
+        wanted = self.rollout.calculate_log_probs
+        return self.algorithm.rollout_correction.needs_rollout_logprobs if wanted is None else wanted
 
     @property
     def use_critic(self) -> bool:
