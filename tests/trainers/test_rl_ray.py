@@ -89,6 +89,8 @@ SETTINGS = {
         "cls": PPOConfig, "rollout.n": 2, "actor.ppo_mini_batch_size": 2, "actor.ppo_epochs": 2,
         "actor.micro_batch_size": 2, "critic.micro_batch_size": 4, "critic.learning_rate": 1e-2,
         "critic.warmup_steps": 1, "algorithm.kl.in_reward": "true", "algorithm.kl.coef": 0.05,
+        # token TIS with C = 0.5 < the ratio 1: every weight 0.5, which must reach each worker's loss
+        "algorithm.rollout_correction.rollout_is": "token", "algorithm.rollout_correction.rollout_is_threshold": 0.5,
     },
 }
 PPO_COMPARED = ("value_loss", "values/mean", "returns/mean", "critic/grad_norm")
