@@ -89,6 +89,8 @@ SETTINGS = {
         "cls": PPOConfig, "rollout.n": 2, "actor.ppo_mini_batch_size": 2, "actor.ppo_epochs": 2,
         "actor.micro_batch_size": 2, "critic.micro_batch_size": 4, "critic.learning_rate": 1e-2,
         "critic.warmup_steps": 1, "algorithm.kl.in_reward": "true", "algorithm.kl.coef": 0.05,
+        # token TIS with C = 0.5 < the ratio 1: every weight 0.5, which must reach each worker's loss
+        "algorithm.rollout_correction.rollout_is": "token", "algorithm.rollout_correction.rollout_is_threshold": 0.5,
     },
 }
 PPO_COMPARED = ("value_loss", "values/mean", "returns/mean", "critic/grad_norm")
@@ -175,7 +177,7 @@ def test_a_split_rollout_over_any_group_samples_the_local_rollout_s_rows(tmp_pat
     """Every worker generates its slice (its own rollout counted prompts) and the joined batch,
     uids included, is the local rollout's with the row sampler: twice, so the uids go on."""
     cfg = grpo_config(tmp_path, **{"rollout.seed_mode": "row", "trainer.backend": "ray",
-                                   "trainer.n_workers_per_node": world})
+                                   "trainer.n_workers_per_node": world, "rollout.calculate_log_probs": "true"})
     model, tok = tiny_model_f64(), word_tokenizer()
     group = in_process_group(Colocated, world, cfg, tok, model)
     split = RayRollout(group, build_rollout(cfg, model, tok).params, "native", split=cfg.rollout.split)

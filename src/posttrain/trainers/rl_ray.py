@@ -89,7 +89,7 @@ from posttrain.logging import get_logger
 from posttrain.models.heads import ScalarHeadModel
 from posttrain.models.lora import is_peft
 from posttrain.rollout import MultiTurnLimits, SamplingParams
-from posttrain.trainers.rl_build import Roles, build_reference, build_rollout
+from posttrain.trainers.rl_build import Roles, build_reference, build_rollout, sampling_params
 from posttrain.workers import Actor, Critic, Reward, RLBatch
 from posttrain.workers.actor import shuffled_mini_batches
 from posttrain.workers.forward import FORWARD_FIELDS
@@ -544,7 +544,7 @@ def build_ray_roles(cfg: RLConfig, tokenizer: Any, policy: torch.nn.Module, rewa
     ref = RayReference(pools[mapping["actor"]], is_peft(policy), policy) if cfg.algorithm.kl.enabled else None
     kind = engine_kind_for(policy) if cfg.rollout.engine == "auto" else cfg.rollout.engine
     limits = MultiTurnLimits.from_config(cfg.rollout.multi_turn)
-    rollout = RayRollout(pools[mapping["rollout"]], SamplingParams.from_config(cfg.rollout), kind, env_factory, limits,
+    rollout = RayRollout(pools[mapping["rollout"]], sampling_params(cfg), kind, env_factory, limits,
                          split=cfg.rollout.split, own_pool=mapping["rollout"] != mapping["actor"])
     return Roles(actor, rollout, reward, ref, critic, pools)
 
