@@ -294,13 +294,21 @@ def test_vllm_sync_weights_serves_the_updated_policy_tied_head_included(vllm_eng
 
 @pytest.mark.vllm
 @needs_vllm
-def test_vllm_auto_dtype_serves_an_fp32_policy_in_bf16_and_offload_is_safe_without_sleep_mode(policy, tok):
+@pytest.fixture(scope="module")
+def auto_engine(policy, tok):
+    """An engine at dtype auto; the last test of the module breaks it."""
+    return make_engine("vllm", policy, tok, gpu_memory_utilization=0.2, **ENGINE)
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_vllm_auto_dtype_serves_an_fp32_policy_in_bf16_and_offload_is_safe_without_sleep_mode(auto_engine, policy):
     """dtype=auto: bf16 where vLLM's platform has it (CUDA from Ampere on, the CPU build on x86
     and Arm). Its log-probs differ from the fp32 trainer's by bf16 rounding: the gap rollout
     correction is for (measured on the CPU build: mean 0.052, max 0.36; this random policy's
     logits are large, so bf16 rounding moves them by ~1e-2). offload() sleeps on CUDA; on the CPU build,
     which has no sleep mode, it leaves the engine as it is, and the sync and generation go on."""
-    engine = make_engine("vllm", policy, tok, gpu_memory_utilization=0.2, **ENGINE)
+    engine = auto_engine
     assert engine.dtype == ("bfloat16" if engine.platform.bf16 else "float16")
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=0)
     out = engine.generate(PROMPTS, params)
@@ -312,6 +320,24 @@ def test_vllm_auto_dtype_serves_an_fp32_policy_in_bf16_and_offload_is_safe_witho
     engine.sync_weights(policy)  # wakes up, loads, resets the prefix cache
     assert not engine.asleep
     assert torch.equal(engine.generate(PROMPTS, params).response_ids, out.response_ids)
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_a_sync_failing_midway_fails_the_step_and_the_engine_refuses_to_generate(auto_engine, policy):
+    """A tensor vLLM cannot copy from (on the meta device: right name, shape and dtype, so the
+    checks pass) in the second layer: the first layer has loaded when the load fails. The sync
+    raises naming the failure, and the engine, partly updated, generates nothing after."""
+    broken = randomized(seed=3, **WIDE_HEADS)
+    down = broken.model.layers[1].mlp.down_proj
+    down.weight = torch.nn.Parameter(torch.empty(down.weight.shape, device="meta"))
+    with pytest.raises(RuntimeError, match=r"weight sync failed midway .*partly old, partly new .*trainer.resume=auto"):
+        auto_engine.sync_weights(broken)
+    assert auto_engine.broken is not None
+    with pytest.raises(RuntimeError, match="will not generate from partly updated weights"):
+        auto_engine.generate(PROMPTS, SamplingParams(max_new_tokens=4))
+    with pytest.raises(RuntimeError, match="weight sync failed midway"):
+        auto_engine.sync_weights(policy)
 
 
 @pytest.mark.vllm
