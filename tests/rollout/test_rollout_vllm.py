@@ -292,8 +292,6 @@ def test_vllm_sync_weights_serves_the_updated_policy_tied_head_included(vllm_eng
     assert torch.equal(vllm_engine.generate(PROMPTS, params).response_ids, before)
 
 
-@pytest.mark.vllm
-@needs_vllm
 @pytest.fixture(scope="module")
 def auto_engine(policy, tok):
     """An engine at dtype auto; the last test of the module breaks it."""
