@@ -340,9 +340,12 @@ def test_a_sync_failing_midway_fails_the_step_and_the_engine_refuses_to_generate
 
 @pytest.mark.vllm
 @needs_vllm
-def test_vllm_serves_a_lora_policy_through_the_merged_weights(policy, tok, tmp_path):
-    """A peft policy: the engine loads the base checkpoint (model_path) and syncs the merged
-    weights W + α/r·BA; after an adapter update the next generation is the merged model's."""
+@pytest.mark.parametrize("lora_sync", ["adapter", "merged"])
+def test_vllm_serves_a_lora_policy_after_each_adapter_update(policy, tok, tmp_path, lora_sync):
+    """A peft policy over the base checkpoint (model_path). "adapter": only the adapter goes to
+    the engine (vLLM's LoRA, x·W + α/r·x·A·B); "merged": W + α/r·BA is loaded. Either way, after
+    an adapter update the next greedy generation is the native engine's on the merged model, and
+    the log-probs are the peft policy's."""
     import peft
 
     base_dir = tmp_path / "base"
@@ -350,7 +353,7 @@ def test_vllm_serves_a_lora_policy_through_the_merged_weights(policy, tok, tmp_p
     tok.save_pretrained(base_dir)
     lora = peft.get_peft_model(randomized(seed=3, **WIDE_HEADS).to(DEVICE),
                                peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
-    engine = make_engine("vllm", lora, tok, model_path=str(base_dir), dtype="float32", **ENGINE)
+    engine = make_engine("vllm", lora, tok, model_path=str(base_dir), dtype="float32", lora_sync=lora_sync, **ENGINE)
     params = SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=[])
     first = engine.generate(PROMPTS, params).response_ids
     assert torch.equal(first, make_engine("native", policy, tok).generate(PROMPTS, params).response_ids)  # B = 0
@@ -364,6 +367,19 @@ def test_vllm_serves_a_lora_policy_through_the_merged_weights(policy, tok, tmp_p
     lora.unmerge_adapter()
     after = engine.generate(PROMPTS, params).response_ids
     assert not torch.equal(after, first) and torch.equal(after, expected)
+    sampled = engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=3))
+    assert (sampled.logprobs - reference_logprobs(lora, sampled, 1.0)).abs().max().item() < 1e-4
+
+
+def test_vllms_lora_serves_plain_adapters_at_a_rank_it_accepts():
+    import peft
+
+    from posttrain.rollout.vllm_platform import lora_engine_kwargs
+
+    assert lora_engine_kwargs(peft.LoraConfig(r=4)) == {"enable_lora": True, "max_loras": 1, "max_lora_rank": 8}
+    assert lora_engine_kwargs(peft.LoraConfig(r=16, rank_pattern={"q_proj": 24}))["max_lora_rank"] == 32
+    with pytest.raises(ValueError, match=r"does not serve this adapter \(use_dora\); set rollout.vllm.lora_sync=merged"):
+        lora_engine_kwargs(peft.LoraConfig(r=8, use_dora=True))
 
 
 # ---------------------------------------------------------------- episodes on the vllm engine

@@ -177,10 +177,10 @@ def test_vllm_engine_options_reach_the_engine_under_vllms_names():
     from posttrain.trainers.rl_build import engine_options
 
     cfg = build("rollout.engine=vllm", "rollout.vllm.dtype=float32", "rollout.vllm.enforce_eager=true",
-                "rollout.vllm.max_model_len=256", "rollout.vllm.cpu_kvcache_space_gb=3")
+                "rollout.vllm.max_model_len=256", "rollout.vllm.cpu_kvcache_space_gb=3", "rollout.vllm.lora_sync=merged")
     assert engine_options(cfg, "vllm", peft=False) == {
         "gpu_memory_utilization": 0.5, "seed": cfg.trainer.seed, "dtype": "float32", "enforce_eager": True,
-        "max_model_len": 256, "cpu_kvcache_space_gb": 3}
+        "max_model_len": 256, "cpu_kvcache_space_gb": 3, "lora_sync": "merged"}
     for theirs, ours in (("actor_rollout_ref.rollout.enforce_eager=true", "rollout.vllm.enforce_eager=true"),
                          ("vllm_max_model_length=512", "rollout.vllm.max_model_len=512")):  # veRL's, TRL's
         with pytest.raises(ConfigError, match=f"Did you mean {ours}"):
@@ -198,7 +198,7 @@ def test_vllm_options_carry_the_base_model_path_for_a_lora_policy():
                 "trainer.seed=7")
     assert engine_options(cfg, "vllm", peft=True) == {
         "gpu_memory_utilization": 0.3, "seed": 7, "model_path": "/models/base", "dtype": "auto",
-        "enforce_eager": False, "cpu_kvcache_space_gb": 1}
+        "enforce_eager": False, "cpu_kvcache_space_gb": 1, "lora_sync": "adapter"}
     assert "model_path" not in engine_options(cfg, "vllm", peft=False)  # the engine saves the policy
     with pytest.raises(ConfigError, match="model.path"):
         engine_options(build("rollout.engine=vllm"), "vllm", peft=True)

@@ -76,6 +76,12 @@ class VLLMConfig:
     """vLLM's CPU build: GiB of host memory for the KV cache, the CPU counterpart of
     rollout.gpu_memory_utilization (the engine sets VLLM_CPU_KVCACHE_SPACE from it). Unused on a GPU."""
 
+    lora_sync: Literal["adapter", "merged"] = "adapter"
+    """A LoRA policy's weight sync. `adapter`: only the adapter goes to the engine each step,
+    served by vLLM's LoRA support over the base model (model.path) as loaded; `merged`: the
+    adapter is merged into the weights and the whole model is loaded (TRL's path; needed for
+    DoRA, a bias or modules_to_save, which vLLM's LoRA does not serve)."""
+
     def validate(self) -> None:
         check(self.max_model_len is None or self.max_model_len >= 1, "rollout.vllm.max_model_len",
               f"must be >= 1 (or null: the model's length), got {self.max_model_len}")
@@ -85,7 +91,7 @@ class VLLMConfig:
     def engine_options(self) -> dict:
         """The `VLLMEngine` keyword arguments these options give (max_model_len only when set)."""
         opts = {"dtype": self.dtype, "enforce_eager": self.enforce_eager,
-                "cpu_kvcache_space_gb": self.cpu_kvcache_space_gb}
+                "cpu_kvcache_space_gb": self.cpu_kvcache_space_gb, "lora_sync": self.lora_sync}
         return opts | ({"max_model_len": self.max_model_len} if self.max_model_len is not None else {})
 
 

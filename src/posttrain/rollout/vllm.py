@@ -31,7 +31,12 @@ Notation: B prompts, n samples per prompt, N = B·n rows. Written against vLLM 0
   repacks its linear weights after loading). A load that fails midway leaves the engine with
   some layers new and some old: it is marked broken, the step fails with the error, and
   the engine refuses to generate. Then the prefix cache is reset: cached prompt KV computed by
-  the old weights must not be reused. A peft model is merged for the copy and unmerged after.
+  the old weights must not be reused.
+- LoRA (`lora_sync`): by default only the adapter goes to the engine: saved in peft's format
+  and loaded by vLLM's LoRA support in place of the previous one, over the base checkpoint
+  the engine was built from (vLLM computes x·W + α/r·x·A·B, unmerged). With
+  lora_sync="merged" the adapter is merged into the weights for the copy (W + α/r·BA, TRL's
+  path) and unmerged after.
 - Rows: every prompt is sent n times as separate requests, so outputs arrive
   grouped by prompt. With `SamplingParams.seed` each request gets the seed
   seed + row (reproducible; `request_seed`); without it vLLM's own RNG is used
@@ -106,6 +111,7 @@ from posttrain.rollout.vllm_platform import (
     check_sync_weights,
     detect_platform,
     engine_env,
+    lora_engine_kwargs,
     named_weights,
     runs_in_process,
     serving_dtype,
@@ -214,6 +220,7 @@ class VLLMEngine:
         dtype: str = "auto",
         gpu_memory_utilization: float = 0.5,
         cpu_kvcache_space_gb: int = 1,
+        lora_sync: str = "adapter",
         seed: int = 0,
         **llm_kwargs,
     ):
@@ -225,6 +232,8 @@ class VLLMEngine:
             dtype: vLLM's weight dtype; "auto" = `serving_dtype` of the policy's weights.
             gpu_memory_utilization: on a GPU, the fraction of its memory the engine takes.
             cpu_kvcache_space_gb: on vLLM's CPU build, GiB of host memory for the KV cache.
+            lora_sync: a peft policy's sync: "adapter" (the adapter alone, served by vLLM's
+                LoRA over the base checkpoint) or "merged" (W + α/r·BA into the base weights).
             seed, **llm_kwargs: passed to `vllm.LLM` (e.g. tensor_parallel_size,
                 max_model_len, enforce_eager).
         """
@@ -242,8 +251,15 @@ class VLLMEngine:
         if model_path is None and is_peft:
             raise ValueError(
                 "vllm engine with a peft model: pass model_path= a checkpoint of the base model; "
-                "the merged adapter weights are then loaded with sync_weights"
+                "the adapter (or the merged weights) is then loaded with sync_weights"
             )
+        if lora_sync not in ("adapter", "merged"):
+            raise ValueError(f"rollout.vllm.lora_sync: 'adapter' or 'merged', got {lora_sync!r}")
+        self.lora_sync = lora_sync if is_peft else None
+        """"adapter" | "merged" for a peft policy (how `sync_weights` sends it), else None."""
+        self._lora = None  # the LoRARequest of the adapter served (lora_sync="adapter")
+        if self.lora_sync == "adapter":
+            llm_kwargs = {**lora_engine_kwargs(model.peft_config[model.active_adapter]), **llm_kwargs}
         if model_path is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="posttrain-vllm-")
             model_path = self._tmp.name
@@ -284,6 +300,8 @@ class VLLMEngine:
         Weights that do not match the engine's are refused before anything loads (ValueError);
         a load that fails midway marks the engine broken and raises RuntimeError."""
         self._check_usable()
+        if self.lora_sync == "adapter":
+            return self._sync_adapter(model)
         with merged_adapters(model):
             weights = named_weights(model)
             check_sync_weights(weights, self._expected)
@@ -299,6 +317,25 @@ class VLLMEngine:
                     "partly new weights and will not generate. The step fails here: resume the run from its "
                     "last checkpoint (trainer.resume=auto)"
                 ) from err
+        self.llm.reset_prefix_cache()
+
+    def _sync_adapter(self, model: nn.Module) -> None:
+        """The peft adapter alone (lora_sync="adapter"): saved in peft's format to the engine's
+        folder and loaded by vLLM in place of the previous one (`load_inplace`); the base weights
+        stay as loaded. A failed load marks the engine broken (it would serve the old adapter)."""
+        from vllm.lora.request import LoRARequest
+
+        if self._lora is None:
+            self._adapter_dir = tempfile.TemporaryDirectory(prefix="posttrain-vllm-lora-")
+        model.save_pretrained(self._adapter_dir.name)
+        self.resume()
+        try:
+            self.llm.llm_engine.add_lora(LoRARequest("policy", 1, self._adapter_dir.name, load_inplace=True))
+        except Exception as err:
+            self.broken = f"{type(err).__name__}: {err}"
+            raise RuntimeError(f"vllm engine: loading the LoRA adapter failed ({self.broken}); the step fails "
+                               "here: resume the run from its last checkpoint (trainer.resume=auto)") from err
+        self._lora = LoRARequest("policy", 1, self._adapter_dir.name)
         self.llm.reset_prefix_cache()
 
     def _check_usable(self) -> None:
@@ -318,7 +355,7 @@ class VLLMEngine:
         requests = [{"prompt_token_ids": p} for p in rows]
         sampling = [self._sampling_params(params, stop_ids, self._seed(params, row)) for row in range(len(rows))]
         start = time.perf_counter()
-        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self._lora)
         seconds = time.perf_counter() - start
         width = max(len(o.outputs[0].token_ids) for o in outputs)
         response_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -365,7 +402,8 @@ class VLLMEngine:
                 self._sampling_params(turn_params, stop_ids, self._seed(params, q.row, q.turn, rows), q.max_tokens)
                 for q in requests
             ]
-            outputs = self.llm.generate([{"prompt_token_ids": q.ids} for q in requests], sampling, use_tqdm=False)
+            outputs = self.llm.generate([{"prompt_token_ids": q.ids} for q in requests], sampling, use_tqdm=False,
+                                        lora_request=self._lora)
             return [model_turn(o.outputs[0]) for o in outputs]
 
         out = run_turn_episodes(sample, prompt_ids, params, limits, handler, self.tokenizer, pad_id)

@@ -169,3 +169,22 @@ def runs_in_process(environ: Mapping[str, str], tensor_parallel_size: int = 1) -
     only with multiprocessing off and one worker (tensor parallel workers are processes)."""
     return environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0" and tensor_parallel_size == 1
 
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM 0.32 accepts for `max_lora_rank` (its `MaxLoRARanks`)."""
+
+
+def lora_engine_kwargs(peft_config) -> dict:
+    """`vllm.LLM` arguments that let the engine serve the policy's LoRA adapter (one at a time,
+    its rank rounded up to one vLLM accepts); ValueError naming the option when vLLM's LoRA
+    cannot serve it (DoRA, bias or extra trained modules: rollout.vllm.lora_sync=merged can)."""
+    unsupported = [name for name, on in (("use_dora", getattr(peft_config, "use_dora", False)),
+                                         ("bias", getattr(peft_config, "bias", "none") != "none"),
+                                         ("modules_to_save", bool(getattr(peft_config, "modules_to_save", None))))
+                   if on]
+    ranks = [peft_config.r, *(getattr(peft_config, "rank_pattern", None) or {}).values()]
+    if unsupported or max(ranks) > VLLM_LORA_RANKS[-1]:
+        raise ValueError(f"rollout.vllm.lora_sync=adapter: vLLM's LoRA does not serve this adapter "
+                         f"({', '.join(unsupported) or f'rank {max(ranks)}'}); set rollout.vllm.lora_sync=merged")
+    return {"enable_lora": True, "max_loras": 1, "max_lora_rank": min(r for r in VLLM_LORA_RANKS if r >= max(ranks))}
