@@ -10,8 +10,8 @@ rows, 128 new tokens per row with early stopping off (`stop_token_ids=[]`), temp
 log-probs returned (the engines' own; hf recomputes them by teacher forcing). Over the byte
 tokenizer (V = 262). Needs vLLM (`make test-vllm` builds .venv-vllm with its CPU build).
 
-Reported per engine: generated tokens per wall-clock second (median over repeats, after one
-warm-up call), start-up (building the engine over a model in memory: vLLM saves it and loads
+Reported per engine: generated tokens per wall-clock second (median over --repeats, after a
+short warm-up call), start-up (building the engine over a model in memory: vLLM saves it and loads
 it, eager, no compile; hf loads the folder), and weight sync per step (`sync_weights` of the
 policy after an "update"; native and hf share the policy's tensors: 0). Wall clock, on a
 machine that may be shared: see benchmarks/README.md for the recorded load.
@@ -64,7 +64,7 @@ def timed(fn):
 
 
 def tokens_per_s(engine, prompts, params, repeats: int) -> float:
-    engine.generate(prompts, params)  # warm-up
+    engine.generate(prompts[:2], SamplingParams(**{**params.__dict__, "max_new_tokens": 8}))  # warm-up
     rates = []
     for r in range(repeats):
         out, s = timed(lambda r=r: engine.generate(prompts, SamplingParams(**{**params.__dict__, "seed": r})))
@@ -112,6 +112,7 @@ def bench_model(name: str, args, tok, root: Path) -> list[dict]:
         del engine
     for r in rows:
         r.update(model=name, parameters=n_params)
+        print(json.dumps(r), flush=True)
     return rows
 
 
@@ -120,7 +121,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["small", "llama100m"])
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     args = ap.parse_args()
     tok = build_tokenizer()
