@@ -121,6 +121,7 @@ from posttrain.rollout.vllm_platform import (
 
 log = logging.getLogger(__name__)
 
+
 def engine_kwargs(model_path: str, dtype: str, gpu_memory_utilization: float, seed: int,
                   sleep_mode: bool = True, **extra: Any) -> dict[str, Any]:
     """The arguments of `vllm.LLM`: sleep mode for colocation where the platform has it,
