@@ -8,9 +8,11 @@
 # built-in tiny model on CUDA under bf16 autocast keep fp32 master weights and a finite loss, in one
 # process and under torchrun with trainer.strategy=fsdp2 (NCCL, sharded DCP checkpoint); the
 # native engine generates on CUDA as it does on the CPU; a colocated Ray GRPO run of 20 steps
-# (trainer.backend=ray, 2 workers sharing the GPU, generation split over them); the vllm engine's GPU tests
-# (tests/rollout/test_rollout_vllm.py: single-turn sampling, weight sync, sleep, and multi-turn
-# episodes over the calculator environment) when vLLM is importable. A missing vLLM is a SKIP, not a
+# (trainer.backend=ray, 2 workers sharing the GPU, generation split over them); the vllm engine's tests
+# (marker `vllm`: tests/rollout/test_rollout_vllm.py: single-turn sampling, weight sync, sleep, LoRA,
+# multi-turn episodes over the calculator environment; tests/trainers/test_rl_vllm.py: GRPO, 2 Ray
+# workers) under vLLM's CUDA build when vLLM is importable: what `make test-vllm` runs on the CPU build,
+# here with the CUDA kernels, sleep mode and `load_weights`. A missing vLLM is a SKIP, not a
 # failure; POSTTRAIN_INSTALL_VLLM=1 first tries `pip install 'posttrain[vllm]'` (needs a registry).
 set -u
 cd "$(dirname "$0")/.."
@@ -145,7 +147,8 @@ if ! "$PY" -c 'import vllm' >/dev/null 2>&1 && [ "${POSTTRAIN_INSTALL_VLLM:-0}" 
         echo "note: pip install '.[vllm]' failed: $(tail -n 1 "$WORK/pip.log")"
 fi
 if "$PY" -c 'import vllm' >/dev/null 2>&1; then
-    check vllm_engine 420 "$PY" -m pytest -q -p no:cacheprovider -rs tests/rollout/test_rollout_vllm.py
+    check vllm_engine 480 "$PY" -m pytest -q -p no:cacheprovider -rs -m vllm tests/rollout/test_rollout_vllm.py \
+        tests/trainers/test_rl_vllm.py
 else
     echo "SKIP vllm_engine: vLLM is not importable (pip install 'posttrain[vllm]', or POSTTRAIN_INSTALL_VLLM=1)"
 fi

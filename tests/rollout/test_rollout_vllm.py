@@ -1,5 +1,7 @@
-"""vllm engine. Without vLLM or CUDA only the install message is checked; on a GPU box
-with `posttrain[vllm]` the engine is checked against the model it serves."""
+"""vllm engine. Without vLLM only its pure parts run (and the install message is checked);
+with vLLM (its CPU build in `make test-vllm`, or CUDA on a GPU box: benchmarks/gpu_suite.sh) the
+`vllm`-marked tests check the engine against the native engine and teacher forcing. One engine
+per fixture, built once per module (a start takes 5-40 s on CI's 2 cores)."""
 
 import importlib.util
 import itertools
@@ -18,20 +20,20 @@ from posttrain.rollout import MultiTurnLimits, SamplingParams, make_engine
 from .conftest import PROMPTS, randomized
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-needs_gpu = pytest.mark.skipif(
-    not (HAVE_VLLM and torch.cuda.is_available()),
-    reason="vllm engine tests need vLLM and a CUDA GPU (pip install 'posttrain[vllm]')",
-)
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vllm engine tests need vLLM: `make test-vllm` runs them "
+                                                      "on its CPU build (docs/vllm.md)")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+"""Where the policy lives: the GPU under vLLM's CUDA build, else the CPU build's host memory."""
 
 
-@pytest.mark.skipif(HAVE_VLLM and torch.cuda.is_available(), reason="vLLM and CUDA are present")
-def test_missing_vllm_or_cuda_says_how_to_install(model, tok):
-    with pytest.raises(ImportError, match=r"pip install 'posttrain\[vllm\]' on a CUDA machine"):
+@pytest.mark.skipif(HAVE_VLLM, reason="vLLM is installed")
+def test_missing_vllm_says_how_to_install(model, tok):
+    with pytest.raises(ImportError, match=r"pip install 'posttrain\[vllm\]' on a CUDA machine, or vLLM's CPU build"):
         make_engine("vllm", model, tok)
 
 
 def test_the_env_keeps_the_engine_in_process_unless_the_caller_or_tensor_parallel_says_otherwise():
-    from posttrain.rollout.vllm import engine_env, runs_in_process
+    from posttrain.rollout.vllm_platform import engine_env, runs_in_process
 
     assert engine_env({}) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     assert runs_in_process({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
@@ -54,26 +56,70 @@ def test_temperatures_vllm_would_change_or_refuse_are_reported():
         assert "[0.01, 2.0]" in check_temperature(t)
 
 
-def test_the_memory_check_names_the_setting_and_what_would_fit():
-    from posttrain.rollout.vllm import check_gpu_memory
+def test_the_memory_checks_name_the_setting_and_what_would_fit():
+    from posttrain.rollout.vllm_platform import check_cpu_memory, check_gpu_memory
 
     gib = 2**30
     check_gpu_memory(60 * gib, 100 * gib, 0.5)
     with pytest.raises(RuntimeError, match=r"gpu_memory_utilization=0.5 asks for 50.0 GiB .* at most 0.40"):
         check_gpu_memory(40 * gib, 100 * gib, 0.5)
+    check_cpu_memory(3 * gib, 24 * gib, 2)
+    with pytest.raises(RuntimeError, match=r"cpu_kvcache_space_gb=4 asks for 4 GiB .* 3.5 of 24.0 GiB .* at most 3"):
+        check_cpu_memory(int(3.5 * gib), 24 * gib, 4)
 
 
-def test_the_engine_is_built_to_sleep_between_rollouts():
+def test_the_engine_sleeps_between_rollouts_only_where_the_platform_has_sleep_mode():
     from posttrain.rollout.vllm import engine_kwargs
 
     kw = engine_kwargs("/ckpt", "bfloat16", 0.3, 5, tensor_parallel_size=2, enforce_eager=True)
     assert kw == {"model": "/ckpt", "tokenizer": "/ckpt", "dtype": "bfloat16", "gpu_memory_utilization": 0.3,
                   "seed": 5, "enable_sleep_mode": True, "logprobs_mode": "processed_logprobs",
                   "enable_prefix_caching": True, "tensor_parallel_size": 2, "enforce_eager": True}
+    assert engine_kwargs("/ckpt", "float32", 0.3, 5, sleep_mode=False)["enable_sleep_mode"] is False  # vLLM-CPU
+
+
+def test_the_cpu_kv_cache_size_is_set_from_the_option_and_a_replaced_value_is_logged(caplog):
+    import logging
+
+    from posttrain.rollout.vllm_platform import set_cpu_kvcache_space
+
+    log = logging.getLogger("test")
+    env = {}
+    set_cpu_kvcache_space(env, 2, log)
+    assert env == {"VLLM_CPU_KVCACHE_SPACE": "2"}
+    with caplog.at_level(logging.INFO, "test"):
+        set_cpu_kvcache_space(env, 3, log)
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "3" and "VLLM_CPU_KVCACHE_SPACE=2 replaced" in caplog.text
+
+
+def test_the_weights_sent_include_a_tied_head_and_drop_peft_infixes(model):
+    from posttrain.rollout.vllm_platform import named_weights
+
+    names = dict(named_weights(model))
+    assert names["lm_head.weight"].data_ptr() == names["model.embed_tokens.weight"].data_ptr()  # tied: one tensor
+    assert model.config.tie_word_embeddings
+
+
+def test_a_sync_that_does_not_match_the_engine_is_refused_before_anything_loads(model):
+    from posttrain.rollout.vllm_platform import check_sync_weights, named_weights, weight_shapes
+
+    weights = named_weights(model)
+    expected = weight_shapes(weights)
+    check_sync_weights(weights, expected)
+    with pytest.raises(ValueError, match=r"missing \['lm_head.weight'\]\); nothing was loaded"):
+        check_sync_weights([w for w in weights if w[0] != "lm_head.weight"], expected)
+    bigger = [(k, torch.zeros(v.shape[0] + 1, *v.shape[1:]) if k == "model.norm.weight" else v) for k, v in weights]
+    with pytest.raises(ValueError, match=r"reshaped or retyped \['model.norm.weight'\]; model.norm.weight: \(\(33,\)"):
+        check_sync_weights(bigger, expected)
+    with pytest.raises(ValueError, match=r"unknown \['extra.weight'\]"):
+        check_sync_weights([*weights, ("extra.weight", torch.zeros(1))], expected)
+    halves = [(k, v.half()) for k, v in weights]
+    with pytest.raises(ValueError, match="reshaped or retyped"):
+        check_sync_weights(halves, expected)
 
 
 def test_auto_dtype_serves_a_float32_policy_in_16_bits():
-    from posttrain.rollout.vllm import serving_dtype
+    from posttrain.rollout.vllm_platform import serving_dtype
 
     assert serving_dtype(torch.float32, bf16_supported=True) == "bfloat16"
     assert serving_dtype(torch.float32, bf16_supported=False) == "float16"
@@ -130,64 +176,75 @@ def test_request_seeds_are_distinct_over_an_episodes_rows_and_turns():
 
 
 # vLLM's attention backends: FlashAttention and FlashInfer refuse float32, Triton attention needs
-# heads >= 32 wide, flex attention fails to compile under 16: the GPU policy has 32-wide heads.
+# heads >= 32 wide, flex attention fails to compile under 16, the CPU build's serves 32, 64, ...
+# wide heads: the policy has 32-wide heads.
 WIDE_HEADS = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 2, "num_key_value_heads": 1}
+ENGINE = {"enforce_eager": True, "max_model_len": 128}  # no compile: a start in seconds
 
 
 @pytest.fixture(scope="module")
-def gpu_policy():
-    return randomized(seed=3, **WIDE_HEADS).cuda()
+def policy():
+    """The fp32 engine's policy; test_vllm_sync_weights changes it and puts it back."""
+    return randomized(seed=3, **WIDE_HEADS).to(DEVICE)
 
 
 @pytest.fixture(scope="module")
-def vllm_engine(gpu_policy, tok):
-    return make_engine(
-        "vllm",
-        gpu_policy,
-        tok,
-        dtype="float32",
-        gpu_memory_utilization=0.2,
-        enforce_eager=True,
-        max_model_len=128,
-    )
+def vllm_engine(policy, tok):
+    return make_engine("vllm", policy, tok, dtype="float32", gpu_memory_utilization=0.2, **ENGINE)
 
 
 def reference_logprobs(model, out, temperature):
+    """The trainer's log-probs of `out`'s tokens: one teacher-forced forward per row."""
     ref = torch.zeros_like(out.logprobs)
     for row, prompt in enumerate(out.prompt_ids):
         n = int(out.lengths[row])
-        seq = torch.tensor(prompt + out.response_ids[row, :n].tolist(), device=model.device)[None]
+        seq = torch.tensor(prompt + out.response_ids[row, :n].tolist(), device=DEVICE)[None]
         with torch.no_grad():
             logp = token_logprobs(forward_logits(model, seq)[:, :-1], seq[:, 1:], temperature)[0]
         ref[row, :n] = logp[len(prompt) - 1 :].cpu()
     return ref
 
 
-@pytest.mark.gpu
-@needs_gpu
-def test_vllm_greedy_equals_native_greedy(vllm_engine, gpu_policy, tok):
+@pytest.mark.vllm
+@needs_vllm
+def test_vllm_greedy_equals_native_greedy(vllm_engine, policy, tok):
     params = SamplingParams(temperature=0, max_new_tokens=16, stop_token_ids=[])
-    ours = make_engine("native", gpu_policy, tok).generate(PROMPTS, params)
+    ours = make_engine("native", policy, tok).generate(PROMPTS, params)
     theirs = vllm_engine.generate(PROMPTS, params)
+    assert vllm_engine.dtype == "float32"
     assert torch.equal(theirs.response_ids, ours.response_ids)
 
 
-@pytest.mark.gpu
-@needs_gpu
+@pytest.mark.vllm
+@needs_vllm
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_vllm_rows_grouped_and_logprobs_match_teacher_forcing(vllm_engine, gpu_policy, temperature):
+def test_vllm_rows_grouped_and_logprobs_match_teacher_forcing(vllm_engine, policy, temperature):
     params = SamplingParams(n=3, temperature=temperature, max_new_tokens=16, seed=0)
     out = vllm_engine.generate(PROMPTS, params)
     assert out.prompt_index.tolist() == [i for i in range(len(PROMPTS)) for _ in range(3)]
     assert torch.equal(out.response_mask.sum(-1), out.lengths)
-    ref = reference_logprobs(gpu_policy, out, temperature)
-    assert (out.logprobs - ref).abs().max().item() < 1e-3  # different kernels, fp32
+    ref = reference_logprobs(policy, out, temperature)
+    assert (out.logprobs - ref).abs().max().item() < 1e-4  # fp32, other kernels (measured ~1e-6 on CPU)
     again = vllm_engine.generate(PROMPTS, params)
     assert torch.equal(out.response_ids, again.response_ids)
 
 
-@pytest.mark.gpu
-@needs_gpu
+@pytest.mark.vllm
+@needs_vllm
+def test_vllm_row_seeds_give_each_row_its_tokens_whatever_the_batch(vllm_engine):
+    """seed_mode=row: a batch generated in two slices (first_row) gives the whole batch's rows,
+    and another seed other rows."""
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=11, seed_mode="row", stop_token_ids=[])
+    whole = vllm_engine.generate(PROMPTS, params)
+    head = vllm_engine.generate(PROMPTS[:1], params)
+    rest = vllm_engine.generate(PROMPTS[1:], SamplingParams(**{**params.__dict__, "first_row": 2}))
+    assert torch.equal(torch.cat([head.response_ids, rest.response_ids]), whole.response_ids)
+    other = vllm_engine.generate(PROMPTS, SamplingParams(**{**params.__dict__, "seed": 12}))
+    assert not torch.equal(other.response_ids, whole.response_ids)
+
+
+@pytest.mark.vllm
+@needs_vllm
 def test_vllm_stops_like_the_other_engines(vllm_engine, tok):
     params = SamplingParams(temperature=0, max_new_tokens=20, stop_token_ids=[])
     free = vllm_engine.generate(PROMPTS, params)
@@ -203,45 +260,126 @@ def test_vllm_stops_like_the_other_engines(vllm_engine, tok):
     assert short.finish_reason == ["length"] * len(PROMPTS)
 
 
-@pytest.mark.gpu
-@needs_gpu
-def test_vllm_sync_weights_serves_the_updated_policy(tok):
-    policy = randomized(seed=4, **WIDE_HEADS).cuda()
-    engine = make_engine(
-        "vllm",
-        policy,
-        tok,
-        dtype="float32",
-        gpu_memory_utilization=0.2,
-        enforce_eager=True,
-        max_model_len=128,
-    )
+@pytest.mark.vllm
+@needs_vllm
+def test_vllm_sync_weights_serves_the_updated_policy_tied_head_included(vllm_engine, policy, tok):
+    """In-place sync: the next generation is the native engine's on the new weights (greedy,
+    fp32), and the log-probs are the new policy's: the tied lm_head was loaded too (left out,
+    the CPU build serves its old head). A sync that does not fit is refused before anything
+    loads, and the engine serves on; syncing the old weights back restores the first tokens."""
     params = SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=[])
-    before = engine.generate(PROMPTS, params).response_ids
-    with torch.no_grad():  # an "update": new weights in the same tensors
-        for p, q in zip(policy.parameters(), randomized(seed=5, **WIDE_HEADS).cuda().parameters()):
-            p.copy_(q)
-    engine.sync_weights(policy)
-    after = engine.generate(PROMPTS, params)
-    expected = make_engine("native", policy, tok).generate(PROMPTS, params).response_ids
-    assert not torch.equal(before, after.response_ids)
-    assert torch.equal(after.response_ids, expected)
+    original = {k: v.clone() for k, v in policy.state_dict().items()}
+    before = vllm_engine.generate(PROMPTS, params).response_ids
+    try:
+        with torch.no_grad():  # an "update": new weights in the same tensors
+            for p, q in zip(policy.parameters(), randomized(seed=5, **WIDE_HEADS).parameters()):
+                p.copy_(q)
+        vllm_engine.sync_weights(policy)
+        after = vllm_engine.generate(PROMPTS, params)
+        expected = make_engine("native", policy, tok).generate(PROMPTS, params).response_ids
+        assert not torch.equal(before, after.response_ids)
+        assert torch.equal(after.response_ids, expected)
+        sampled = vllm_engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=3))
+        assert (sampled.logprobs - reference_logprobs(policy, sampled, 1.0)).abs().max().item() < 1e-4
+        wrong = randomized(seed=6, **{**WIDE_HEADS, "intermediate_size": 80})
+        with pytest.raises(ValueError, match=r"reshaped or retyped .*nothing was loaded"):
+            vllm_engine.sync_weights(wrong)
+        assert vllm_engine.broken is None
+        assert torch.equal(vllm_engine.generate(PROMPTS, params).response_ids, expected)
+    finally:
+        policy.load_state_dict(original)
+        vllm_engine.sync_weights(policy)
+    assert torch.equal(vllm_engine.generate(PROMPTS, params).response_ids, before)
 
 
-@pytest.mark.gpu
-@needs_gpu
-def test_vllm_serves_an_fp32_policy_in_bf16_and_sleeps_and_wakes(gpu_policy, tok):
-    engine = make_engine("vllm", gpu_policy, tok, gpu_memory_utilization=0.2, enforce_eager=True,
-                         max_model_len=128)
-    assert engine.dtype == "bfloat16"
+@pytest.fixture(scope="module")
+def auto_engine(policy, tok):
+    """An engine at dtype auto; the last test of the module breaks it."""
+    return make_engine("vllm", policy, tok, gpu_memory_utilization=0.2, **ENGINE)
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_vllm_auto_dtype_serves_an_fp32_policy_in_bf16_and_offload_is_safe_without_sleep_mode(auto_engine, policy):
+    """dtype=auto: bf16 where vLLM's platform has it (CUDA from Ampere on, the CPU build on x86
+    and Arm). Its log-probs differ from the fp32 trainer's by bf16 rounding: the gap rollout
+    correction is for (measured on the CPU build: mean 0.052, max 0.36; this random policy's
+    logits are large, so bf16 rounding moves them by ~1e-2). offload() sleeps on CUDA; on the CPU build,
+    which has no sleep mode, it leaves the engine as it is, and the sync and generation go on."""
+    engine = auto_engine
+    assert engine.dtype == ("bfloat16" if engine.platform.bf16 else "float16")
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=0)
     out = engine.generate(PROMPTS, params)
-    ref = reference_logprobs(gpu_policy, out, 1.0)
-    assert (out.logprobs - ref).abs().max().item() < 0.1  # bf16 weights against the fp32 policy
+    gap = (out.logprobs - reference_logprobs(policy, out, 1.0)).abs()[out.response_mask.bool()]
+    print(f"bf16 engine vs fp32 trainer: mean {gap.mean():.4f}, max {gap.max():.4f}")
+    assert 1e-3 < gap.mean() < 0.1 and gap.max() < 1.0  # 16-bit weights against the fp32 policy: a gap
     engine.offload()
-    engine.sync_weights(gpu_policy)  # wakes up, loads, resets the prefix cache
+    assert engine.asleep == engine.platform.sleep_mode
+    engine.sync_weights(policy)  # wakes up, loads, resets the prefix cache
     assert not engine.asleep
     assert torch.equal(engine.generate(PROMPTS, params).response_ids, out.response_ids)
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_a_sync_failing_midway_fails_the_step_and_the_engine_refuses_to_generate(auto_engine, policy):
+    """A tensor vLLM cannot copy from (on the meta device: right name, shape and dtype, so the
+    checks pass) in the second layer: the first layer has loaded when the load fails. The sync
+    raises naming the failure, and the engine, partly updated, generates nothing after."""
+    broken = randomized(seed=3, **WIDE_HEADS)
+    down = broken.model.layers[1].mlp.down_proj
+    down.weight = torch.nn.Parameter(torch.empty(down.weight.shape, device="meta"))
+    with pytest.raises(RuntimeError, match=r"weight sync failed midway .*partly old, partly new .*trainer.resume=auto"):
+        auto_engine.sync_weights(broken)
+    assert auto_engine.broken is not None
+    with pytest.raises(RuntimeError, match="will not generate from partly updated weights"):
+        auto_engine.generate(PROMPTS, SamplingParams(max_new_tokens=4))
+    with pytest.raises(RuntimeError, match="weight sync failed midway"):
+        auto_engine.sync_weights(policy)
+
+
+@pytest.mark.vllm
+@needs_vllm
+@pytest.mark.parametrize("lora_sync", ["adapter", "merged"])
+def test_vllm_serves_a_lora_policy_after_each_adapter_update(policy, tok, tmp_path, lora_sync):
+    """A peft policy over the base checkpoint (model_path). "adapter": only the adapter goes to
+    the engine (vLLM's LoRA, x·W + α/r·x·A·B); "merged": W + α/r·BA is loaded. Either way, after
+    an adapter update the next greedy generation is the native engine's on the merged model, and
+    the log-probs are the peft policy's."""
+    import peft
+
+    base_dir = tmp_path / "base"
+    policy.save_pretrained(base_dir)
+    tok.save_pretrained(base_dir)
+    lora = peft.get_peft_model(randomized(seed=3, **WIDE_HEADS).to(DEVICE),
+                               peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    engine = make_engine("vllm", lora, tok, model_path=str(base_dir), dtype="float32", lora_sync=lora_sync, **ENGINE)
+    params = SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=[])
+    first = engine.generate(PROMPTS, params).response_ids
+    assert torch.equal(first, make_engine("native", policy, tok).generate(PROMPTS, params).response_ids)  # B = 0
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn_like(p) * 0.5)
+    engine.sync_weights(lora)
+    lora.merge_adapter()
+    expected = make_engine("native", lora.get_base_model(), tok).generate(PROMPTS, params).response_ids
+    lora.unmerge_adapter()
+    after = engine.generate(PROMPTS, params).response_ids
+    assert not torch.equal(after, first) and torch.equal(after, expected)
+    sampled = engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=3))
+    assert (sampled.logprobs - reference_logprobs(lora, sampled, 1.0)).abs().max().item() < 1e-4
+
+
+def test_vllms_lora_serves_plain_adapters_at_a_rank_it_accepts():
+    import peft
+
+    from posttrain.rollout.vllm_platform import lora_engine_kwargs
+
+    assert lora_engine_kwargs(peft.LoraConfig(r=4)) == {"enable_lora": True, "max_loras": 1, "max_lora_rank": 8}
+    assert lora_engine_kwargs(peft.LoraConfig(r=16, rank_pattern={"q_proj": 24}))["max_lora_rank"] == 32
+    with pytest.raises(ValueError, match=r"does not serve this adapter \(use_dora\); set rollout.vllm.lora_sync=merged"):
+        lora_engine_kwargs(peft.LoraConfig(r=8, use_dora=True))
 
 
 # ---------------------------------------------------------------- episodes on the vllm engine
@@ -294,7 +432,7 @@ def check_tool_episodes(out, tok, params: SamplingParams, limits: MultiTurnLimit
 
 @pytest.fixture(scope="module")
 def tool_policy(tok):
-    return teach_tool_episode(tok, "cuda")
+    return teach_tool_episode(tok, DEVICE)
 
 
 @pytest.fixture(scope="module")
@@ -303,8 +441,8 @@ def tool_engine(tool_policy, tok):
                        enforce_eager=True, max_model_len=256)
 
 
-@pytest.mark.gpu
-@needs_gpu
+@pytest.mark.vllm
+@needs_vllm
 def test_vllm_plays_the_calculator_episode_as_the_native_engine(tool_engine, tool_policy, tok):
     params = SamplingParams(n=2, temperature=0, max_new_tokens=48)
     out, rewards, metrics = play_episodes(tool_engine, TOOL_ROWS, ArithmeticTools, params, TOOL_LIMITS)
@@ -319,8 +457,8 @@ def test_vllm_plays_the_calculator_episode_as_the_native_engine(tool_engine, too
     assert torch.equal(out.response_mask, native.response_mask)
 
 
-@pytest.mark.gpu
-@needs_gpu
+@pytest.mark.vllm
+@needs_vllm
 @pytest.mark.parametrize("limits", [TOOL_LIMITS, MultiTurnLimits(max_turns=2, max_total_tokens=60)])
 def test_vllm_sampled_episodes_mask_answers_keep_limits_repeat_and_match_teacher_forcing(
     tool_engine, tool_policy, tok, limits

@@ -182,13 +182,32 @@ def test_episodes_on_the_vllm_engine_build_their_config():
         build("rollout.engine=vllm", "rollout.env=arithmetic_tools", "rollout.temperature=2.5")
 
 
+def test_vllm_engine_options_reach_the_engine_under_vllms_names():
+    from posttrain.trainers.rl_build import engine_options
+
+    cfg = build("rollout.engine=vllm", "rollout.vllm.dtype=float32", "rollout.vllm.enforce_eager=true",
+                "rollout.vllm.max_model_len=256", "rollout.vllm.cpu_kvcache_space_gb=3", "rollout.vllm.lora_sync=merged")
+    assert engine_options(cfg, "vllm", peft=False) == {
+        "gpu_memory_utilization": 0.5, "seed": cfg.trainer.seed, "dtype": "float32", "enforce_eager": True,
+        "max_model_len": 256, "cpu_kvcache_space_gb": 3, "lora_sync": "merged"}
+    for theirs, ours in (("actor_rollout_ref.rollout.enforce_eager=true", "rollout.vllm.enforce_eager=true"),
+                         ("vllm_max_model_length=512", "rollout.vllm.max_model_len=512")):  # veRL's, TRL's
+        with pytest.raises(ConfigError, match=f"Did you mean {ours}"):
+            build("rollout.engine=vllm", theirs)
+    for bad, key in (("rollout.vllm.max_model_len=0", "rollout.vllm.max_model_len"),
+                     ("rollout.vllm.cpu_kvcache_space_gb=0", "rollout.vllm.cpu_kvcache_space_gb")):
+        with pytest.raises(ConfigError, match=key):
+            build("rollout.engine=vllm", bad)
+
+
 def test_vllm_options_carry_the_base_model_path_for_a_lora_policy():
     from posttrain.trainers.rl_build import engine_options
 
     cfg = build("rollout.engine=vllm", "model.path=/models/base", "rollout.gpu_memory_utilization=0.3",
                 "trainer.seed=7")
     assert engine_options(cfg, "vllm", peft=True) == {
-        "gpu_memory_utilization": 0.3, "seed": 7, "model_path": "/models/base"}
+        "gpu_memory_utilization": 0.3, "seed": 7, "model_path": "/models/base", "dtype": "auto",
+        "enforce_eager": False, "cpu_kvcache_space_gb": 1, "lora_sync": "adapter"}
     assert "model_path" not in engine_options(cfg, "vllm", peft=False)  # the engine saves the policy
     with pytest.raises(ConfigError, match="model.path"):
         engine_options(build("rollout.engine=vllm"), "vllm", peft=True)

@@ -233,7 +233,8 @@ class RLTrainerConfig(TrainerConfig):
     stream stay in this process. Generation (multi-turn episodes included) runs on worker 0
     of the rollout's pool (the local backend's tokens, exactly), or split over that pool's
     workers with rollout.seed_mode=row (rollout.dispatch; the local backend's tokens with the
-    same seed_mode). The vllm engine needs GPU workers (placement.gpus_per_worker). Not with
+    same seed_mode). The vllm engine runs in every worker: on its GPU (placement.gpus_per_worker)
+    with vLLM's CUDA build, on CPU workers with its CPU build. Not with
     critic.share_backbone. Ray starts locally on 127.0.0.1 unless ray.address says otherwise."""
     nnodes: int = field(default=1, metadata=aliases(verl("trainer.nnodes")))
     """Nodes of the Ray cluster the workers span (trainer.backend=ray)."""
@@ -391,16 +392,13 @@ class RLConfig:
               f"must be < trainer.max_steps={self.trainer.max_steps}")
 
     def _validate_ray(self, mini_rows: int) -> None:
-        """What the Ray backend runs: every algorithm with a separate critic; the vllm engine on
-        GPU workers, colocated; a critic pool only for a run with a critic; every trained
+        """What the Ray backend runs: every algorithm with a separate critic; the vllm engine
+        colocated with the actor (GPU workers, or CPU workers with vLLM's CPU build); a critic pool only for a run with a critic; every trained
         pool's worker gets a row of each mini-batch."""
         check(not (self.use_critic and self.critic.share_backbone), "critic.share_backbone",
               "a value head on the policy's backbone trains in the actor's loss and optimizer, which the Ray "
               "workers keep apart from the critic's; set critic.share_backbone=false (a separate critic) or "
               "trainer.backend=local")
-        check(self.rollout.engine != "vllm" or self.placement.gpus_per_worker > 0, "placement.gpus_per_worker",
-              "rollout.engine=vllm on trainer.backend=ray runs a vLLM engine in every worker, each on its GPU: "
-              "set placement.gpus_per_worker (1, or 0.5 for two workers per GPU)")
         check(self.rollout.engine != "vllm" or not self.placement.rollout.enable_resource_pool,
               "placement.rollout.enable_resource_pool",
               "a rollout pool of its own runs the native or hf engine; the vllm engine runs colocated with the actor")

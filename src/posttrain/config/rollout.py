@@ -25,7 +25,7 @@ def check_vllm_temperature(temperature: float) -> str | None:
 
 ROLLOUT_ENGINE_OPTIONS = (
     "engine", "max_batch_size", "gpu_memory_utilization", "calculate_log_probs", "multi_turn", "env", "tools",
-    "dispatch",
+    "dispatch", "vllm",
 )
 """The RolloutConfig fields that choose or tune the engine (and the episodes); every
 other one is a SamplingParams field of the same name (`SamplingParams.from_config`)."""
@@ -52,6 +52,47 @@ class MultiTurnConfig:
         check(self.max_turns >= 1, "rollout.multi_turn.max_turns", f"must be >= 1, got {self.max_turns}")
         check(self.max_total_tokens >= 1, "rollout.multi_turn.max_total_tokens",
               f"must be >= 1, got {self.max_total_tokens}")
+
+
+@dataclass
+class VLLMConfig:
+    """vLLM's own engine options (rollout.engine=vllm), passed to `vllm.LLM` under vLLM's names
+    (docs/vllm.md). rollout.gpu_memory_utilization sizes the engine on a GPU."""
+
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = field(default="auto", metadata=aliases(
+        verl("actor_rollout_ref.rollout.dtype")))
+    """The engine's weight dtype. `auto`: a 16-bit policy keeps its dtype; a float32 policy is
+    served in bfloat16 where vLLM's platform has it (its `supported_dtypes`: GPUs from Ampere on,
+    x86 and Arm CPUs), else float16. float32 serves the trainer's numbers (log-probs within ~1e-6)."""
+    enforce_eager: bool = field(default=False, metadata=aliases(
+        verl("actor_rollout_ref.rollout.enforce_eager"), openrlhf("enforce_eager")))
+    """Run the model eagerly: no torch.compile and no CUDA graphs. Starts in seconds instead of
+    tens of seconds (a CPU compiles ~40 s), decodes more slowly on a GPU."""
+    max_model_len: int | None = field(default=None, metadata=aliases(
+        trl("vllm_max_model_length"), verl("actor_rollout_ref.rollout.max_model_len")))
+    """Longest prompt + response the engine holds (null: the model's max_position_embeddings).
+    Smaller leaves more KV-cache blocks for rows."""
+    cpu_kvcache_space_gb: int = 1
+    """vLLM's CPU build: GiB of host memory for the KV cache, the CPU counterpart of
+    rollout.gpu_memory_utilization (the engine sets VLLM_CPU_KVCACHE_SPACE from it). Unused on a GPU."""
+
+    lora_sync: Literal["adapter", "merged"] = "adapter"
+    """A LoRA policy's weight sync. `adapter`: only the adapter goes to the engine each step,
+    served by vLLM's LoRA support over the base model (model.path) as loaded; `merged`: the
+    adapter is merged into the weights and the whole model is loaded (TRL's path; needed for
+    DoRA, a bias or modules_to_save, which vLLM's LoRA does not serve)."""
+
+    def validate(self) -> None:
+        check(self.max_model_len is None or self.max_model_len >= 1, "rollout.vllm.max_model_len",
+              f"must be >= 1 (or null: the model's length), got {self.max_model_len}")
+        check(self.cpu_kvcache_space_gb >= 1, "rollout.vllm.cpu_kvcache_space_gb",
+              f"must be >= 1 (whole GiB, as VLLM_CPU_KVCACHE_SPACE), got {self.cpu_kvcache_space_gb}")
+
+    def engine_options(self) -> dict:
+        """The `VLLMEngine` keyword arguments these options give (max_model_len only when set)."""
+        opts = {"dtype": self.dtype, "enforce_eager": self.enforce_eager,
+                "cpu_kvcache_space_gb": self.cpu_kvcache_space_gb, "lora_sync": self.lora_sync}
+        return opts | ({"max_model_len": self.max_model_len} if self.max_model_len is not None else {})
 
 
 @dataclass
@@ -83,14 +124,17 @@ class RolloutConfig:
         openrlhf("vllm_num_engines", same_value=False, note="rollout.engine=vllm runs one vLLM engine per worker")))
     """Generation engine: `native` (KV-cache decoding of the built-in model: Llama, Qwen2/Qwen2.5,
     Qwen3 and Mistral checkpoints), `hf` (transformers generate, any causal LM; model.impl=auto
-    then loads the policy with transformers), `vllm` (GPU), or `auto` (native when the model
+    then loads the policy with transformers), `vllm` (vLLM: on a GPU, or its CPU build; rollout.vllm.*), or `auto` (native when the model
     allows it, else hf). A model the engine cannot run is refused before it loads."""
     max_batch_size: int = 0
     """Native engine: most rows decoded at once (0 = all)."""
     gpu_memory_utilization: float = field(default=0.5, metadata=aliases(
         trl("vllm_gpu_memory_utilization"), verl("actor_rollout_ref.rollout.gpu_memory_utilization"),
         openrlhf("vllm_gpu_memory_utilization")))
-    """vLLM engine: fraction of GPU memory it may take."""
+    """vLLM engine on a GPU: fraction of GPU memory it may take (weights and KV cache; checked
+    against what the training models leave free). vLLM's CPU build: rollout.vllm.cpu_kvcache_space_gb."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """The vllm engine's dtype, eager mode, context length and (CPU build) KV-cache size."""
     calculate_log_probs: bool | None = field(default=None, metadata=aliases(
         verl("actor_rollout_ref.rollout.calculate_log_probs")))
     """The engine returns each sampled token's log-prob, and every step logs their gap to

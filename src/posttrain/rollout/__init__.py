@@ -11,7 +11,7 @@ Engines (one interface, `RolloutEngine`; config key `rollout.engine`):
   leave the batch. The default on CPU and for the demo.
 - hf: transformers' `generate`, for any transformers causal LM (`model_impl_for`: under it,
   model.impl=auto loads a checkpoint with transformers).
-- vllm: a vLLM engine with in-place weight sync (optional extra, CUDA).
+- vllm: a vLLM engine with in-place weight sync (optional extra: CUDA, or vLLM's CPU build).
 All three return the same `Completions`, whose logprobs are log softmax(logits / T)
 of the sampled tokens (see base.py). `generate(..., on_tokens=f)` calls f with each
 step's new tokens as they are decoded (vllm: replayed after the call); `TextStream`
@@ -82,7 +82,8 @@ def make_engine(kind: str, model: nn.Module, tokenizer, **opts) -> RolloutEngine
     """Build the rollout engine `kind` ("native" | "hf" | "vllm") over `model`.
 
     opts go to the engine: native: compact_fraction, max_batch_size; hf: none;
-    vllm: model_path, dtype, gpu_memory_utilization, seed and any `vllm.LLM` argument.
+    vllm: model_path, dtype, gpu_memory_utilization, cpu_kvcache_space_gb, seed and any
+    `vllm.LLM` argument.
     """
     if kind not in ENGINES:
         raise ValueError(f"unknown rollout engine {kind!r}; choose one of {sorted(ENGINES)}")

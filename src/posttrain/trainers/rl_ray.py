@@ -52,12 +52,13 @@ optimizer mirror is never fetched for them. A checkpoint of the one-process layo
 (`RunModels.load_critic`) and `ref.synced` (`RunModels.load_reference`) pushes the mirror's
 weights (and optimizer, schedule) to every worker.
 
-The vllm engine (rollout.engine=vllm, GPU workers: placement.gpus_per_worker): each worker
+The vllm engine (rollout.engine=vllm; GPU workers, placement.gpus_per_worker, with vLLM's CUDA
+build, CPU workers with its CPU build): each worker
 builds its own `VLLMEngine` over its actor's policy, last (`build_rollout`, after the actor,
-reference and critic took their GPU memory), and runs it in the worker's process
-(VLLM_ENABLE_V1_MULTIPROCESSING=0). `rollout.offload` puts every engine to sleep (level 1)
-before the update; `rollout.sync_from` wakes each and loads its own actor's new weights in
-place through vLLM's `load_weights` (`VLLMEngine.sync_weights`: `collective_rpc`, tensors by
+reference and critic took their memory), and runs it in the worker's process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0). `rollout.offload` puts every engine to sleep (level 1,
+where sleep mode exists) before the update; `rollout.sync_from` wakes each and loads its own
+actor's new weights in place (`VLLMEngine.sync_weights`: `collective_rpc`, tensors by
 reference in process), then drops its prefix cache: the local engine's path, per worker.
 
 A worker that dies stops the run within seconds (`WorkerFailure`, naming it and the last

