@@ -575,6 +575,9 @@ class RLConfig:
               "a value head on the policy's backbone trains in the actor's loss and optimizer, which the Ray "
               "workers keep apart from the critic's; set critic.share_backbone=false (a separate critic) or "
               "trainer.backend=local")
+        check(self.rollout.vllm_mode != "server", "rollout.vllm_mode",
+              "server mode pushes the weights from the trainer's process to one vLLM server: run it with "
+              "trainer.backend=local, or keep rollout.vllm_mode=colocate (an engine in every Ray worker)")
         check(self.rollout.engine != "vllm" or self.placement.gpus_per_worker > 0, "placement.gpus_per_worker",
               "rollout.engine=vllm on trainer.backend=ray runs a vLLM engine in every worker, each on its GPU: "
               "set placement.gpus_per_worker (1, or 0.5 for two workers per GPU)")

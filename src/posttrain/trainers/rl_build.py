@@ -45,9 +45,12 @@ class Roles:
     closed at the end of the run."""
 
     def close(self) -> None:
-        """Stop the workers (and a Ray this run started) and the reward worker processes
-        (reward.isolation=process)."""
+        """Stop the workers (and a Ray this run started), the reward worker processes
+        (reward.isolation=process) and a vLLM server's weight group (rollout.vllm_mode=server)."""
         self.reward.runner.close()
+        close_engine = getattr(self.rollout.engine, "close", None)  # server mode: leave the weight group
+        if close_engine is not None:
+            close_engine()
         if self.group is not None:
             self.group.close()
 
@@ -105,6 +108,8 @@ def engine_options(cfg: RLConfig, kind: str, peft: bool) -> dict[str, Any]:
         return {"max_batch_size": rc.max_batch_size} if rc.max_batch_size else {}
     if kind != "vllm":
         return {}
+    if rc.vllm_mode == "server":  # the server holds the base model; merged LoRA weights are pushed
+        return {"server_url": rc.server_url, "timeout_s": rc.server_timeout_s, "bucket_mb": rc.sync_bucket_mb}
     opts: dict[str, Any] = {"gpu_memory_utilization": rc.gpu_memory_utilization, "seed": cfg.trainer.seed}
     if peft:
         check(cfg.model.path is not None, "model.path",
