@@ -351,7 +351,7 @@ def _add_vllm_serve_command(sub: Any) -> None:
     )
     p.add_argument("--model", required=True, metavar="PATH", help="the model folder to serve (config.json, weights, tokenizer)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; TRL's default is 0.0.0.0)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port, printed once it serves)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and compute dtype (default auto: a 16-bit checkpoint's own; else bfloat16 where the "
                    "GPU or CPU computes in it, else float16 on CUDA, float32 on a CPU)")
