@@ -1,6 +1,7 @@
 """Bucketed weight streaming (`distributed/weight_stream.py`): the plan by hand, packing, and
 two processes over gloo on 127.0.0.1 (forked: a spawned one would import torch again)."""
 
+import io
 import multiprocessing as mp
 import os
 import time
@@ -75,7 +76,9 @@ def _receiver(port, plan, results, die_early):
     group = WeightGroup.join("127.0.0.1", port, 1, 2, "gloo", timeout_s=20)
     if die_early:
         os._exit(0)  # gone without a word, as a killed server
-    results.put({name: t.clone() for name, t in receive_buckets(group.broadcast, plan, 0)})
+    buf = io.BytesIO()  # bytes, not tensors: torch's queue pickler would share them by a file descriptor
+    torch.save({name: t.clone() for name, t in receive_buckets(group.broadcast, plan, 0)}, buf)
+    results.put(buf.getvalue())
     group.close()
 
 
@@ -95,7 +98,7 @@ def test_two_processes_stream_every_tensor_over_gloo_in_buckets():
     group, child, results = start_pair(plan)
     try:
         sent = send_buckets(group.broadcast, named, plan, src=0)
-        got = results.get(timeout=20)
+        got = torch.load(io.BytesIO(results.get(timeout=20)))
     finally:
         child.join(10)
         group.close()

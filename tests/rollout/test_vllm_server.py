@@ -65,6 +65,17 @@ def test_an_absent_server_is_one_line_naming_the_url_and_how_to_start_it(tok):
     assert message.endswith("or set rollout.vllm_mode=colocate")
 
 
+def test_a_run_with_no_server_stops_in_one_line_before_its_model_loads(tmp_path, capsys):
+    from posttrain.cli import main
+
+    make_task("arithmetic", tmp_path / "data", n_train=4, n_test=2, seed=0, difficulty="easy")
+    url = f"http://127.0.0.1:{free_port()}"
+    args = grpo_args(tmp_path / "data", tmp_path / "run", tmp_path / "no-model-here", url, 2)
+    assert main([*args, "model.path=null", "model.init=tiny", "rollout.server_timeout_s=0.2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"posttrain grpo: config error: rollout.server_url={url}: no vLLM server answered")
+
+
 def test_server_mode_keys_their_trl_names_and_what_is_refused():
     cfg = build_config(GRPOConfig, None, ["rollout.engine=vllm", "rollout.vllm_mode=server",
                                           "rollout.server_url=http://10.0.0.2:8001", "rollout.sync_bucket_mb=64"])
@@ -201,6 +212,26 @@ def test_a_weight_push_makes_the_server_sample_from_the_new_weights(server, tok)
     assert torch.equal(after.response_ids, native["new"])
     assert float((teacher_forced(new, after, 1.0) - after.logprobs).abs().max()) <= LOGPROB_TOL
     assert engine.client.call("/health/")["weight_updates"] == before + 1
+    engine.close()
+
+
+@vllm_test
+def test_a_push_the_server_cannot_load_is_an_error_and_it_samples_no_more_until_a_whole_push(server, tok):
+    """A tensor vLLM's model does not have fails the load part-way: the engine is half updated,
+    so /generate/ is refused (one line, no traceback) until the next whole push succeeds."""
+    from posttrain.rollout.vllm_server import ServerError
+
+    model = randomized(**SHAPE)
+    engine = make_engine("vllm", model, tok, server_url=server.url, timeout_s=60)
+    bad = randomized(seed=3, **SHAPE)
+    bad.model.register_buffer("not_in_vllm", torch.zeros(3))  # a state-dict tensor vLLM has no parameter for
+    with pytest.raises(ServerError, match=f"the vLLM server at {server.url}: /update_weights/ failed \\(HTTP 500\\)"):
+        engine.sync_weights(bad)
+    greedy = SamplingParams(n=1, temperature=0, max_new_tokens=4, stop_token_ids=())
+    with pytest.raises(ServerError, match="the weights are half updated \\(update \\d+ failed: "):
+        engine.generate(PROMPTS, greedy)
+    engine.sync_weights(model)  # a new group: the failed push dropped the old one
+    assert torch.equal(engine.generate(PROMPTS, greedy).response_ids, NativeEngine(model, tok).generate(PROMPTS, greedy).response_ids)
     engine.close()
 
 

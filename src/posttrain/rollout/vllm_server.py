@@ -94,8 +94,9 @@ class ServerGone(ConnectionError):
     """No answer from the server (refused, dropped, reset): it is not (or no longer) there."""
 
 
-class ServerError(RuntimeError):
-    """The server answered with an error (HTTP 4xx/5xx); the message is its own."""
+class ServerError(RunStopped):
+    """The server answered with an error (HTTP 4xx/5xx), a failed weight load among them; the
+    message is its own. The run cannot go on from it: it stops in one line."""
 
 
 def vocab_fingerprint(vocab: dict[str, int]) -> str:
@@ -133,7 +134,7 @@ class ServerClient:
                 message = json.loads(err.read()).get("error") or err.reason
             except (ValueError, AttributeError):
                 message = err.reason
-            raise ServerError(f"{path} failed (HTTP {err.code}): {message}") from None
+            raise ServerError(f"the vLLM server at {self.url}: {path} failed (HTTP {err.code}): {message}") from None
         except urllib.error.URLError as err:
             raise ServerGone(str(getattr(err, "reason", err))) from None
         except (ConnectionError, http.client.HTTPException, TimeoutError, OSError) as err:
@@ -181,8 +182,11 @@ def weight_backend(health: dict, trainer_cuda: bool) -> str:
 def local_address(url: str) -> str:
     """This machine's address on the route to the server at `url` (127.0.0.1 for a local one)."""
     parts = urllib.parse.urlsplit(url)
-    with socket.create_connection((parts.hostname, parts.port or 80), timeout=10) as s:
-        return s.getsockname()[0]
+    try:
+        with socket.create_connection((parts.hostname, parts.port or 80), timeout=10) as s:
+            return s.getsockname()[0]
+    except OSError as err:
+        raise ServerGone(str(err)) from None
 
 
 class _Background(threading.Thread):
@@ -205,18 +209,17 @@ class VLLMServerEngine:
 
     kind = "vllm"
 
-    def __init__(self, model: nn.Module, tokenizer, *, server_url: str, seed: int = 0, timeout_s: float = 240.0,
+    def __init__(self, model: nn.Module, tokenizer, *, server_url: str, timeout_s: float = 240.0,
                  bucket_mb: float = 256.0, **ignored: Any):
         """
         Args:
             model: the policy; its weights are pushed to the server before the first rollout.
             tokenizer: its tokenizer (the server's must be the same).
             server_url: the server's root, http://HOST:PORT.
-            seed: unused (each call's rows carry their own seeds); kept for make_engine's options.
             timeout_s: how long to wait for the server at start, and for the weight group to form.
             bucket_mb: size of each weight bucket, MiB.
         """
-        if ignored:
+        if ignored:  # vLLM's own options (dtype, seed, max_model_len, ...) are the server's
             raise TypeError(f"server mode takes no vLLM engine options ({', '.join(sorted(ignored))}): "
                             "pass them to posttrain vllm-serve")
         self.tokenizer, self.timeout_s, self.bucket_bytes = tokenizer, timeout_s, int(bucket_mb * 2**20)
@@ -285,9 +288,9 @@ class VLLMServerEngine:
                 raise sending.error
         except ServerGone as err:
             raise self._died("the weight sync", err) from None
+        except ServerError:
+            raise
         except RuntimeError as err:  # the weight group broke: the peer's connection dropped
-            if isinstance(err, ServerError):
-                raise
             raise self._died("the weight sync", err) from None
         finally:
             if merged:
@@ -330,7 +333,7 @@ class VLLMServerEngine:
         except ServerGone as err:
             raise self._died(what, err) from None
         if len(rows) != len(prompts):
-            raise ServerError(f"/generate/ answered {len(rows)} rows for {len(prompts)}")
+            raise ServerError(f"the vLLM server at {self.url}: /generate/ answered {len(rows)} rows for {len(prompts)}")
         return rows
 
     def _check(self, params: SamplingParams) -> None:

@@ -147,7 +147,8 @@ def build_rollout(cfg: RLConfig, model: torch.nn.Module, tokenizer: Any, env_fac
 
 def check_engine_fits(cfg: RLConfig, model: Any) -> None:
     """rollout.engine can run the policy (`model`, else model.path / model.init): checked before
-    any model loads (reads config.json only), with the keys that fix it. The hf engine's
+    any model loads (reads config.json only), with the keys that fix it; in server mode, the
+    vLLM server answers at rollout.server_url. The hf engine's
     policy is a transformers model: model.impl=auto loads it so (`policy_config`)."""
     from posttrain.models.builtin import BuiltinLM
     from posttrain.models.llama_checkpoint import read_config_json, unsupported_features
@@ -155,6 +156,10 @@ def check_engine_fits(cfg: RLConfig, model: Any) -> None:
 
     engine, m = cfg.rollout.engine, cfg.model
     given = isinstance(model, torch.nn.Module)
+    if engine == "vllm" and cfg.rollout.vllm_mode == "server":  # the server is there before any model loads
+        from posttrain.rollout.vllm_server import ServerClient, wait_for_server
+
+        wait_for_server(ServerClient(cfg.rollout.server_url), cfg.rollout.server_timeout_s)
     if engine == "hf":
         base = model.get_base_model() if given and hasattr(model, "get_base_model") else model
         check(not isinstance(base, BuiltinLM), "rollout.engine",
