@@ -228,9 +228,9 @@ class Engine:
         with self.lock:
             try:
                 loaded = self.llm.collective_rpc("posttrain_receive", args=(body["plan"],))
-            except BaseException as err:
-                self.torn = f"update {self.updates + 1} failed: {err}"
-                raise
+            except Exception as err:  # a load failure, whatever vLLM raised: the server's error (500)
+                self.torn = f"update {self.updates + 1} failed: {type(err).__name__}: {err}"
+                raise RuntimeError(self.torn) from err
             self.llm.reset_prefix_cache()  # KV computed by the old weights must not be reused
             self.torn, self.updates = None, self.updates + 1
         return {"tensors": loaded[0], "seconds": time.perf_counter() - start, "updates": self.updates}
