@@ -30,6 +30,14 @@ from posttrain.rollout.native import NativeEngine
 from posttrain.rollout.vllm_server import ServerClient, server_weights, start_hint
 
 from .conftest import PROMPTS, randomized
+from .test_rollout_vllm import (
+    TOOL_DEMO,
+    TOOL_LIMITS,
+    TOOL_ROWS,
+    WIDE_HEADS,
+    check_tool_episodes,
+    teach_tool_episode,
+)
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -39,7 +47,7 @@ def vllm_test(fn):
     return pytest.mark.vllm(pytest.mark.skipif(not HAVE_VLLM, reason="needs vLLM (make test-vllm: its CPU build)")(fn))
 
 SRC = Path(posttrain.__file__).resolve().parents[1]
-SHAPE = {"hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1}  # head_dim 32: vLLM-CPU's least
+SHAPE = WIDE_HEADS  # head_dim 32: vLLM-CPU's least
 LOGPROB_TOL = 1e-4  # fp32 server vs the fp32 policy's teacher-forced forward (measured: 6e-6)
 
 
@@ -232,6 +240,24 @@ def test_a_push_the_server_cannot_load_is_an_error_and_it_samples_no_more_until_
         engine.generate(PROMPTS, greedy)
     engine.sync_weights(model)  # a new group: the failed push dropped the old one
     assert torch.equal(engine.generate(PROMPTS, greedy).response_ids, NativeEngine(model, tok).generate(PROMPTS, greedy).response_ids)
+    engine.close()
+
+
+@vllm_test
+def test_the_server_plays_the_calculator_episode_as_the_native_engine(server, tok):
+    """A policy taught one tool episode, pushed to a server that started from random weights:
+    one /generate/ per model turn gives the native engine's trajectory and mask."""
+    from posttrain.envs import ArithmeticTools, play_episodes
+
+    policy = teach_tool_episode(tok, "cpu")
+    engine = make_engine("vllm", policy, tok, server_url=server.url, timeout_s=60)
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=48)
+    out, rewards, metrics = play_episodes(engine, TOOL_ROWS, ArithmeticTools, params, TOOL_LIMITS)
+    assert out.meta["engine"] == "vllm-server" and out.texts == [TOOL_DEMO] * 2
+    assert rewards.tolist() == [1.0, 1.0] and metrics["tool_calls/mean"] == 3.0
+    check_tool_episodes(out, tok, params, TOOL_LIMITS)
+    native, _, _ = play_episodes(NativeEngine(policy, tok), TOOL_ROWS, ArithmeticTools, params, TOOL_LIMITS)
+    assert torch.equal(out.response_ids, native.response_ids) and torch.equal(out.response_mask, native.response_mask)
     engine.close()
 
 
