@@ -75,15 +75,16 @@ def test_an_absent_server_is_one_line_naming_the_url_and_how_to_start_it(tok):
     assert message.endswith("or set rollout.vllm_mode=colocate")
 
 
-def test_a_run_with_no_server_stops_in_one_line_before_its_model_loads(tmp_path, capsys):
-    from posttrain.cli import main
+def test_a_run_with_no_server_stops_before_its_model_loads():
+    """The engine checks run before any model is built (`rl_build.check_engine_fits`, reading
+    config.json at most): model.path need not even exist yet."""
+    from posttrain.trainers.rl_build import check_engine_fits
 
-    make_task("arithmetic", tmp_path / "data", n_train=4, n_test=2, seed=0, difficulty="easy")
     url = f"http://127.0.0.1:{free_port()}"
-    args = grpo_args(tmp_path / "data", tmp_path / "run", tmp_path / "no-model-here", url, 2)
-    assert main([*args, "model.path=null", "model.init=tiny", "rollout.server_timeout_s=0.2"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith(f"posttrain grpo: config error: rollout.server_url={url}: no vLLM server answered")
+    cfg = build_config(GRPOConfig, None, ["model.path=/no/model/here", "rollout.engine=vllm", "rollout.vllm_mode=server",
+                                          f"rollout.server_url={url}", "rollout.server_timeout_s=0.2"])
+    with pytest.raises(ConfigError, match=f"^rollout.server_url={url}: no vLLM server answered there"):
+        check_engine_fits(cfg, None)
 
 
 def test_server_mode_keys_their_trl_names_and_what_is_refused():
