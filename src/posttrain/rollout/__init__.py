@@ -11,7 +11,9 @@ Engines (one interface, `RolloutEngine`; config key `rollout.engine`):
   leave the batch. The default on CPU and for the demo.
 - hf: transformers' `generate`, for any transformers causal LM (`model_impl_for`: under it,
   model.impl=auto loads a checkpoint with transformers).
-- vllm: a vLLM engine with in-place weight sync (optional extra: CUDA, or vLLM's CPU build).
+- vllm: a vLLM engine with in-place weight sync (optional extra: CUDA, or vLLM's CPU build), or
+  with `server_url=` a vLLM server that `posttrain vllm-serve` started (`vllm_server.py`: TRL's
+  server mode; no vLLM needed in this process), weights pushed to it over a process group.
 All three return the same `Completions`, whose logprobs are log softmax(logits / T)
 of the sampled tokens (see base.py). `generate(..., on_tokens=f)` calls f with each
 step's new tokens as they are decoded (vllm: replayed after the call); `TextStream`
@@ -53,6 +55,10 @@ def _hf(model, tokenizer, **opts):
 
 
 def _vllm(model, tokenizer, **opts):
+    if "server_url" in opts:  # server mode: a `posttrain vllm-serve` server
+        from posttrain.rollout.vllm_server import VLLMServerEngine
+
+        return VLLMServerEngine(model, tokenizer, **opts)
     from posttrain.rollout.vllm import VLLMEngine
 
     return VLLMEngine(model, tokenizer, **opts)
@@ -83,7 +89,7 @@ def make_engine(kind: str, model: nn.Module, tokenizer, **opts) -> RolloutEngine
 
     opts go to the engine: native: compact_fraction, max_batch_size; hf: none;
     vllm: model_path, dtype, gpu_memory_utilization, cpu_kvcache_space_gb, seed and any
-    `vllm.LLM` argument.
+    `vllm.LLM` argument; or server_url (server mode), timeout_s, bucket_mb.
     """
     if kind not in ENGINES:
         raise ValueError(f"unknown rollout engine {kind!r}; choose one of {sorted(ENGINES)}")

@@ -45,9 +45,12 @@ class Roles:
     closed at the end of the run."""
 
     def close(self) -> None:
-        """Stop the workers (and a Ray this run started) and the reward worker processes
-        (reward.isolation=process)."""
+        """Stop the workers (and a Ray this run started), the reward worker processes
+        (reward.isolation=process) and a vLLM server's weight group (rollout.vllm_mode=server)."""
         self.reward.runner.close()
+        close_engine = getattr(self.rollout.engine, "close", None)  # server mode: leave the weight group
+        if close_engine is not None:
+            close_engine()
         if self.group is not None:
             self.group.close()
 
@@ -106,6 +109,8 @@ def engine_options(cfg: RLConfig, kind: str, peft: bool) -> dict[str, Any]:
         return {"max_batch_size": rc.max_batch_size} if rc.max_batch_size else {}
     if kind != "vllm":
         return {}
+    if rc.vllm_mode == "server":  # the server holds the base model; merged LoRA weights are pushed
+        return {"server_url": rc.server_url, "timeout_s": rc.server_timeout_s, "bucket_mb": rc.sync_bucket_mb}
     opts: dict[str, Any] = {"gpu_memory_utilization": rc.gpu_memory_utilization, "seed": cfg.trainer.seed,
                             **rc.vllm.engine_options()}
     if peft:
@@ -150,7 +155,8 @@ def sampling_params(cfg: RLConfig) -> SamplingParams:
 
 def check_engine_fits(cfg: RLConfig, model: Any) -> None:
     """rollout.engine can run the policy (`model`, else model.path / model.init): checked before
-    any model loads (reads config.json only), with the keys that fix it. The hf engine's
+    any model loads (reads config.json only), with the keys that fix it; in server mode, the
+    vLLM server answers at rollout.server_url. The hf engine's
     policy is a transformers model: model.impl=auto loads it so (`policy_config`)."""
     from posttrain.models.builtin import BuiltinLM
     from posttrain.models.llama_checkpoint import read_config_json, unsupported_features
@@ -158,6 +164,10 @@ def check_engine_fits(cfg: RLConfig, model: Any) -> None:
 
     engine, m = cfg.rollout.engine, cfg.model
     given = isinstance(model, torch.nn.Module)
+    if engine == "vllm" and cfg.rollout.vllm_mode == "server":  # the server is there before any model loads
+        from posttrain.rollout.vllm_server import ServerClient, wait_for_server
+
+        wait_for_server(ServerClient(cfg.rollout.server_url), cfg.rollout.server_timeout_s)
     if engine == "hf":
         base = model.get_base_model() if given and hasattr(model, "get_base_model") else model
         check(not isinstance(base, BuiltinLM), "rollout.engine",
