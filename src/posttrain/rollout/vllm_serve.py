@@ -16,7 +16,7 @@ Endpoints (JSON; FastAPI on uvicorn, one `vllm.LLM` behind a lock):
                              them (`reload_weights`, checkpoint names), then the prefix cache is reset
   POST /close_weight_group/
 
-Where it departs from TRL's: the weights come as buckets (`distributed/weight_stream.py`), one
+Where it departs from TRL's: the weights come as buckets (`rollout/weight_stream.py`), one
 request and one broadcast per bucket rather than per parameter, over gloo (CPU) or NCCL (both
 sides on CUDA, on different GPUs); the load goes through vLLM's `reload_weights` (what the CPU
 build supports, and where the tied lm_head is an ordinary checkpoint tensor); the request that
@@ -50,7 +50,7 @@ class WeightReceiver:
     posttrain_group = None
 
     def posttrain_join(self, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> int:
-        from posttrain.distributed.weight_stream import WeightGroup
+        from posttrain.rollout.weight_stream import WeightGroup
 
         self.posttrain_leave()
         rank = 1 + int(getattr(self, "rank", 0))
@@ -60,7 +60,7 @@ class WeightReceiver:
     def posttrain_receive(self, plan_json: list[dict]) -> int:
         """Receive every bucket of the plan and load it; returns the tensors loaded. The stream is
         drained even when the load stops early, so the trainer's broadcasts all complete."""
-        from posttrain.distributed.weight_stream import plan_from_json, receive_buckets
+        from posttrain.rollout.weight_stream import plan_from_json, receive_buckets
 
         group = self.posttrain_group
         if group is None:

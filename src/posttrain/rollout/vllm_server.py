@@ -21,7 +21,7 @@ Notation: B prompts, n samples per prompt, N = B·n rows.
   vLLM's processed log-probs (the server's `logprobs_mode`), `rollout/base.py`'s definition
   while no top-k/top-p/min-p filter is on (as the colocated engine: `vllm.py`).
 - Weight sync (`sync_weights`): the trainer is rank 0 of a weight group with the server's
-  workers (`distributed/weight_stream.py`): gloo, or NCCL when both sides are on CUDA on
+  workers (`rollout/weight_stream.py`): gloo, or NCCL when both sides are on CUDA on
   different GPUs. The group's store listens on this machine's address towards the server
   (127.0.0.1 for a local server) only. Each sync: POST /update_weights/ with the bucket plan
   while the buckets are broadcast (`rollout.sync_bucket_mb`), tensors in the server's dtype;
@@ -55,7 +55,7 @@ from torch import nn
 from posttrain.config.core import ConfigError, RunStopped
 from posttrain.config.rollout import check_vllm_temperature
 from posttrain.data.collate import pad_id_of
-from posttrain.distributed.weight_stream import (
+from posttrain.rollout.weight_stream import (
     WeightGroup,
     listen,
     plan_buckets,

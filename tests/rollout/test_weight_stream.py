@@ -1,4 +1,4 @@
-"""Bucketed weight streaming (`distributed/weight_stream.py`): the plan by hand, packing, and
+"""Bucketed weight streaming (`rollout/weight_stream.py`): the plan by hand, packing, and
 two processes over gloo on 127.0.0.1 (forked: a spawned one would import torch again)."""
 
 import io
@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from posttrain.distributed.weight_stream import (
+from posttrain.rollout.weight_stream import (
     ALIGN,
     Bucket,
     TensorSpec,
