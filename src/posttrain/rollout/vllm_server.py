@@ -55,14 +55,6 @@ from torch import nn
 from posttrain.config.core import ConfigError, RunStopped
 from posttrain.config.rollout import check_vllm_temperature
 from posttrain.data.collate import pad_id_of
-from posttrain.rollout.weight_stream import (
-    WeightGroup,
-    listen,
-    plan_buckets,
-    plan_to_json,
-    send_buckets,
-    tensor_specs,
-)
 from posttrain.logging import get_logger
 from posttrain.rollout.base import (
     Completions,
@@ -81,6 +73,14 @@ from posttrain.rollout.episodes import (
     TurnHandler,
     TurnRequest,
     run_turn_episodes,
+)
+from posttrain.rollout.weight_stream import (
+    WeightGroup,
+    listen,
+    plan_buckets,
+    plan_to_json,
+    send_buckets,
+    tensor_specs,
 )
 
 log = get_logger(__name__)
