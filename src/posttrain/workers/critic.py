@@ -54,10 +54,14 @@ from posttrain.workers.forward import (
 
 
 def response_values(model: ScalarHeadModel, batch: RLBatch, remove_padding: bool = False) -> torch.Tensor:
-    """V(s_0) … V(s_{Tr−1}), float32 (B, Tr) (zero at padding when packed)."""
-    (values,) = response_states(model.hidden_states, batch, lambda h: (model.score(h).squeeze(-1).float(),),
+    """V(s_0) … V(s_{Tr−1}), float32 (float64 from a float64 model) (B, Tr), zero at padding when packed."""
+    (values,) = response_states(model.hidden_states, batch, lambda h: (at_least_float32(model.score(h).squeeze(-1)),),
                                 remove_padding)
     return values
+
+
+def at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def head_on_policy(policy: nn.Module) -> ScalarHeadModel:
@@ -134,7 +138,7 @@ class Critic:
         """Shared backbone: one forward → (logits (b, tr, V), vf_coef · value loss, metrics)."""
         head = policy.get_output_embeddings()
         logits, values = response_states(self.model.hidden_states, mb,
-                                         lambda h: (head(h), self.model.score(h).squeeze(-1).float()),
+                                         lambda h: (head(h), at_least_float32(self.model.score(h).squeeze(-1))),
                                          self.remove_padding)
         term, metrics = self._value_term(values, mb)
         return logits, term, metrics

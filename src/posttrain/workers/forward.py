@@ -199,14 +199,15 @@ def per_token_pass(
     packed: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Run `fn(micro_batch) -> (b, tr') tensors` over micro-batches and reassemble (B, Tr)
-    tensors, zero on padding, on the CPU."""
+    tensors, zero on padding, on the CPU, in float32 (float64 from a float64 model)."""
     width = batch.response_ids.shape[1]
     outs: list[list[torch.Tensor]] = []
     for part in micro_batches(batch, rows, max_tokens, device, packed=packed):
         got = fn(part)
         got = got if isinstance(got, tuple) else (got,)
         mask = part.response_mask.bool().to(got[0].device)
-        got = [torch.nn.functional.pad(torch.where(mask, g.float(), 0.0).cpu(), (0, width - g.shape[1]))
+        got = [torch.nn.functional.pad(torch.where(mask, g.to(torch.promote_types(g.dtype, torch.float32)), 0.0).cpu(),
+                                       (0, width - g.shape[1]))
                for g in got]
         outs.append(got)
     return tuple(torch.cat(col) for col in zip(*outs))
