@@ -8,12 +8,13 @@ checkpointing (goal: peak activation memory with `model.gradient_checkpointing=t
 1024-token batch ≤ 40% of without). One training step (forward, next-token loss, backward)
 of a fresh built-in `small` model (H 512, L 8, I 1408, V 320: 25.9M parameters) and of a
 transformers `LlamaForCausalLM` of the same shape, float32, on --rows × --tokens random
-tokens (default 4 × 256 = 1024). Each setting runs in its own fresh process: the parameters'
-gradients are allocated first (zeros), the peak-RSS counter is reset (`echo 5 >
+tokens (default 4 × 256 = 1024). Each setting runs in its own fresh process (glibc's mmap
+threshold fixed at 64 KiB, `WORKER_ENV`, so freed tensors leave the resident set): the
+parameters' gradients are allocated first (zeros), the peak-RSS counter is reset (`echo 5 >
 /proc/self/clear_refs`), the step runs, and the activation memory is the peak resident set
 (VmHWM) minus the resident set before the step: what the step held at its peak beyond the
-weights and gradients (activations, the logits, autograd's temporaries; allocator slack
-included). The same loss and gradients with and without are checked (max |Δ|).
+weights and gradients (saved activations, the layer being recomputed and its backward's
+temporaries, the logits). The same loss and gradients with and without are checked (max |Δ|).
 
 remove-padding (goal: the demo task's RL update ≤ 0.65x the padded one's time). The GRPO
 step of `benchmarks/trl_speed.py` on the demo's SFT model (8 prompts × 8 completions of at
@@ -41,6 +42,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+# glibc's mmap threshold fixed at 64 KiB: every tensor above it is its own mapping, returned to
+# the OS when freed, so the resident set follows the live tensors rather than the heap's high
+# water (with the default, growing threshold, freed activations stay in the heap: the builtin
+# model's checkpointed step then read 301 MB where its live peak is ~155 MB).
+WORKER_ENV = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
 SMALL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
              num_key_value_heads=8)
 
@@ -87,7 +93,7 @@ def checkpointing_worker(impl: str, on: bool, rows: int, tokens: int) -> dict[st
     grad = torch.cat([p.grad.flatten() for p in model.parameters()])
     return {"impl": impl, "checkpointing": on, "parameters": sum(p.numel() for p in model.parameters()),
             "activation_mb": (peak - before) / 1024, "rss_before_mb": before / 1024, "cpu_s": seconds,
-            "loss": float(loss), "grad": grad[:: max(1, len(grad) // 200_000)].tolist()}
+            "loss": float(loss.detach()), "grad": grad[:: max(1, len(grad) // 200_000)].tolist()}
 
 
 def run_checkpointing(args: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -97,7 +103,7 @@ def run_checkpointing(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             spec = out / f"gc_{impl}_{on}.json"
             subprocess.run([sys.executable, __file__, "checkpointing-worker", "--impl", impl,
                             *(["--on"] if on else []), "--rows", str(args.rows), "--tokens", str(args.tokens),
-                            "--result", str(spec)], check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            "--result", str(spec)], check=True, env={**os.environ, **WORKER_ENV})
             results[f"{impl}/{on}"] = json.loads(spec.read_text())
     summary = {}
     for impl in ("builtin", "hf"):
@@ -109,8 +115,9 @@ def run_checkpointing(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             "loss_diff": abs(off["loss"] - on["loss"]),
             "grad_diff": max(abs(a - b) for a, b in zip(off["grad"], on["grad"], strict=True)),
         }
-    lines = ["| model (1024 tokens: %d × %d) | activation MB without | with | with ÷ without | step CPU s "
-             "(without / with) | max abs Δ loss, gradient |" % (args.rows, args.tokens), "|---|---|---|---|---|---|"]
+    lines = [f"| model ({args.rows * args.tokens} tokens: {args.rows} × {args.tokens}) | activation MB without | "
+             "with | with ÷ without | step CPU s (without / with) | max abs Δ loss, gradient |",
+             "|---|---|---|---|---|---|"]
     for impl, s in summary.items():
         lines.append(f"| {impl} | {s['without_mb']:.0f} | {s['with_mb']:.0f} | **{s['ratio']:.2f}** | "
                      f"{s['cpu_s'][0]:.2f} / {s['cpu_s'][1]:.2f} | {s['loss_diff']:.1e}, {s['grad_diff']:.1e} |")

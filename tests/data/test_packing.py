@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from posttrain.data.collate import IGNORE_INDEX, causal_lm_loss_sum, pad_collate, tokenize_dataset
-from posttrain.data.packing import bfd_bins, pack_collate, pack_examples, pack_rows, packing_efficiency
+from posttrain.data.packing import (
+    bfd_bins,
+    pack_collate,
+    pack_examples,
+    pack_rows,
+    packing_efficiency,
+)
 from posttrain.data.tokenizer import build_tokenizer
 
 

@@ -11,7 +11,7 @@ from transformers import BloomConfig, BloomForCausalLM, LlamaConfig, LlamaForCau
 
 from posttrain.algos import compute_gae, grpo_advantages
 from posttrain.config import ConfigError
-from posttrain.config.rl import GRPOConfig, PPOConfig, PolicyLossConfig
+from posttrain.config.rl import GRPOConfig, PolicyLossConfig, PPOConfig
 from posttrain.models.heads import ScalarHeadModel
 from posttrain.workers import Actor, Critic, Reference, head_on_policy
 from posttrain.workers.forward import micro_batches, pack_responses, response_logits

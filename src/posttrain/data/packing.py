@@ -20,6 +20,9 @@ A packed row is `{"input_ids", "labels", "position_ids"}` (lists of equal length
 
 `pack_collate` makes an `LMBatch` (`posttrain.data.batch`); it pads rows of a batch to a common length with a pseudo-document of pad
 tokens (labels -100, positions from 0), which no real token can attend to.
+
+`pack_rows` does the same for the sequences of a padded tensor batch, by index and on its
+device: the RL passes' `model.use_remove_padding` (`posttrain.workers.forward`).
 """
 
 from __future__ import annotations
