@@ -216,14 +216,18 @@ def worker_ours(spec: dict[str, Any]) -> dict[str, Any]:
 def update_work(actor, batch) -> dict[str, float]:
     """What the update ran (recomputed after the timed step, unshuffled): the share of rows
     it skipped (advantage 0 everywhere), and the real tokens and token positions (real plus
-    padding) of the micro-batches its forward passes ran over."""
+    padding: the padded rows, or the packed ones with model.use_remove_padding) of the
+    micro-batches its forward passes ran over."""
     from posttrain.workers.actor import ZeroAdvantageRows
+    from posttrain.workers.forward import pack_responses
 
     parts = actor.update_parts(batch)
     ran = [p for p in parts if not isinstance(p, ZeroAdvantageRows)]
     skipped = sum(len(p.batch) for p in parts if isinstance(p, ZeroAdvantageRows))
-    return {"zero_adv_frac": skipped / len(batch), "real_tokens": sum(int(p.token_counts().sum()) for p in ran),
-            "padded_tokens": sum(p.input_ids.numel() for p in ran)}
+    positions = [pack_responses(p).rows.input_ids.numel() if actor.remove_padding else p.input_ids[:, :-1].numel()
+                 for p in ran]
+    return {"zero_adv_frac": skipped / len(batch),
+            "real_tokens": sum(int(p.token_counts().sum() - len(p)) for p in ran), "padded_tokens": sum(positions)}
 
 
 def worker_trl(spec: dict[str, Any]) -> dict[str, Any]:

@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from posttrain.data.collate import IGNORE_INDEX, causal_lm_loss_sum, pad_collate, tokenize_dataset
-from posttrain.data.packing import bfd_bins, pack_collate, pack_examples, packing_efficiency
+from posttrain.data.packing import (
+    bfd_bins,
+    pack_collate,
+    pack_examples,
+    pack_rows,
+    packing_efficiency,
+)
 from posttrain.data.tokenizer import build_tokenizer
 
 
@@ -116,3 +122,20 @@ def test_packed_loss_equals_unpacked_loss(one_thread):
         leaky = model(packed.input_ids, attention_mask=torch.ones_like(packed.input_ids))
         sum_leaky, _ = causal_lm_loss_sum(leaky, packed.labels)
     assert abs((sum_leaky - sum_packed).item()) > 1e-3
+
+
+def test_pack_rows_by_hand():
+    # Three padded rows; their sequences are ids[b, begin : begin + length]: [11 12 13],
+    # [21 22], [31 32 33 34 35], and an empty one. Width = the longest (5); BFD longest first:
+    # 5 -> row0 (full); 3 -> row1 (2 free); 2 -> row1 (full).
+    ids = torch.tensor([[0, 11, 12, 13, 0], [21, 22, 0, 0, 0], [31, 32, 33, 34, 35], [0, 0, 0, 0, 0]])
+    packed = pack_rows(ids, torch.tensor([1, 0, 0, 2]), torch.tensor([3, 2, 5, 0]), pad_id=9)
+    assert packed.input_ids.tolist() == [[31, 32, 33, 34, 35], [11, 12, 13, 21, 22]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 0, 1]]
+    assert packed.starts.tolist() == [5, 8, 0, 0] and packed.fill.tolist() == [5, 5]
+    # A wider budget packs more (a row's members in input order); a row's tail is a
+    # pseudo-document of pad ids from position 0.
+    wide = pack_rows(ids, torch.tensor([1, 0, 0, 2]), torch.tensor([3, 2, 5, 0]), seq_length=7, pad_id=9)
+    assert wide.input_ids.tolist() == [[21, 22, 31, 32, 33, 34, 35], [11, 12, 13, 9, 9, 9, 9]]
+    assert wide.position_ids.tolist() == [[0, 1, 0, 1, 2, 3, 4], [0, 1, 2, 0, 1, 2, 3]]
+    assert wide.starts.tolist() == [7, 0, 2, 0] and wide.real_fraction == 10 / 14

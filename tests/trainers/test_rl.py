@@ -210,16 +210,21 @@ def test_a_corrected_run_reaches_the_optimum(tmp_path, correction):
     assert rewards[0] < 0.4 and sum(rewards[-3:]) / 3 > 0.9, rewards
 
 
-@pytest.mark.parametrize("variant", ["micro", "tokens"])
+@pytest.mark.parametrize("variant", ["micro", "tokens", "memory-levers"])
 def test_micro_batching_does_not_change_the_run(tmp_path, variant):
     common = {"trainer.max_steps": 2, "trainer.learning_rate": 1e-3, "algorithm.kl.in_loss": "true",
               "actor.ppo_mini_batch_size": 4, "actor.entropy_coeff": 0.01}
-    split = {"micro": {"actor.micro_batch_size": 4}, "tokens": {"actor.max_tokens_per_micro_batch": 40}}[variant]
+    split = {"micro": {"actor.micro_batch_size": 4}, "tokens": {"actor.max_tokens_per_micro_batch": 40},
+             "memory-levers": {"actor.max_tokens_per_micro_batch": 40, "model.use_remove_padding": "true",
+                               "model.gradient_checkpointing": "true"}}[variant]
     a = trainer_for(config(tmp_path / "a", **common, **{"actor.micro_batch_size": 32}))
     a.train()
     b = trainer_for(config(tmp_path / "b", **common, **split))
     b.train()
     assert_same_weights(weights(a.model), weights(b.model))
+    if variant == "memory-levers":  # the keys reached the roles
+        assert b.roles.actor.remove_padding and b.roles.ref.remove_padding
+        assert b.model.model.layers[0].checkpoint_kwargs is not None
 
 
 def test_skipping_zero_advantage_rows_and_grouping_by_length_do_not_change_the_run(tmp_path, monkeypatch):

@@ -67,18 +67,22 @@ def test_sft_learns_and_writes_the_run_directory(arith, tmp_path, caplog):
         assert torch.allclose(hf(ids).logits, ours(ids), atol=1e-4)
 
 
-def test_gradient_accumulation_gives_the_same_weights(arith, tmp_path):
+def test_gradient_accumulation_and_checkpointing_give_the_same_weights(arith, tmp_path):
     weights = []
-    for micro in (8, 2):
+    for micro, checkpointing in ((8, False), (2, False), (2, True)):
         cfg = build_config(
             SFTConfig, None,
-            _overrides(arith, tmp_path / f"m{micro}", **{"trainer.max_steps": 3, "trainer.micro_batch_size": micro}),
+            _overrides(arith, tmp_path / f"m{micro}{checkpointing}", **{
+                "trainer.max_steps": 3, "trainer.micro_batch_size": micro,
+                "model.gradient_checkpointing": checkpointing}),
         )
         trainer = SFTTrainer(args=cfg)
         trainer.train()
+        assert (trainer.model.model.layers[0].checkpoint_kwargs is not None) == checkpointing
         weights.append({k: v.clone() for k, v in trainer.model.state_dict().items()})
     for k in weights[0]:
         torch.testing.assert_close(weights[0][k], weights[1][k], atol=1e-5, rtol=1e-5)
+        assert torch.equal(weights[1][k], weights[2][k])  # the same arithmetic, recomputed
 
 
 def _cli(arith, run_dir, max_steps, resume="auto"):

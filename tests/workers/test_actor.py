@@ -115,7 +115,7 @@ def test_length_grouped_micro_batches_do_not_change_the_update(model, tok, agg, 
     for by_length in (True, False):
         if not by_length:  # micro-batches cut in the shuffled order
             monkeypatch.setattr(actor_module, "micro_batches",
-                                lambda *a, by_length: plain(*a, by_length=False))
+                                lambda *a, by_length, **kw: plain(*a, by_length=False, **kw))
         m = copy.deepcopy(model)
         actor = make_actor(m, micro=3, agg=agg, kl_in_loss=True)
         actor.optimizer = torch.optim.SGD(m.parameters(), lr=1.0)  # the update is the gradient itself
@@ -190,7 +190,7 @@ def test_rows_with_zero_advantage_skip_the_forward_but_not_the_update(model, tok
     idle = batch.replace(advantages=torch.zeros_like(adv))  # every group equal
     forwarded = []
     counted = actor_module.response_logits
-    monkeypatch.setattr(actor_module, "response_logits", lambda m, mb: forwarded.append(len(mb)) or counted(m, mb))
+    monkeypatch.setattr(actor_module, "response_logits", lambda m, mb, *a: forwarded.append(len(mb)) or counted(m, mb, *a))
     results = []
     for skip in (True, False):
         m = copy.deepcopy(model)

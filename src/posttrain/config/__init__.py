@@ -16,6 +16,7 @@ from posttrain.config.sections import (
     LoraConfig,
     ModelConfig,
     OfflineTrainerConfig,
+    RLModelConfig,
     TrainerConfig,
 )
 from posttrain.config.sft import SFTConfig, SFTDataConfig, SFTEvalConfig
@@ -31,6 +32,7 @@ __all__ = [
     "OfflineTrainerConfig",
     "PPOConfig",
     "RLConfig",
+    "RLModelConfig",
     "RMConfig",
     "SFTConfig",
     "SFTDataConfig",

@@ -64,9 +64,10 @@ def trl(name: str, values: dict[Any, Any] | None = None, note: str = "", *, same
 
 def verl(name: str, values: dict[Any, Any] | None = None, note: str = "", *, same_value: bool = True) -> Alias:
     """A veRL key, dotted from the root of its config (`actor_rollout_ref.actor.optim.lr`).
-    Its actor_rollout_ref.* keys exist in its RL trainer only: they apply to the RL commands."""
+    Its actor_rollout_ref.* and critic.* keys exist in its RL trainer only: they apply to the
+    RL commands."""
     alias = _alias("veRL", name, values, note, same_value)
-    return dataclasses.replace(alias, only_with="rollout") if name.startswith("actor_rollout_ref.") else alias
+    return dataclasses.replace(alias, only_with="rollout") if name.startswith(("actor_rollout_ref.", "critic.")) else alias
 
 
 def openrlhf(name: str, values: dict[Any, Any] | None = None, note: str = "", *, same_value: bool = True) -> Alias:

@@ -37,7 +37,7 @@ from posttrain.config.placement import (
     ResourcePool,
 )
 from posttrain.config.rollout import RolloutConfig, check_vllm_temperature
-from posttrain.config.sections import ModelConfig, TrainerConfig, check_divides
+from posttrain.config.sections import RLModelConfig, TrainerConfig, check_divides
 
 
 @dataclass
@@ -97,8 +97,9 @@ class ActorConfig:
         verl("actor_rollout_ref.actor.ppo_max_token_len_per_gpu"),
         verl("actor_rollout_ref.actor.use_dynamic_bsz", same_value=False,
              note="use_dynamic_bsz=true with ppo_max_token_len_per_gpu=N is actor.max_tokens_per_micro_batch=N")))
-    """Dynamic batching: cut micro-batches by padded token count
-    instead of micro_batch_size (0 = off). Also used for the log-prob and value passes."""
+    """Dynamic batching: cut micro-batches by token count instead of micro_batch_size
+    (0 = off): padded tokens (rows × width), or real tokens with model.use_remove_padding.
+    Also used for the log-prob and value passes."""
     ppo_epochs: int = field(default=1, metadata=aliases(
         trl("num_iterations"), trl("num_ppo_epochs"), verl("actor_rollout_ref.actor.ppo_epochs"),
         openrlhf("max_epochs")))
@@ -293,7 +294,7 @@ class RLConfig:
 
     command: ClassVar[str] = "rl"  # checkpoints record it (resume checks it); GRPOConfig, PPOConfig set theirs
 
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: RLModelConfig = field(default_factory=RLModelConfig)
     """The policy (its initial weights are also the reference)."""
     data: RLDataConfig = field(default_factory=RLDataConfig)
     """Prompts."""

@@ -75,6 +75,11 @@ class ModelConfig:
     """`auto` (CUDA when available, else CPU), `cpu`, `cuda`, or `cuda:N`."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters."""
+    gradient_checkpointing: bool = field(default=False, metadata=aliases(
+        trl("gradient_checkpointing"), verl("actor_rollout_ref.model.enable_gradient_checkpointing"),
+        verl("critic.model.enable_gradient_checkpointing", note="one key for every trained model: the critic too"),
+        openrlhf("gradient_checkpointing")))
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them (`torch.utils.checkpoint`, non-reentrant), for every model the command trains (RL: the actor and the critic): activation memory falls to about one layer's plus each layer's input, for about one more forward per step. Loss and gradients are the same. Also for a 4/8-bit base (QLoRA), which no longer turns it on by itself."""
 
     # Setting one of these on the command line clears the other where a YAML file set it
     # (`build_config`): a recipe's model.init gives way to the user's model.path.
@@ -93,6 +98,16 @@ class ModelConfig:
             "model.lora.quantize",
             "quantization applies to a loaded model.path, not to a fresh model.init",
         )
+
+
+@dataclass
+class RLModelConfig(ModelConfig):
+    """The policy of an RL command (also the reference's and a default critic's start), and how the RL passes run it."""
+
+    use_remove_padding: bool = field(default=False, metadata=aliases(
+        verl("actor_rollout_ref.model.use_remove_padding"),
+        verl("critic.model.use_remove_padding", note="one key for every RL model: the critic too")))
+    """Padding-free forward passes for the actor's update and log-probs, the reference's log-probs and the critic's values and update: each micro-batch's prompt + response sequences are packed into rows as wide as its longest sequence (best-fit decreasing, positions restarting at each sequence, attention never crossing one), so left and right padding is not computed. The same log-probs, values, losses and gradients as padded rows. With actor.max_tokens_per_micro_batch, micro-batches are then cut by real tokens. transformers models need position_ids-based packing (transformers' masking_utils; sdpa or eager attention)."""
 
 
 @dataclass

@@ -208,23 +208,25 @@ class BatchOps:
         """Σ `token_counts()`: the tokens of all rows (what throughput counts)."""
         return int(self.token_counts().sum())
 
-    def chunk_by_tokens(self: B, max_tokens: int) -> list[B]:
-        """Consecutive micro-batches of at most `max_tokens` padded tokens (veRL dynamic
-        batching, `use_dynamic_bsz`).
+    def chunk_by_tokens(self: B, max_tokens: int, packed: bool = False) -> list[B]:
+        """Consecutive micro-batches of at most `max_tokens` tokens (veRL dynamic batching,
+        `use_dynamic_bsz`).
 
         With c_i = `token_counts()[i]`, a micro-batch of rows i..j costs
-        (j − i + 1) · max(c_i..c_j), what a padded forward computes. A row costing more than
+        (j − i + 1) · max(c_i..c_j), what a padded forward computes, or Σ c_i..c_j when
+        `packed` (padding-free rows: `model.use_remove_padding`). A row costing more than
         `max_tokens` goes alone. Order is kept: `concat` of the result is the batch again.
         """
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        bounds, start, widest = [], 0, 0
+        bounds, start, widest, total = [], 0, 0, 0
         for i, c in enumerate(self.token_counts().tolist()):
-            grown = max(widest, c)
-            if i > start and grown * (i - start + 1) > max_tokens:
+            grown, summed = max(widest, c), total + c
+            cost = summed if packed else grown * (i - start + 1)
+            if i > start and cost > max_tokens:
                 bounds.append((start, i))
-                start, grown = i, c
-            widest = grown
+                start, grown, summed = i, c, c
+            widest, total = grown, summed
         if len(self):
             bounds.append((start, len(self)))
         return [self.select(range(a, b)) for a, b in bounds]

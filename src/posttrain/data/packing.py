@@ -20,12 +20,16 @@ A packed row is `{"input_ids", "labels", "position_ids"}` (lists of equal length
 
 `pack_collate` makes an `LMBatch` (`posttrain.data.batch`); it pads rows of a batch to a common length with a pseudo-document of pad
 tokens (labels -100, positions from 0), which no real token can attend to.
+
+`pack_rows` does the same for the sequences of a padded tensor batch, by index and on its
+device: the RL passes' `model.use_remove_padding` (`posttrain.workers.forward`).
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -117,3 +121,65 @@ def pack_collate(
         position_ids[i, n:] = torch.arange(T - n)
     lengths = torch.tensor([len(r["input_ids"]) for r in rows], dtype=torch.long)
     return LMBatch(input_ids=input_ids, labels=labels, lengths=lengths, position_ids=position_ids)
+
+
+
+@dataclass
+class PackedRows:
+    """Variable-length token sequences packed into rows with BFD (`pack_rows`): no padding
+    inside a row, only after its last sequence.
+
+    Notation: S sequences, R rows of width W.
+    """
+
+    input_ids: torch.Tensor
+    """(R, W) long: the sequences back to back; a row's tail holds the pad id."""
+    position_ids: torch.Tensor
+    """(R, W) long: 0, 1, … within each sequence, and again from 0 over a row's tail (a
+    pseudo-document, as `pack_collate`'s), so attention never crosses a sequence."""
+    starts: torch.Tensor
+    """(S,) long: where each sequence's first token is in the flattened (R·W) rows (0 for an
+    empty sequence, which has none)."""
+    fill: torch.Tensor
+    """(R,) long: tokens of sequences in each row (its tail starts there)."""
+
+    @property
+    def real_fraction(self) -> float:
+        """Share of the R·W positions that hold a sequence's token (1 − tail padding)."""
+        return float(self.fill.sum()) / max(1, self.input_ids.numel())
+
+
+def pack_rows(
+    ids: torch.Tensor, begin: torch.Tensor, lengths: torch.Tensor, seq_length: int | None = None, pad_id: int = 0
+) -> PackedRows:
+    """Pack sequence b = ids[b, begin[b] : begin[b] + lengths[b]] of a padded batch into
+    rows of at most `seq_length` tokens (default the longest sequence, so no row costs more
+    attention than the batch's widest sequence alone) with `bfd_bins`.
+
+    ids (B, T) long; begin, lengths (B,) long (a length may be 0: that sequence is left
+    out). Everything is built by index, on ids' device: token k of sequence b moves from
+    flat index b·T + begin[b] + k to starts[b] + k.
+    """
+    n = lengths.tolist()
+    kept = [b for b, k in enumerate(n) if k > 0]
+    if not kept:
+        raise ValueError("pack_rows got no token: every sequence is empty")
+    bins = [[kept[j] for j in members] for members in bfd_bins([n[b] for b in kept], seq_length or max(n))]
+    fill = [sum(n[b] for b in members) for members in bins]
+    width, device = max(fill), ids.device
+    starts = [0] * len(n)
+    for r, members in enumerate(bins):
+        offset = r * width
+        for b in members:
+            starts[b], offset = offset, offset + n[b]
+    starts_t = torch.tensor(starts, dtype=torch.long, device=device)
+    fill_t = torch.tensor(fill, dtype=torch.long, device=device)
+    lengths = lengths.to(device)
+    seq = torch.repeat_interleave(torch.arange(len(n), device=device), lengths)  # (N,) sequence of each token
+    k = torch.arange(len(seq), device=device) - (lengths.cumsum(0) - lengths)[seq]  # (N,) its index within it
+    columns = torch.arange(width, device=device)
+    position_ids = (columns[None, :] - fill_t[:, None]).clamp(min=0)  # (R, W): the tails' 0, 1, ...
+    input_ids = torch.full((len(bins) * width,), pad_id, dtype=ids.dtype, device=device)
+    input_ids[starts_t[seq] + k] = ids.reshape(-1)[seq * ids.shape[1] + begin.to(device)[seq] + k]
+    position_ids.view(-1)[starts_t[seq] + k] = k
+    return PackedRows(input_ids.view(len(bins), width), position_ids, starts_t, fill_t)

@@ -249,6 +249,13 @@ class DecoderStack(nn.Module):
         return self.norm(x)
 
 
+def checkpoint_layers(decoder: DecoderStack, kwargs: dict | None = None) -> None:
+    """Turn on gradient checkpointing in every block of `decoder` (see `DecoderLayer`);
+    kwargs of `torch.utils.checkpoint.checkpoint`, default {"use_reentrant": False}."""
+    for layer in decoder.layers:
+        layer.checkpoint_kwargs = dict(kwargs or {"use_reentrant": False})
+
+
 class BuiltinLM(nn.Module):
     """Decoder-only causal LM; `model(input_ids, attention_mask)` gives logits (B, T, V).
 
@@ -312,6 +319,12 @@ class BuiltinLM(nn.Module):
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
+        """Recompute each decoder block in the backward pass (transformers' method of the same
+        name; see `DecoderLayer`). kwargs go to `torch.utils.checkpoint.checkpoint`, default
+        {"use_reentrant": False}."""
+        checkpoint_layers(self.model, gradient_checkpointing_kwargs)
 
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head

@@ -155,4 +155,5 @@ def _load_quantized(cfg: ModelConfig, dtype: Any) -> nn.Module:
     model = AutoModelForCausalLM.from_pretrained(
         cfg.path, quantization_config=bnb, dtype=dtype, device_map={"": 0}, local_files_only=True
     )
-    return peft.prepare_model_for_kbit_training(model)
+    # Gradient checkpointing is model.gradient_checkpointing's, one way for every model.
+    return peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)

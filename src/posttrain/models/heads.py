@@ -49,8 +49,14 @@ import torch
 from torch import nn
 
 from posttrain.models import llama_checkpoint as ckpt
-from posttrain.models.builtin import BuiltinConfig, BuiltinLM, DecoderStack, positions_from_mask
-from posttrain.models.loading import IMPLS, resolve_dtype
+from posttrain.models.builtin import (
+    BuiltinConfig,
+    BuiltinLM,
+    DecoderStack,
+    checkpoint_layers,
+    positions_from_mask,
+)
+from posttrain.models.loading import IMPLS, checkpointing_method, resolve_dtype
 from posttrain.models.lora import is_peft, merged_for_export
 
 logger = logging.getLogger(__name__)
@@ -159,6 +165,14 @@ class ScalarHeadModel(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
+        """Recompute each backbone layer in the backward pass (see `DecoderLayer`, or the
+        transformers backbone's own method)."""
+        if self.is_builtin:
+            checkpoint_layers(self.backbone, gradient_checkpointing_kwargs)
+        else:
+            checkpointing_method(self.backbone)(gradient_checkpointing_kwargs or {"use_reentrant": False})
 
     def init_score(self, std: float | None = None) -> None:
         """Re-initialise the head: normal(0, std), std None = 1/sqrt(H + 1), 0.0 = zeros."""

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 if TYPE_CHECKING:
     from posttrain.models.kv_cache import KVCache
@@ -231,7 +232,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: x += attn(norm(x)); x += mlp(norm(x)). (B, T, H) -> (B, T, H)."""
+    """Pre-norm residual block: x += attn(norm(x)); x += mlp(norm(x)). (B, T, H) -> (B, T, H).
+
+    Gradient checkpointing (`checkpoint_kwargs` set; `BuiltinLM.gradient_checkpointing_enable`):
+    while training with gradients on and no KV cache, the block keeps only its input x and
+    runs again in the backward pass (`torch.utils.checkpoint`, same RNG state), giving the
+    same numbers. As in transformers, `forward` is what is checkpointed, not `__call__`, so
+    module hooks (FSDP2's all-gathers) stay outside and do not run again.
+    """
 
     def __init__(
         self,
@@ -251,6 +259,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(hidden_size, intermediate_size)
         self.input_layernorm = RMSNorm(hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        self.checkpoint_kwargs: dict | None = None
+        """Keyword arguments of `torch.utils.checkpoint.checkpoint`; None = no checkpointing."""
 
     def forward(
         self,
@@ -262,5 +272,21 @@ class DecoderLayer(nn.Module):
         cache: KVCache | None = None,
         layer_idx: int = 0,
     ) -> torch.Tensor:
+        # Never with a cache: the recompute would append this block's keys a second time.
+        if self.checkpoint_kwargs is not None and self.training and cache is None and torch.is_grad_enabled():
+            return checkpoint(self.block, x, cos, sin, mask, is_causal, None, layer_idx, **self.checkpoint_kwargs)
+        return self.block(x, cos, sin, mask, is_causal, cache, layer_idx)
+
+    def block(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        is_causal: bool,
+        cache: KVCache | None,
+        layer_idx: int,
+    ) -> torch.Tensor:
+        """The block's arithmetic (see the class docstring)."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, is_causal, cache, layer_idx)
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -7,6 +7,7 @@ passes `local_files_only=True`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -123,6 +124,37 @@ def disable_dropout(model: nn.Module, name: str = "model") -> int:
     if changed:
         logger.info("%s: dropout off in %d modules (p = 0), so its log-probs are deterministic", name, changed)
     return changed
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """`model.gradient_checkpointing`: recompute every decoder layer in the backward pass
+    instead of keeping its activations (torch.utils.checkpoint, use_reentrant=False), for a
+    BuiltinLM, a transformers model or a `ScalarHeadModel` of either, peft-wrapped or not.
+
+    Loss and gradients are those without it; a training step does about one more forward.
+    Non-reentrant checkpointing keeps the gradient path to LoRA weights inside a layer even
+    when the layer's input needs no gradient (a frozen embedding), so peft needs nothing more.
+    """
+    from posttrain.checkpoint.adapters import is_peft
+    from posttrain.config import ConfigError
+
+    base = model.get_base_model() if is_peft(model) else model
+    enable = checkpointing_method(base)
+    if enable is None:
+        raise ConfigError(f"model.gradient_checkpointing: {type(base).__name__} has no gradient_checkpointing_enable; "
+                          "set model.gradient_checkpointing=false")
+    try:
+        enable({"use_reentrant": False})
+    except ValueError as err:  # transformers: "X does not support activation checkpointing"
+        raise ConfigError(f"model.gradient_checkpointing: {err}; set model.gradient_checkpointing=false") from None
+
+
+def checkpointing_method(model: nn.Module) -> Callable[[dict], None] | None:
+    """`model`'s method that turns gradient checkpointing on, called with the kwargs of
+    `torch.utils.checkpoint.checkpoint`: transformers >= 5.x names it
+    `activation_checkpointing_enable` (the older `gradient_checkpointing_enable` warns),
+    BuiltinLM and ScalarHeadModel `gradient_checkpointing_enable`."""
+    return getattr(model, "activation_checkpointing_enable", None) or getattr(model, "gradient_checkpointing_enable", None)
 
 
 def forward_logits(

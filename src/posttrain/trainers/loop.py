@@ -74,6 +74,7 @@ from posttrain.checkpoint import lock as run_lock
 from posttrain.config import ConfigError, TrainerConfig, save_config, to_dict
 from posttrain.config.inputs import recorded_config
 from posttrain.logging import MetricsLogger, Progress, get_logger
+from posttrain.models.loading import enable_gradient_checkpointing
 from posttrain.models.lora import is_peft, merged_for_export
 from posttrain.trainers.callbacks import Callbacks
 from posttrain.trainers.preempt import Preemption
@@ -522,7 +523,10 @@ def fit(
     inputs: dict[str, Any] | None = None,
 ) -> FitResult:
     """`run` an `OptimizerTask` (see both); `config` is the command's config tree; `unit`
-    names what loss_fn's n_units count; `inputs`: what the Python API passed (`config.inputs`)."""
+    names what loss_fn's n_units count; `inputs`: what the Python API passed (`config.inputs`).
+    `model.gradient_checkpointing` is switched on here, before any wrapping."""
+    if config.model.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
     task = OptimizerTask(model, tokenizer, config.trainer, batches, loss_fn, evaluate, start_metrics, desc, reference,
                          unit, inputs)
     return run(task, config, ref_sync, callbacks)

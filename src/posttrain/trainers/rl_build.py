@@ -258,7 +258,7 @@ def build_reference(cfg: RLConfig, policy: torch.nn.Module) -> Reference | None:
         return None
     return Reference.for_policy(policy, temperature=cfg.rollout.temperature, micro_batch_size=a.micro_batch_size,
                                 max_tokens_per_micro_batch=a.max_tokens_per_micro_batch,
-                                precision=cfg.trainer.precision)
+                                precision=cfg.trainer.precision, remove_padding=cfg.model.use_remove_padding)
 
 
 def build_roles(cfg: RLConfig, tokenizer: Any, model: Any, reward_funcs: Any, value_model: Any,

@@ -56,6 +56,7 @@ from posttrain.algos import (
     token_logprobs,
 )
 from posttrain.config.rl import RLConfig
+from posttrain.models.loading import enable_gradient_checkpointing
 from posttrain.training.core import (
     StepCollective,
     StepResult,
@@ -67,6 +68,8 @@ from posttrain.training.core import (
 from posttrain.workers.batch import RLBatch
 from posttrain.workers.forward import (
     FORWARD_FIELDS,
+    builtin_of,
+    check_packing_support,
     device_of,
     micro_batches,
     per_token_pass,
@@ -115,6 +118,11 @@ class Actor:
         self.a, self.loss_cfg, self.kl = cfg.actor, cfg.actor.policy_loss, cfg.algorithm.kl
         self.temperature, self.max_len = cfg.rollout.temperature, cfg.rollout.max_response_tokens(episodes)
         self.joint: JointForward | None = None
+        self.remove_padding = cfg.model.use_remove_padding
+        if self.remove_padding and builtin_of(model) is None:
+            check_packing_support(model)
+        if cfg.model.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
         owner = model if extra_params is None else nn.ModuleList([model, extra_params])
         self.optimizer = build_optimizer(owner, cfg.trainer)
         self.scheduler = build_scheduler(self.optimizer, cfg.trainer, total_steps)
@@ -132,7 +140,7 @@ class Actor:
     def micro_batches(self, batch: RLBatch) -> list[RLBatch]:
         """The update's micro-batches: rows of similar length together (less padding)."""
         return micro_batches(batch, self.a.micro_batch_size, self.a.max_tokens_per_micro_batch, self.device,
-                             by_length=True)
+                             by_length=True, packed=self.remove_padding)
 
     @property
     def loss_is_surrogate_only(self) -> bool:
@@ -156,11 +164,13 @@ class Actor:
         batch.require(*FORWARD_FIELDS, role="actor.compute_logprobs")
 
         def logp(mb: RLBatch) -> torch.Tensor:
-            return token_logprobs(response_logits(self.model, mb), mb.response_ids, self.temperature)
+            return token_logprobs(response_logits(self.model, mb, self.remove_padding), mb.response_ids,
+                                  self.temperature)
 
         # Under the update's autocast: a first-step ratio of exactly 1 needs the same numerics.
         with autocast(self.cfg.trainer.precision, self.device):
-            (out,) = per_token_pass(batch, logp, self.a.micro_batch_size, self.a.max_tokens_per_micro_batch, self.device)
+            (out,) = per_token_pass(batch, logp, self.a.micro_batch_size, self.a.max_tokens_per_micro_batch, self.device,
+                                    packed=self.remove_padding)
         return out
 
     def loss(
@@ -173,7 +183,7 @@ class Actor:
         mask = mb.response_mask
         extra, extra_metrics = None, {}
         if self.joint is None:
-            logits = response_logits(model, mb)
+            logits = response_logits(model, mb, self.remove_padding)
         else:
             logits, extra, extra_metrics = self.joint(model, mb)
         logp = token_logprobs(logits, mb.response_ids, self.temperature)

@@ -32,6 +32,7 @@ from torch import nn
 from posttrain.algos import aggregation_weight, masked_mean, value_loss
 from posttrain.config.rl import RLConfig
 from posttrain.models.heads import ScalarHeadModel
+from posttrain.models.loading import enable_gradient_checkpointing
 from posttrain.training.core import (
     StepCollective,
     autocast,
@@ -44,18 +45,23 @@ from posttrain.workers.batch import RLBatch
 from posttrain.workers.forward import (
     FORWARD_FIELDS,
     builtin_of,
+    check_packing_support,
     device_of,
     micro_batches,
     per_token_pass,
-    position_ids,
+    response_states,
 )
 
 
-def response_hidden(model: ScalarHeadModel, batch: RLBatch) -> torch.Tensor:
-    """Hidden states (B, Tr, H) of the states s_0 … s_{Tr−1}."""
-    ids, mask = batch.input_ids, batch.attention_mask
-    tp, tr = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
-    return model.hidden_states(ids, mask, position_ids(mask))[:, tp - 1 : tp - 1 + tr]
+def response_values(model: ScalarHeadModel, batch: RLBatch, remove_padding: bool = False) -> torch.Tensor:
+    """V(s_0) … V(s_{Tr−1}), float32 (float64 from a float64 model) (B, Tr), zero at padding when packed."""
+    (values,) = response_states(model.hidden_states, batch, lambda h: (at_least_float32(model.score(h).squeeze(-1)),),
+                                remove_padding)
+    return values
+
+
+def at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def head_on_policy(policy: nn.Module) -> ScalarHeadModel:
@@ -86,6 +92,11 @@ class Critic:
         self.micro_batch_size = cfg.critic.micro_batch_size or cfg.actor.micro_batch_size
         self.max_tokens = cfg.actor.max_tokens_per_micro_batch
         self.shared = policy is not None
+        self.remove_padding = cfg.model.use_remove_padding
+        if self.remove_padding and not model.is_builtin:
+            check_packing_support(model.backbone)
+        if cfg.model.gradient_checkpointing and not self.shared:  # a shared backbone: the actor's
+            enable_gradient_checkpointing(model)
         self.optimizer = self.scheduler = None
         if not self.shared:
             trainer = dataclasses.replace(cfg.trainer, learning_rate=self.c.learning_rate or cfg.trainer.learning_rate)
@@ -102,10 +113,11 @@ class Critic:
         batch.require(*FORWARD_FIELDS, role="critic.compute_values")
 
         def values(mb: RLBatch) -> torch.Tensor:
-            return self.model.score(response_hidden(self.model, mb)).squeeze(-1).float()
+            return response_values(self.model, mb, self.remove_padding)
 
         with autocast(self.cfg.trainer.precision, self.device):
-            (out,) = per_token_pass(batch, values, self.micro_batch_size, self.max_tokens, self.device)
+            (out,) = per_token_pass(batch, values, self.micro_batch_size, self.max_tokens, self.device,
+                                    packed=self.remove_padding)
         return out
 
     def _value_term(self, values: torch.Tensor, mb: RLBatch) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -117,16 +129,18 @@ class Critic:
 
     def loss(self, model: ScalarHeadModel, mb: RLBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         """The `train_step` contract for a separate critic."""
-        values = model.score(response_hidden(model, mb)).squeeze(-1).float()
+        values = response_values(model, mb, self.remove_padding)
         term, metrics = self._value_term(values, mb)
         weight = aggregation_weight(mb.response_mask, self.agg)
         return term * weight, weight, metrics
 
     def joint_forward(self, policy: nn.Module, mb: RLBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         """Shared backbone: one forward → (logits (b, tr, V), vf_coef · value loss, metrics)."""
-        hidden = response_hidden(self.model, mb)
-        logits = policy.get_output_embeddings()(hidden)
-        term, metrics = self._value_term(self.model.score(hidden).squeeze(-1).float(), mb)
+        head = policy.get_output_embeddings()
+        logits, values = response_states(self.model.hidden_states, mb,
+                                         lambda h: (head(h), at_least_float32(self.model.score(h).squeeze(-1))),
+                                         self.remove_padding)
+        term, metrics = self._value_term(values, mb)
         return logits, term, metrics
 
     def update(self, batch: RLBatch, mini_batch_rows: int, epochs: int, seed: int) -> dict[str, float]:
@@ -144,7 +158,8 @@ class Critic:
         share of mini-batch k (every worker gets the same number, each at least one row)."""
         self.model.train()
         results = [
-            train_step(self.model, micro_batches(mini, self.micro_batch_size, self.max_tokens, self.device),
+            train_step(self.model, micro_batches(mini, self.micro_batch_size, self.max_tokens, self.device,
+                                                 packed=self.remove_padding),
                        self.loss, self.optimizer, None, self.cfg.trainer.max_grad_norm, self.cfg.trainer.precision,
                        self.collective)
             for mini in minis

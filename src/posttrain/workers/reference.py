@@ -40,15 +40,18 @@ class Reference:
         temperature: log-probs of softmax(logits / T), as the actor's.
         micro_batch_size, max_tokens_per_micro_batch: how the RL pass is cut (as the actor's).
         precision: fp32 or bf16 autocast, as the actor's forward.
+        remove_padding: packed rows for the RL pass (`model.use_remove_padding`, as the actor's).
     """
 
     def __init__(self, model: nn.Module, disable_adapter: bool = False, temperature: float = 1.0,
-                 micro_batch_size: int = 8, max_tokens_per_micro_batch: int = 0, precision: str = "fp32"):
+                 micro_batch_size: int = 8, max_tokens_per_micro_batch: int = 0, precision: str = "fp32",
+                 remove_padding: bool = False):
         self.model, self.disable_adapter = model, disable_adapter
         self.temperature = temperature
         self.micro_batch_size = micro_batch_size
         self.max_tokens = max_tokens_per_micro_batch
         self.precision = precision
+        self.remove_padding = remove_padding
         self.synced = False
         """True once `sync` moved it away from the initial policy (checkpoints then save it)."""
 
@@ -81,11 +84,13 @@ class Reference:
         batch.require(*FORWARD_FIELDS, role="ref.compute_logprobs")
 
         def logp(mb: RLBatch) -> torch.Tensor:
-            return token_logprobs(response_logits(self.model, mb), mb.response_ids, self.temperature)
+            return token_logprobs(response_logits(self.model, mb, self.remove_padding), mb.response_ids,
+                                  self.temperature)
 
         device = device_of(self.model)
         with self._base_weights(), autocast(self.precision, device):
-            (out,) = per_token_pass(batch, logp, self.micro_batch_size, self.max_tokens, device)
+            (out,) = per_token_pass(batch, logp, self.micro_batch_size, self.max_tokens, device,
+                                    packed=self.remove_padding)
         return out
 
     @torch.no_grad()
