@@ -236,31 +236,50 @@ def test_sync_without_a_reference_model_is_a_config_error(tok, tmp_path, command
 
 def overflow(monkeypatch, module, bad_calls):
     """An infinite learning rate in the `bad_calls`-th calls (1-based) of `module.train_step`:
-    the loss and gradient stay finite, the update makes the weights ±inf."""
+    the loss and gradient stay finite, the update would make the weights ±inf."""
     real, calls = module.train_step, [0]
 
     def wrapped(model, micro_batches, loss_fn, optimizer, *args, **kwargs):
         calls[0] += 1
-        if calls[0] in bad_calls:
-            for group in optimizer.param_groups:
-                group["lr"] = float("inf")
-        return real(model, micro_batches, loss_fn, optimizer, *args, **kwargs)
+        if calls[0] not in bad_calls:
+            return real(model, micro_batches, loss_fn, optimizer, *args, **kwargs)
+        lrs = [group["lr"] for group in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            group["lr"] = float("inf")
+        try:
+            return real(model, micro_batches, loss_fn, optimizer, *args, **kwargs)
+        finally:  # the scheduler is not stepped on a skipped step: put its lr back
+            for group, lr in zip(optimizer.param_groups, lrs):
+                group["lr"] = lr
 
     monkeypatch.setattr(module, "train_step", wrapped)
 
 
 @pytest.mark.parametrize("command", ["sft", "grpo"])
-def test_an_update_that_overflows_the_weights_stops_the_run_before_it_is_saved(tok, tmp_path, monkeypatch, command):
-    """Issue #31 item 2: `trainer.learning_rate=inf` turned every trained weight to ±inf in an
-    update whose loss and gradient were finite, the next losses were NaN, and the run exited 0
-    with that model in final/. The update is checked: the run stops at once."""
+def test_an_update_that_would_overflow_the_weights_is_skipped_and_the_run_goes_on(tok, tmp_path, monkeypatch, command):
+    """Issue #31 item 2: an update whose loss and gradient were finite but whose result was not
+    (`trainer.learning_rate=inf` turned every weight to ±inf before the config refused it) is
+    treated as a NaN loss is: skipped, counted, never checkpointed, and the run goes on. Before,
+    the step was taken and the run stopped at once."""
     run = tmp_path / "run"
     overflow(monkeypatch, train_step_module(command), {2})
     extra = {"reward": alternating} if command == "grpo" else {}  # every RL step has a gradient
     trainer = COMMANDS[command](tok, run, **extra, **{"trainer.save_steps": 1})
-    with pytest.raises(TrainingDiverged, match=r"the optimizer step at step 2 made weights NaN/inf .*"
-                                               r"the last good checkpoint is at .*step-1"):
+    trainer.train()
+    assert checkpoints(run) == ["step-1", "step-3", "step-4"]
+    lines = {m["step"]: m for m in metric_lines(run)}
+    assert [lines[s]["nonfinite_steps"] for s in (1, 2, 3, 4)] == [0, 1, 1, 1]
+    assert all(torch.isfinite(v).all() for v in weights(trainer.model).values())
+
+
+@pytest.mark.parametrize("command", ["sft", "grpo"])
+def test_updates_that_would_overflow_in_a_row_stop_the_run(tok, tmp_path, monkeypatch, command):
+    run = tmp_path / "run"
+    overflow(monkeypatch, train_step_module(command), {2, 3})
+    extra = {"reward": alternating} if command == "grpo" else {}
+    trainer = COMMANDS[command](tok, run, **extra, **{"trainer.save_steps": 1, "trainer.max_bad_steps": 2})
+    with pytest.raises(TrainingDiverged, match=r"update was NaN/inf \(2 of them an update that would have overflowed "
+                                               r"the weights.*2 consecutive steps at step 3.*last good checkpoint is at "
+                                               r".*step-1"):
         trainer.train()
     assert checkpoints(run) == ["step-1"] and not (run / "final").exists()
-    lines = metric_lines(run)
-    assert [m["step"] for m in lines] == [1]

@@ -308,8 +308,46 @@ def test_an_environment_raising_on_a_worker_is_counted_as_the_local_backend_coun
     assert [m["env/errors"] for m in ray] == [m["env/errors"] for m in local] and local[0]["env/errors"] > 0
 
 
+LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+
+
+def listening(pids) -> dict[str, list[str]]:
+    """{"pid name": the addresses it listens on (TCP, IPv4 and IPv6)} of each live process in `pids`."""
+    import psutil
+
+    found = {}
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            found[f"{pid} {proc.name()}"] = sorted({c.laddr.ip for c in proc.net_connections(kind="inet")
+                                                    if c.status == psutil.CONN_LISTEN})
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def test_a_ray_started_after_import_ray_listens_on_loopback_only(ray_session):
+    """Issue #31 item 10: the module's Ray was started after `import ray` (the fixture imports it
+    first, as a program that uses Ray itself does). Before, Ray read its loopback switch only at
+    import, so this Ray's GCS, raylet, agents and workers listened on every interface (`*:port`)
+    and on the machine's address; now every socket of every process it started is on loopback."""
+    psutil = pytest.importorskip("psutil")
+    ray = ray_session.ray
+
+    @ray.remote
+    def worker_pid():
+        return os.getpid()
+
+    worker = ray.get(worker_pid.remote())
+    found = listening([os.getpid(), *(p.pid for p in psutil.Process().children(recursive=True))])
+    names = " ".join(found)
+    assert "gcs_server" in names and "raylet" in names and any(k.startswith(f"{worker} ") for k in found), found
+    assert all(set(ips) <= LOOPBACK for ips in found.values()), found
+
+
 LISTENERS = """
 import json, os, psutil
+import ray  # first, as a program that uses Ray itself does
 from posttrain.distributed.groups import GroupSpec, RayWorkerGroup
 from posttrain.distributed.ray_session import RaySession
 
@@ -317,25 +355,28 @@ session = RaySession(None, num_cpus=2)
 group = RayWorkerGroup(GroupSpec(1, 2, 1, None), lambda rank, world, collective: rank)
 try:
     assert group.one_to_all("bit_length") == [0, 1]  # the group works: its store and gloo are up
+    procs = {os.getpid(), *group.pids, *(p.pid for p in psutil.Process().children(recursive=True))}
     found = {str(pid): sorted({c.laddr.ip for c in psutil.Process(pid).net_connections(kind="inet")
-                               if c.status == psutil.CONN_LISTEN}) for pid in [os.getpid(), *group.pids]}
+                               if c.status == psutil.CONN_LISTEN}) for pid in procs if psutil.pid_exists(pid)}
+    print(json.dumps({"workers": [str(p) for p in group.pids], "found": found}))
 finally:
     group.close()
     session.close()
-print(json.dumps(found))
 """
 
 
-@pytest.mark.slow  # ~15 s: a Ray of its own (this process imported ray before QUIET_ENV), two workers
+@pytest.mark.slow  # ~15 s: a Ray of its own, started after `import ray`, and two workers
 def test_a_ray_run_listens_on_loopback_only():
-    # Before: rank 0's rendezvous store (init_process_group("tcp://...")) listened on *:<port>.
+    # Before: rank 0's rendezvous store (init_process_group("tcp://...")) listened on *:<port>,
+    # and a Ray started after `import ray` listened on every interface.
     result = subprocess.run([sys.executable, "-c", LISTENERS], capture_output=True, text=True, timeout=240,
                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert result.returncode == 0, result.stderr[-3000:]
-    found = json.loads(result.stdout.strip().splitlines()[-1])
-    loopback = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
-    assert len(found) == 3 and all(set(ips) <= loopback for ips in found.values()), found
-    assert any(found.values())  # the workers' listeners (the store, gloo, Ray's) were seen
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    found = out["found"]
+    assert set(out["workers"]) <= set(found) and len(found) > 5, found  # the workers, the GCS, the raylet, ...
+    assert all(set(ips) <= LOOPBACK for ips in found.values()), found
+    assert all(found[w] for w in out["workers"])  # the workers' listeners (the store, gloo, Ray's) were seen
 
 
 def test_an_impossible_placement_fails_in_seconds_naming_the_key(ray_session):

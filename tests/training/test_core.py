@@ -329,22 +329,46 @@ def test_set_seed_reseeds_python_numpy_torch():
     assert draws() == first
 
 
-def test_an_update_that_makes_a_weight_inf_is_diverged_and_stops_the_guard_at_once():
-    """The loss and gradient are finite; the update (lr inf, as `trainer.learning_rate=inf`
-    gave before the config refused it) is not."""
+def test_an_update_that_would_overflow_a_weight_is_skipped_counted_and_the_next_good_step_trains():
+    """Issue #31 item 2: a finite loss and gradient whose update is not finite (a weight at the
+    top of the float32 range pushed up by lr 1e37). Before: the step was taken, the weight
+    became inf, and the guard stopped the run at once. Now the step is skipped as a NaN loss
+    is: the weights and AdamW's state stay bit for bit, the scheduler waits, the guard counts."""
     model, opt, sched = linear_setup()
-    opt.param_groups[0]["lr"] = math.inf
-    result = train_step(model, [torch.ones(2, 3)], scaled_loss(1.0), opt, sched, 1.0)
-    assert math.isfinite(result.loss) and math.isfinite(result.grad_norm)
-    assert result.diverged and result.nonfinite and not result.skipped
-    assert not torch.isfinite(model.weight).all()
-    guard = BadStepGuard(max_bad_steps=5)
-    with pytest.raises(TrainingDiverged, match=r"optimizer step at step 7 made weights NaN/inf .*runs/x/step-6"):
-        guard.update(result, step=7, last_checkpoint="runs/x/step-6")
-    assert guard.total == 1
+    x = torch.tensor([[1e-3, 1.0, 1.0]])  # a small input, so that the loss stays finite
+    train_step(model, [x], scaled_loss(1.0), opt, sched, 1.0)  # a good step: AdamW's state exists
+    with torch.no_grad():
+        model.weight[0, 0] = torch.finfo(torch.float32).max
+    opt.param_groups[0]["lr"] = 1e37
+    weights = [p.detach().clone() for p in model.parameters()]
+    state = {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
+    guard = BadStepGuard(max_bad_steps=2)
+    bad = train_step(model, [x], scaled_loss(-1.0), opt, sched, 1.0)  # the gradient pushes w[0, 0] up
+    guard.update(bad, step=2)
+    assert math.isfinite(bad.loss) and math.isfinite(bad.grad_norm)
+    assert bad.skipped and bad.nonfinite and bad.overflow
+    assert all(torch.equal(w, p) for w, p in zip(weights, model.parameters()))
+    for p, s in opt.state.items():
+        assert all(torch.equal(v, state[id(p)][k]) for k, v in s.items())
+    assert sched.last_epoch == 1 and guard.consecutive == 1 and guard.total == 1
+    opt.param_groups[0]["lr"] = 0.05
+    good = train_step(model, [x], scaled_loss(-1.0), opt, sched, 1.0)
+    guard.update(good, step=3)
+    assert not good.skipped and not good.overflow and guard.consecutive == 0 and guard.total == 1
+    assert sched.last_epoch == 2 and all(float(s["step"]) == 2 for s in opt.state.values())
+    assert not torch.equal(weights[1], model.bias) and torch.isfinite(model.weight).all()
 
 
-def test_a_good_update_is_not_diverged():
+def test_overflowing_updates_in_a_row_stop_the_guard_naming_them():
+    bad = StepResult(1.0, 0.5, 0.1, 10, skipped=True, nonfinite=True, overflow=True)
+    guard = BadStepGuard(max_bad_steps=2)
+    guard.update(bad, step=6)
+    with pytest.raises(TrainingDiverged, match=r"update was NaN/inf \(2 of them an update that would have overflowed "
+                                               r"the weights.* 2 consecutive steps at step 7.*runs/x/step-5"):
+        guard.update(bad, step=7, last_checkpoint="runs/x/step-5")
+
+
+def test_a_good_update_is_not_an_overflow():
     model, opt, sched = linear_setup()
     result = train_step(model, [torch.ones(2, 3)], scaled_loss(1.0), opt, sched, 1.0)
-    assert not result.diverged and not result.nonfinite
+    assert not result.overflow and not result.nonfinite

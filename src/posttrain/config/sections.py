@@ -251,7 +251,8 @@ class TrainerConfig:
         trl("report_to"), verl("trainer.logger", note="console is always on; name tensorboard, wandb or mlflow")))
     """Metric sinks besides metrics.jsonl: any of tensorboard, wandb, mlflow (none: [])."""
     max_bad_steps: int = 5
-    """Stop after this many consecutive steps with a NaN/inf loss (each is skipped and counted)."""
+    """Stop after this many consecutive steps whose loss, gradient or update was NaN/inf (each is
+    skipped and counted)."""
     progress: bool = True
     """Show a progress bar with ETA on the console."""
 

@@ -29,8 +29,9 @@ Conventions (every trainer relies on these):
     end-of-turn). Conversational data gets no extra EOS: the template ends turns.
 - Longer than `max_length`: cut to the first `max_length` tokens (`truncation="truncate"`,
   counted in `TokenizeStats.n_truncated`) or dropped (`"drop"`, counted). Each text field
-  is cut to `char_bound` characters before it is tokenised, which changes no result (the
-  row is as long in tokens either way) but makes a 30 MB row cost milliseconds. An example left
+  is cut to `char_bound` characters before it is tokenised (`cut_text`, which also cuts the
+  DPO and RL prompts from the left), which changes no result (the row is as long in tokens
+  either way) but makes a 30 MB row cost milliseconds. An example left
   with no trained token (e.g. a prompt that fills `max_length`) is dropped and counted:
   it would add zero loss while looking like data. Drops and truncations are logged.
 - `pad_collate` makes an `LMBatch` (`posttrain.data.batch`), padded on the right: `input_ids` with the pad id, `attention_mask` 0 and
@@ -294,28 +295,36 @@ def char_bound(tokenizer: Any, max_length: int | None) -> int | None:
     return 2 * (max_length + 1) * max(longest, 1)
 
 
-def cut_long_fields(row: Mapping, bound: int | None) -> Mapping:
-    """`row` with each string field and message `content` cut to `bound` characters (see
-    `char_bound`), so that a pathological row (one 30 MB line) is not tokenised whole only to
-    be truncated: it costs milliseconds, not minutes and gigabytes."""
+def cut_text(value: Any, bound: int | None, keep_end: bool = False) -> Any:
+    """`value` (a string, chat messages, or a list of them) with each string and message
+    `content` cut to its first `bound` characters, or with `keep_end` its last ones (a prompt
+    cut from the left, as its tokens are); `value` itself when nothing is longer (None: no cut).
+
+    With `bound = char_bound(tokenizer, n)` a longer text makes more than n tokens either way,
+    so that a pathological row (one 30 MB line) is not tokenised whole only to be truncated:
+    it costs milliseconds, not minutes and gigabytes. Its first n tokens (`keep_end`: its last
+    n) are those of the whole text when the tokenizer's pieces are local: a cut more than n
+    tokens away does not change them. Not so for a run of characters the tokenizer drops (a
+    word-level tokenizer's whitespace) or, kept from the end, for one BPE word longer than
+    the bound (merges run from its start): the tokens are then the cut text's."""
     if bound is None:
-        return row
-
-    def cut(value: Any) -> Any:
-        if isinstance(value, str):
-            return value[:bound]
-        if isinstance(value, list):
-            return [cut(v) for v in value]
-        if isinstance(value, Mapping) and isinstance(value.get("content"), str):
-            return {**value, "content": value["content"][:bound]}
         return value
-
-    return {k: cut(v) for k, v in row.items()}
+    if isinstance(value, str):
+        if len(value) <= bound:
+            return value
+        return value[-bound:] if keep_end else value[:bound]
+    if isinstance(value, list):
+        cut = [cut_text(v, bound, keep_end) for v in value]
+        return value if all(c is v for c, v in zip(cut, value)) else cut
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        content = cut_text(value["content"], bound, keep_end)
+        return value if content is value["content"] else {**value, "content": content}
+    return value
 
 
 def _encode(row: Mapping, tokenizer: Any, opts: _Options, max_length: int | None, truncation: str,
             bound: int | None = None):
-    ids, mask = _ENCODERS[opts.fmt](cut_long_fields(row, bound), tokenizer, opts)
+    ids, mask = _ENCODERS[opts.fmt]({k: cut_text(v, bound) for k, v in row.items()}, tokenizer, opts)
     labels = [tok if m else IGNORE_INDEX for tok, m in zip(ids, mask)]
     return _fit(ids, labels, max_length, truncation)
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from posttrain.config.core import ConfigError
 from posttrain.config.rl import RLDataConfig
-from posttrain.data.collate import left_pad
+from posttrain.data.collate import char_bound, cut_text, left_pad
 from posttrain.data.formats import validate_rows
 from posttrain.data.sources import load_rows
 
@@ -29,8 +29,11 @@ def load_prompts(source: Any, tokenizer: Any, cfg: RLDataConfig) -> tuple[list[d
     """Read, validate and tokenize prompt rows → examples {ids, prompt, columns} and counts.
 
     Too-long prompts follow `data.truncation` (error naming the row, keep the last
-    tokens, or drop); counts go to the metrics as data/*. A column missing from some rows
-    is None there (reward functions get every column for every row, as TRL)."""
+    tokens, or drop); counts go to the metrics as data/*. A prompt is cut to its last
+    `char_bound(max_prompt_length)` characters before it is tokenised (`collate.cut_text`): a
+    longer one is over max_prompt_length tokens either way, and its last tokens are the same,
+    so a 30 MB prompt costs milliseconds. A column missing from some rows is None there
+    (reward functions get every column for every row, as TRL)."""
     rows = load_rows(source)
     missing = next((i for i, r in enumerate(rows) if isinstance(r, Mapping) and cfg.prompt_key not in r), None)
     if missing is not None:
@@ -43,13 +46,16 @@ def load_prompts(source: Any, tokenizer: Any, cfg: RLDataConfig) -> tuple[list[d
             r["prompt"] = r.pop(cfg.prompt_key)
     validate_rows(rows, "prompt", rows.name)
     examples, truncated, dropped = [], 0, 0
+    bound = char_bound(tokenizer, cfg.max_prompt_length)
     for i, row in enumerate(rows):
-        ids = encode_prompt(tokenizer, row["prompt"])
+        prompt = cut_text(row["prompt"], bound, keep_end=True)
+        ids = encode_prompt(tokenizer, prompt)
         if len(ids) > cfg.max_prompt_length:
             if cfg.truncation == "error":
+                size = f"{len(ids)} tokens" if prompt is row["prompt"] else f"over {bound} characters"
                 raise ConfigError(
-                    f"data.max_prompt_length: the prompt of {rows.locate(i)} has {len(ids)} tokens, more "
-                    f"than {cfg.max_prompt_length}; raise it or set data.truncation=left|drop")
+                    f"data.max_prompt_length: the prompt of {rows.locate(i)} has {size}, more "
+                    f"than {cfg.max_prompt_length} tokens; raise it or set data.truncation=left|drop")
             if cfg.truncation == "drop":
                 dropped += 1
                 continue

@@ -1,21 +1,31 @@
 """Starting or joining Ray, and placing workers on it (veRL's resource pool).
 
-Hygiene (measured, `../shared/SCALEOUT.md`): before ray is imported, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
-keeps a locally started Ray on 127.0.0.1 (`_node_ip_address` alone does not),
-RAY_USAGE_STATS_ENABLED=0 and RAY_AUTH_MODE=disabled keep it quiet; Ray's socket paths must
-stay under 107 bytes, so a local session lives in a short `mkdtemp` under /tmp, removed at
-`close`. A placement group that cannot be satisfied waits silently, so `place` checks the
-cluster's CPUs first (over every pool: the sum of their bundles) and then waits for the
-groups a bounded time.
+Loopback only, whatever the import order: `ray.init(_node_ip_address="127.0.0.1")` alone does
+not keep a local Ray on loopback. `ray.init` replaces a loopback address with this machine's
+network address (`services.resolve_ip_for_localhost`) unless Ray's `ENABLE_RAY_CLUSTER` is off,
+and Ray reads that switch from RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once, when `ray` is first
+imported. A program that imported ray before posttrain set it got a node on the network
+address, and with it the GCS, the raylet, the agents and every worker listening on all
+interfaces (`*:port`, measured with psutil). So `loopback_only` turns the switch off for the
+`ray.init` that starts a local Ray (in Ray's constants module, for the driver, and in the
+environment its processes inherit) and puts both back after. Quiet (`QUIET_ENV`, set before
+ray is imported when posttrain imports it): RAY_USAGE_STATS_ENABLED=0, RAY_AUTH_MODE=disabled.
+Ray's socket paths must stay under 107 bytes, so a local session lives in a short `mkdtemp`
+under /tmp, removed at `close`.
+
+A placement group that cannot be satisfied waits silently, so `place` checks the cluster's
+CPUs first (over every pool: the sum of their bundles) and then waits for the groups a
+bounded time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +33,8 @@ from posttrain.config import ConfigError
 
 log = logging.getLogger(__name__)
 
-QUIET_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+QUIET_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def import_ray() -> Any:
@@ -35,6 +46,26 @@ def import_ray() -> Any:
     except ImportError:
         raise ConfigError("trainer.backend: ray needs Ray installed: pip install 'posttrain[ray]'") from None
     return ray
+
+
+@contextlib.contextmanager
+def loopback_only(ray: Any) -> Iterator[None]:
+    """Ray's switch for a node on 127.0.0.1 off for the `ray.init` inside, whenever ray was
+    imported: `ray._private.ray_constants.ENABLE_RAY_CLUSTER` (read by the driver's
+    `ray.init`) and RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER (read by the processes it starts). Both
+    are put back after, so a later `ray.init(address=...)` of this process is as before."""
+    from ray._private import ray_constants
+
+    before = ray_constants.ENABLE_RAY_CLUSTER, os.environ.get(LOOPBACK_SWITCH)
+    ray_constants.ENABLE_RAY_CLUSTER, os.environ[LOOPBACK_SWITCH] = False, "0"
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before[0]
+        if before[1] is None:
+            os.environ.pop(LOOPBACK_SWITCH, None)
+        else:
+            os.environ[LOOPBACK_SWITCH] = before[1]
 
 
 def joined_address(ray: Any) -> str:
@@ -62,9 +93,10 @@ class RaySession:
         if address is None:
             # the pid names the process that started it (a test finds its own raylet by it)
             self.temp_dir = tempfile.mkdtemp(prefix=f"ptray-{os.getpid()}-", dir="/tmp" if os.path.isdir("/tmp") else None)
-            ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1, _node_ip_address="127.0.0.1",
-                     include_dashboard=False, log_to_driver=False, logging_level="WARNING",
-                     _temp_dir=self.temp_dir)
+            with loopback_only(ray):
+                ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1, _node_ip_address="127.0.0.1",
+                         include_dashboard=False, log_to_driver=False, logging_level="WARNING",
+                         _temp_dir=self.temp_dir)
         else:
             ray.init(address=address, log_to_driver=False, logging_level="WARNING")
             # `auto` joins whichever cluster RAY_ADDRESS or /tmp/ray names: say which one it was

@@ -27,10 +27,10 @@ follows the same rules:
 - the eval cadence (`trainer.eval_steps`, and always once at the end), samples.jsonl (the
   eval samples; an RL task's training samples at every logged step, `rl_samples`);
 - metric sinks and the progress bar; `nonfinite_steps` in every command's metrics;
-- the bad-step guard: a step whose loss or gradient was NaN/inf is skipped by the
-  optimizer, counted, and never checkpointed (a checkpoint is only ever a good state);
-  `trainer.max_bad_steps` of them in a row stop the run, naming the last good checkpoint;
-  an update that made the weights NaN/inf (it cannot be skipped) stops it at once;
+- the bad-step guard: a step whose loss, gradient or update was NaN/inf (the update found
+  by a dry run of the AdamW step, `training.dry_step`) is skipped by the optimizer, counted,
+  and never checkpointed (a checkpoint is only ever a good state); `trainer.max_bad_steps` of
+  them in a row stop the run, naming the last good checkpoint;
 - the reference sync (TR-DPO, `algorithm.ref_sync_steps` / `ref_sync_alpha`) for every
   task that has a reference;
 - `final/`;
@@ -100,11 +100,11 @@ class StepOutput:
 
     metrics: dict[str, float]
     nonfinite: bool = False
-    """A loss or gradient of the step was NaN/inf (its optimizer step was skipped)."""
+    """A loss, gradient or update of the step was NaN/inf (its optimizer step was skipped)."""
     skipped: bool = False
     """Nothing was trained (no units): neither counts as bad nor resets the guard."""
-    diverged: bool = False
-    """An update made the weights NaN/inf: the guard stops the run at once."""
+    overflow: bool = False
+    """Of those, an update that would have made the weights NaN/inf from a finite loss and gradient."""
     progress: dict[str, float] = field(default_factory=dict)
     """A few numbers for the progress bar."""
 
@@ -435,7 +435,7 @@ class OptimizerTask:
                             self.cfg.max_grad_norm, self.cfg.precision, self.collective)
         timing = _throughput(micro_batches, time.perf_counter() - t0, self.collective)
         metrics = {**result.as_metrics(self.unit), **timing}
-        return StepOutput(metrics, result.nonfinite, result.skipped, result.diverged,
+        return StepOutput(metrics, result.nonfinite, result.skipped, result.overflow,
                           {"loss": result.loss, "lr": result.lr})
 
     def train_samples(self) -> list[dict]:

@@ -23,10 +23,10 @@ groups). Its gradient is not: ∇L = −mean(A · ∇log π), the plain policy g
 is what moves the model. Watch `reward/mean`, `grad_norm` and `approx_kl`, not the loss.
 
 Departures from the papers, TRL and veRL, and why:
-- A non-finite loss or gradient skips that optimizer step (actor or critic); the RL step is
-  then bad: counted in `nonfinite_steps`, never checkpointed, and `trainer.max_bad_steps` bad
-  RL steps in a row stop the run, as in every other command (the loop's guard); an update
-  that made the actor's or critic's weights NaN/inf stops it at once.
+- A non-finite loss, gradient or update (found by a dry run of the AdamW step) skips that
+  optimizer step (actor or critic); the RL step is then bad: counted in `nonfinite_steps`,
+  never checkpointed, and `trainer.max_bad_steps` bad RL steps in a row stop the run, as in
+  every other command (the loop's guard).
 - Batch sizes count as veRL's: data.train_batch_size prompts per step, ppo_mini_batch_size
   in prompts (× n rows) per optimizer step, micro_batch_size in rows. TRL counts
   completions per device. The lr schedule, warmup and max_steps count RL steps (veRL).
@@ -266,9 +266,9 @@ class RLTrainer:
         if self.worker_restarts is not None:
             metrics["worker_restarts"] = float(self.worker_restarts)
         nonfinite = metrics.get("actor/nonfinite_steps", 0.0) + metrics.get("critic/nonfinite_steps", 0.0) > 0
-        diverged = metrics.get("actor/diverged_steps", 0.0) + metrics.get("critic/diverged_steps", 0.0) > 0
+        overflow = metrics.get("actor/overflow_steps", 0.0) + metrics.get("critic/overflow_steps", 0.0) > 0
         shown = {"reward": metrics["reward/mean"], "acc": metrics.get("accuracy"), "kl": metrics["kl"]}
-        return StepOutput(metrics, nonfinite, diverged=diverged,
+        return StepOutput(metrics, nonfinite, overflow=overflow,
                           progress={k: v for k, v in shown.items() if v is not None})
 
     # ------------------------------------------------------------------ one step's stages

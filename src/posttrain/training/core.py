@@ -2,7 +2,8 @@
 
 Small functions, no base class: seeding, the AdamW optimizer, the learning-rate
 schedule, bf16 autocast, one optimizer step over several micro-batches
-(`train_step`), and a guard that stops a run whose loss keeps being NaN/inf.
+(`train_step`, which skips a step whose loss, gradient or update is NaN/inf), and a guard
+that stops a run whose steps keep being skipped so.
 
 Gradient accumulation is normalised by units (tokens) across the whole step,
 not per micro-batch: each micro-batch backpropagates the *sum* of its per-unit
@@ -33,6 +34,7 @@ import torch
 
 from posttrain.config.core import RunStopped
 from posttrain.config.sections import TrainerConfig
+from posttrain.training.dry_step import update_finite
 
 LossFn = Callable[
     [torch.nn.Module, Any], tuple[torch.Tensor, int | torch.Tensor, Mapping[str, Any]]
@@ -53,7 +55,7 @@ class StepCollective(Protocol):
 
 
 class TrainingDiverged(RunStopped):
-    """The loss or gradient norm was NaN/inf for `trainer.max_bad_steps` steps in a row."""
+    """The loss, gradient norm or update was NaN/inf for `trainer.max_bad_steps` steps in a row."""
 
 
 def set_seed(seed: int) -> None:
@@ -166,13 +168,13 @@ class StepResult:
     skipped: bool = False
     """True when the optimizer and scheduler were not stepped (see `nonfinite`)."""
     nonfinite: bool = False
-    """The loss or gradient norm was NaN/inf (the step was skipped), or the update made a
-    weight NaN/inf (`diverged`). A step with no units at all is skipped too, but is not
+    """The loss or gradient norm was NaN/inf, or the update would have made a weight NaN/inf
+    (`overflow`); the step was skipped. A step with no units at all is skipped too, but is not
     counted as non-finite."""
-    diverged: bool = False
-    """The loss and gradient were finite but the optimizer step made a weight NaN/inf (an
-    update that overflowed): it cannot be skipped after the fact, so `BadStepGuard` stops
-    the run at once, before the broken weights are saved."""
+    overflow: bool = False
+    """The loss and gradient were finite but the update was not (a weight near the float
+    range pushed past it, a huge learning rate): found by a dry run of the step
+    (`dry_step.update_finite`) and skipped like a NaN loss."""
     metrics: dict[str, float] = field(default_factory=dict)
     """The loss_fn's metrics merged over micro-batches (see `merge_metrics`)."""
 
@@ -236,9 +238,11 @@ def train_step(
     summed gradient is divided by Σ n_units before clipping to `max_grad_norm`
     (0 turns clipping off). The forward runs under `autocast(precision)`.
 
-    When the loss or the gradient norm is NaN/inf, or the step has no units,
-    the gradients are dropped and neither the optimizer nor the scheduler is
-    stepped (`skipped=True`); feed the result to `BadStepGuard.update`.
+    When the loss or the gradient norm is NaN/inf, when the update would make a weight
+    NaN/inf (a dry run of the step, `dry_step.update_finite`), or when the step has no units,
+    the gradients are dropped and neither the optimizer nor the scheduler is stepped
+    (`skipped=True`): weights and optimizer state stay bit for bit as they were; feed the
+    result to `BadStepGuard.update`.
     Gradients are None on return. Not done here: `model.train()`.
 
     Data-parallel (`collective` given; the model is DDP/FSDP2-wrapped, so the backward
@@ -295,43 +299,23 @@ def train_step(
     mean_loss = torch.as_tensor(loss_total, dtype=torch.float64, device=device) / n_total
     loss, norm = torch.stack([mean_loss, grad_norm.double().to(device)]).tolist()  # one device sync
     nonfinite = not (math.isfinite(loss) and math.isfinite(norm))
-    diverged = False
-    if not nonfinite:
+    overflow = not nonfinite and not update_finite(optimizer, collective)
+    if not (nonfinite or overflow):
         optimizer.step()
-        diverged = not weights_finite(params, collective)
         if scheduler is not None:
             scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(
-        loss, norm, lr, n_total, skipped=nonfinite, nonfinite=nonfinite or diverged, diverged=diverged, metrics=merged
-    )
-
-
-def weights_finite(params: list[torch.Tensor], collective: StepCollective | None = None) -> bool:
-    """No weight in `params` is NaN/inf (on any rank): one fused max-|w| per tensor
-    (`torch._foreach_norm`, ord inf, which is NaN or inf exactly when the tensor holds one)
-    and one device sync. FSDP2's DTensor parameters are checked shard by shard."""
-    local = [(p.to_local() if hasattr(p, "to_local") else p).detach() for p in params]
-    local = [t for t in local if t.numel()]
-    finite = True
-    if local:
-        norms = torch._foreach_norm(local, math.inf)
-        if len({(n.dtype, n.device) for n in norms}) > 1:
-            norms = [n.to(local[0].device, torch.float32) for n in norms]
-        finite = bool(torch.stack(norms).isfinite().all())
-    if collective is not None:
-        finite = collective.all_max([float(not finite)])[0] == 0
-    return finite
+    return StepResult(loss, norm, lr, n_total, skipped=nonfinite or overflow, nonfinite=nonfinite or overflow,
+                      overflow=overflow, metrics=merged)
 
 
 class BadStepGuard:
     """Counts consecutive non-finite steps and stops the run after `max_bad_steps` in a row.
 
-    A good step resets the count; a step skipped only for having no units
-    neither counts nor resets. `total` counts every non-finite step of the run. A step
-    whose update made the weights non-finite (`diverged`) stops the run at once: unlike a
-    NaN loss it was not skipped, every later step would be NaN, and the run would end with
-    a broken final/.
+    Non-finite: a NaN/inf loss or gradient norm, or an update that would have overflowed a
+    weight (`StepResult.overflow`); each was skipped, so the weights are still the last good
+    ones. A good step resets the count; a step skipped only for having no units neither
+    counts nor resets. `total` counts every non-finite step of the run.
     """
 
     def __init__(self, max_bad_steps: int):
@@ -339,30 +323,27 @@ class BadStepGuard:
             raise ValueError(f"trainer.max_bad_steps must be >= 1, got {max_bad_steps}")
         self.max_bad_steps = max_bad_steps
         self.consecutive = 0
+        self.overflows = 0
         self.total = 0
 
     def update(
         self, result: StepResult, step: int, last_checkpoint: Path | str | None = None
     ) -> None:
-        """Record optimizer step `step`'s result; raise `TrainingDiverged` at the limit, or at
-        once when the update made the weights NaN/inf (`StepResult.diverged`)."""
-        where = last_checkpoint if last_checkpoint is not None else "none (nothing saved yet)"
-        if getattr(result, "diverged", False):
-            self.total += 1
-            raise TrainingDiverged(
-                f"the optimizer step at step {step} made weights NaN/inf (its loss and gradient were finite: "
-                f"the update overflowed), so the model cannot train on; lower trainer.learning_rate (or raise "
-                f"trainer.adam_eps); the last good checkpoint is at {where}"
-            )
+        """Record optimizer step `step`'s result; raise `TrainingDiverged` at the limit."""
         if not result.nonfinite:
             if not result.skipped:
-                self.consecutive = 0
+                self.consecutive = self.overflows = 0
             return
         self.consecutive += 1
+        self.overflows += result.overflow
         self.total += 1
         if self.consecutive >= self.max_bad_steps:
+            where = last_checkpoint if last_checkpoint is not None else "none (nothing saved yet)"
+            cause = "the loss or gradient norm was NaN/inf"
+            if self.overflows:
+                cause = (f"the loss, gradient norm or update was NaN/inf ({self.overflows} of them an update that "
+                         "would have overflowed the weights, from a finite loss and gradient)")
             raise TrainingDiverged(
-                f"loss or gradient norm was NaN/inf for {self.consecutive} consecutive steps "
-                f"at step {step}; lower trainer.learning_rate or check the data; "
-                f"the last good checkpoint is at {where}"
+                f"{cause} for {self.consecutive} consecutive steps at step {step}, each skipped; lower "
+                f"trainer.learning_rate or check the data; the last good checkpoint is at {where}"
             )

@@ -280,7 +280,7 @@ def shuffled_mini_batches(batch: RLBatch, rows: int, epochs: int, seed: int) -> 
 def average_steps(results: list[StepResult], role: str = "actor") -> dict[str, float]:
     """Mean over optimizer steps of grad_norm, lr and every loss_fn metric (skipped steps'
     non-finite values left out), plus `<role>/optimizer_steps`, `<role>/skipped_steps`,
-    `<role>/nonfinite_steps` and `<role>/diverged_steps` (the RL step reports those to the
+    `<role>/nonfinite_steps` and `<role>/overflow_steps` (the RL step reports those to the
     loop's bad-step guard)."""
     out: dict[str, list[float]] = {}
     for r in results:
@@ -290,6 +290,6 @@ def average_steps(results: list[StepResult], role: str = "actor") -> dict[str, f
     merged = {k: sum(v) / len(v) for k, v in out.items()}
     merged[f"{role}/skipped_steps"] = float(sum(r.skipped for r in results))
     merged[f"{role}/nonfinite_steps"] = float(sum(r.nonfinite for r in results))
-    merged[f"{role}/diverged_steps"] = float(sum(r.diverged for r in results))
+    merged[f"{role}/overflow_steps"] = float(sum(r.overflow for r in results))
     merged[f"{role}/optimizer_steps"] = float(len(results))
     return merged
