@@ -135,8 +135,8 @@ def train(model, cfg, local_group=False, rows=PROMPTS, tokenizer=None, pools=Non
     return {k: {n: v.detach().clone() for n, v in m.state_dict().items()} for k, m in roles.items() if m is not None}
 
 
-def train_grpo(model, cfg, local_group=False):
-    return train(model, cfg, local_group, reward_funcs=[starts_with_a])
+def train_grpo(model, cfg, local_group=False, pools=None):
+    return train(model, cfg, local_group, pools=pools, reward_funcs=[starts_with_a])
 
 
 def saved_models(run_dir):
