@@ -11,7 +11,7 @@ name in veRL's dispatch modes (`dispatch`).
     group.per_rank("update", [args_0, ...])   # worker r gets args_r
 
 `factory(rank, world_size, collective, *args)` runs in the worker's process and builds the
-object (the colocated roles: `trainers/rl_ray.py`); `collective` is a `Collective` over the
+object (the RL worker: `trainers/rl_worker.py`); `collective` is a `Collective` over the
 workers' gloo group that averages gradients (None in a local group). This layer knows no
 role: the factory comes from above.
 
