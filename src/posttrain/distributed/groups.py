@@ -78,7 +78,10 @@ class _Dispatch(ABC):
 
     def dp_compute(self, method: str, batch: Any, *args: Any) -> Any:
         """`method(part, *args)` on each worker's balanced part of `batch`, gathered back in
-        row order (`dispatch.shard_rows`, `dispatch.gather_rows`)."""
+        row order (`dispatch.shard_rows`, `dispatch.gather_rows`); one worker gets the batch
+        itself (its one part, uncopied)."""
+        if self.world_size == 1:
+            return self._run(method, [(batch, *args)])[0]
         sharded = shard_rows(batch, self.world_size)
         return gather_rows(self._run(method, [(part, *args) for part in sharded.parts]), sharded)
 
