@@ -1,5 +1,6 @@
 """trainer.backend=ray when things stop: a run resumes exactly (a PPO run's critic too) and at
-another worker count (2 → 1, 1 → 2: the workers' DCP shards reshard), and a killed worker
+another worker count and backend (local → 2 Ray workers, 2 → local: the workers' DCP shards
+reshard), and a killed worker
 stops the run in seconds or restarts it exactly, with no Ray process left. The runs and
 helpers are test_rl_ray.py's; the Ray session is conftest.py's, one per file.
 """
@@ -40,14 +41,14 @@ from .words import word_tokenizer
 
 @pytest.mark.parametrize("pools", [
     # slow: a resume through the same DCP path runs in the default suite at another worker count
-    # (test_a_ray_checkpoint_resumes_at_another_worker_count)
+    # (test_a_checkpoint_resumes_at_another_worker_count_and_backend)
     pytest.param({}, id="colocated", marks=pytest.mark.slow),
     pytest.param(POOLS, id="critic and rollout pools", marks=pytest.mark.slow),
 ])
 def test_a_ray_run_resumes_exactly_from_its_checkpoint(ray_session, tmp_path, pools):
-    """The restore loads the driver's mirrors, which go to every worker (`RayActor.steps`):
-    a PPO run's critic, its AdamW moments and its schedule included; a rollout pool loads the
-    restored actor's weights (`RayRollout.sync_from`)."""
+    """Every worker restores its roles from the DCP shards (`RLWorker.restore`): a PPO run's
+    critic, its AdamW moments and its schedule included; a rollout pool loads the restored
+    actor's weights (`Roles.sync_rollout`)."""
     model = tiny_model_f64()
     over = {"trainer.backend": "ray", "trainer.n_workers_per_node": 2, "trainer.save_steps": 1, **pools}
     full = train_grpo(model, config(tmp_path / "full", "ppo", **over))
@@ -64,8 +65,9 @@ def test_a_ray_run_resumes_exactly_from_its_checkpoint(ray_session, tmp_path, po
 
 
 def resume_at(model, name, run, workers, **over):
-    """Resume a copy of `run` from its step-2 checkpoint on `workers` Ray workers; checks
-    the checkpoint's layout first (the workers' DCP shards, no optimizer in trainer_state.pt)."""
+    """Resume a copy of `run` from its step-2 checkpoint on `workers` workers (None: the local
+    backend's one); checks the checkpoint's layout first (the workers' DCP shards, no optimizer
+    in trainer_state.pt: the same on every backend)."""
     step2 = run / "checkpoints" / "step-2"
     roles = {"ppo": {"actor", "critic"}}.get(name, {"actor", "ref"})
     assert {p.name for p in (step2 / "dcp").iterdir()} == roles
@@ -75,7 +77,8 @@ def resume_at(model, name, run, workers, **over):
     shutil.copytree(run, cut)
     shutil.rmtree(cut / "checkpoints" / "step-3", ignore_errors=True)
     shutil.rmtree(cut / "final")
-    resumed = train_grpo(model, config(cut, name, **over, **{"trainer.n_workers_per_node": workers}))
+    where = {"trainer.backend": "local"} if workers is None else {"trainer.n_workers_per_node": workers}
+    resumed = train_grpo(model, config(cut, name, **{**over, **where}))
     assert [m["step"] for m in lines(cut)] == [1, 2, 3]
     return resumed
 
@@ -87,16 +90,17 @@ def assert_same_params(a, b):
             assert float((a[role][k] - b[role][k]).abs().max()) <= 1e-10, (role, k)
 
 
-def test_a_ray_checkpoint_resumes_at_another_worker_count(ray_session, tmp_path):
-    """GRPO with a synced reference: the workers write each role's DCP shards; a resume at
-    another worker count (2 → 1, 1 → 2) reshards them and ends on the parameters of an
-    uninterrupted run at that count."""
+def test_a_checkpoint_resumes_at_another_worker_count_and_backend(ray_session, tmp_path):
+    """GRPO with a synced reference; one layout on both backends: the local run's checkpoint
+    (its one in-process worker's DCP shards) resumes on 2 Ray workers (1 → 2), and the 2
+    workers' checkpoint on the local backend (2 → 1), each ending on the parameters of an
+    uninterrupted run (the local run's and 2 workers' agree: `test_two_workers_give_the_local_update`)."""
     model, name = tiny_model_f64(), "reference synced every 2 steps"
+    local = train_grpo(model, config(tmp_path / "local", name, **{"trainer.save_steps": 2}))
     over = {"trainer.backend": "ray", "trainer.save_steps": 2}
-    full = {n: train_grpo(model, config(tmp_path / f"w{n}", name, **over, **{"trainer.n_workers_per_node": n}))
-            for n in (1, 2)}
-    assert_same_params(full[1], resume_at(model, name, tmp_path / "w2", 1, **over))
-    assert_same_params(full[2], resume_at(model, name, tmp_path / "w1", 2, **over))
+    ray = train_grpo(model, config(tmp_path / "ray", name, **over, **{"trainer.n_workers_per_node": 2}))
+    assert_same_params(ray, resume_at(model, name, tmp_path / "local", 2, **over))
+    assert_same_params(local, resume_at(model, name, tmp_path / "ray", None, **over))
 
 
 @pytest.mark.slow
@@ -135,7 +139,7 @@ def test_a_killed_worker_restarts_from_the_last_checkpoint_and_ends_as_an_uninte
 
     def kill_at_steps_1_and_3(prompts, completions, completion_ids, **columns):
         seen["calls"] += 1
-        seen["group"] = group = trainer.roles.group["global_pool"]  # the same object across restarts
+        seen["group"] = group = trainer.roles.pools["global_pool"]  # the same object across restarts
         seen["pids"] |= set(group.pids)
         if seen["calls"] in (1, 4):
             os.kill(group.pids[1], signal.SIGKILL)
@@ -159,7 +163,7 @@ def test_a_killed_worker_restarts_from_the_last_checkpoint_and_ends_as_an_uninte
 
 def test_a_worker_killed_mid_save_stops_the_run_in_seconds_naming_it_and_the_last_checkpoint(ray_session, tmp_path):
     """on_worker_failure=stop (the default): worker 0 is SIGKILLed while the step-2 checkpoint
-    is being written (the driver reads the critic's state from it); the run stops within
+    is being written (the driver reads the critic's model from it); the run stops within
     seconds although a collective may wait 300 s, names the worker and step-1, leaves no
     step-2 (sealed or not), and no worker process."""
     model = tiny_model_f64()
@@ -167,11 +171,11 @@ def test_a_worker_killed_mid_save_stops_the_run_in_seconds_naming_it_and_the_las
                                      "trainer.save_steps": 1, "trainer.collective_timeout_s": 300})
     trainer = PPOTrainer(copy.deepcopy(model), reward_funcs=[starts_with_a], args=cfg, train_dataset=PROMPTS,
                          processing_class=word_tokenizer())
-    group, killed = trainer.roles.group["global_pool"], {}
+    group, killed = trainer.roles.pools["global_pool"], {}
     run_one = group._run_one
 
     def kill_mid_save(rank, method, args):
-        if trainer.at_step == 2 and method == "state" and args[:2] == ("critic", "model") and not killed:
+        if trainer.at_step == 2 and method == "critic_model" and not killed:  # `RLWorker.critic_model`
             killed["at"], killed["pid"] = time.perf_counter(), group.pids[0]
             os.kill(group.pids[0], signal.SIGKILL)
         return run_one(rank, method, args)

@@ -52,7 +52,7 @@ def test_grpo_on_the_vllm_engine_trains_and_each_sync_serves_the_updated_policy(
                             processing_class=word_tokenizer(), reward_funcs=[starts_with_a])
     start = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     trainer.train()
-    assert trainer.roles.rollout.engine.kind == "vllm"
+    assert trainer.roles.rollout.kind == "vllm"
     assert [m["step"] for m in lines(tmp_path)] == [1, 2, 3]
     assert len(EngineChecked.gaps) == 3 and max(EngineChecked.gaps) < 1e-4, EngineChecked.gaps
     moved = max(float((v - start[k]).abs().max()) for k, v in trainer.model.state_dict().items())

@@ -3,14 +3,14 @@ name in veRL's dispatch modes (`dispatch`).
 
     group = RayWorkerGroup(GroupSpec(...), factory, *args)   # or LocalWorkerGroup(factory, *args)
     group.one_to_all("sync_weights")          # ONE_TO_ALL: [result of worker r for r < W]
+                                              # (`register`: methods that declare their mode)
     group.rank_zero("generate", prompts, s)   # RANK_ZERO: worker 0's result
     group.rank_zero_ref("policy_weights")     # RANK_ZERO, the result left in Ray's object store
     group.dp_compute("logprobs", batch)       # DP_COMPUTE: pad, balance, split, run, gather
     group.dp_split("generate", prompts, s)    # DP_SPLIT: contiguous slices, each with its first row
-    group.per_rank("update", [args_0, ...])   # worker r gets args_r
 
 `factory(rank, world_size, collective, *args)` runs in the worker's process and builds the
-object (the colocated roles: `trainers/rl_ray.py`); `collective` is a `Collective` over the
+object (the RL worker: `trainers/rl_worker.py`); `collective` is a `Collective` over the
 workers' gloo group that averages gradients (None in a local group). This layer knows no
 role: the factory comes from above.
 
@@ -61,11 +61,6 @@ class _Dispatch(ABC):
     def one_to_all(self, method: str, *args: Any) -> list[Any]:
         return self._run(method, [args] * self.world_size)
 
-    def per_rank(self, method: str, args_per_rank: Sequence[tuple]) -> list[Any]:
-        if len(args_per_rank) != self.world_size:
-            raise ValueError(f"{method}: {len(args_per_rank)} argument sets for {self.world_size} workers")
-        return self._run(method, args_per_rank)
-
     def rank_zero(self, method: str, *args: Any) -> Any:
         return self._run_one(0, method, args)
 
@@ -77,7 +72,10 @@ class _Dispatch(ABC):
 
     def dp_compute(self, method: str, batch: Any, *args: Any) -> Any:
         """`method(part, *args)` on each worker's balanced part of `batch`, gathered back in
-        row order (`dispatch.shard_rows`, `dispatch.gather_rows`)."""
+        row order (`dispatch.shard_rows`, `dispatch.gather_rows`); one worker gets the batch
+        itself (its one part, uncopied)."""
+        if self.world_size == 1:
+            return self._run(method, [(batch, *args)])[0]
         sharded = shard_rows(batch, self.world_size)
         return gather_rows(self._run(method, [(part, *args) for part in sharded.parts]), sharded)
 
@@ -106,7 +104,8 @@ class LocalWorkerGroup(_Dispatch):
         return getattr(self.worker, method)(*args)
 
     def close(self) -> None:
-        self.worker = None
+        """Nothing to stop: the worker is an object of this process (its models stay readable
+        after the run, as a Python API user expects of `trainer.model`)."""
 
 
 @dataclass(frozen=True)
@@ -315,6 +314,14 @@ class RayWorkerGroup(_Dispatch):
         """Wait until every worker joined the group and built its object (a death raises `WorkerDied`)."""
         pids = self._gather("setup", self._joining)
         self.pids = [pids[r] for r in range(self.world_size)]
+
+    def one_to_all(self, method: str, *args: Any) -> list[Any]:
+        """The arguments go to Ray's object store once, and every worker reads them there (not
+        W copies from the driver: an update's whole batch goes to every worker, `DP_SHARES`)."""
+        if self.world_size > 1:
+            ref_type = self.session.ray.ObjectRef
+            args = tuple(a if isinstance(a, ref_type) else self.session.ray.put(a) for a in args)
+        return self._run(method, [args] * self.world_size)
 
     def _run(self, method: str, args_per_rank: Sequence[tuple]) -> list[Any]:
         calls = {r: a.call.remote(method, *args) for r, (a, args) in enumerate(zip(self.actors, args_per_rank,
