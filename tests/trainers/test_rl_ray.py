@@ -128,7 +128,7 @@ def train(model, cfg, local_group=False, rows=PROMPTS, tokenizer=None, pools=Non
         _, mapping = placed.resource_pools()
         args = pool_factories(placed, trainer.tokenizer, trainer.model, value, r.rollout.env_factory, mapping)
         groups = WorkerPools({name: LocalWorkerGroup(RLWorker, *copy.deepcopy(a)) for name, a in args.items()})
-        trainer.roles = views(placed, groups, mapping, r.reward, trainer.model, r.rollout.env_factory)
+        trainer.roles = views(placed, groups, mapping, r.reward, r.rollout.env_factory)
     trainer.train()
     roles = {"actor": trainer.model, "critic": trainer.value_model}
     return {k: {n: v.detach().clone() for n, v in m.state_dict().items()} for k, m in roles.items() if m is not None}
