@@ -487,6 +487,14 @@ def test_cli_grpo_on_ray_runs_end_to_end_like_local_and_leaves_no_process(tmp_pa
     assert listing["ray"] - per_rank["ray"] == listing["local"] - per_rank["local"]
     assert (tmp_path / "ray" / "final" / "config.json").is_file() and "eval/accuracy" in ray_lines[-1]
     assert sorted(p.name for p in (tmp_path / "ray" / "checkpoints").iterdir()) == ["step-1", "step-2"]
+    # eval.task (the recipe's) generated on actor worker 0, as in process: the local run's eval metrics
+    evals = [{k: v for k, v in m.items() if k.startswith("eval/")} for m in (ray_lines[-1], local_lines[-1])]
+    assert len(evals[0]) >= 3 and evals[0] == pytest.approx(evals[1], abs=1e-6)
+    from safetensors.torch import load_file  # final/, written by worker 0: the local run's weights
+
+    saved = [load_file(tmp_path / b / "final" / "model.safetensors") for b in ("ray", "local")]
+    assert saved[0].keys() == saved[1].keys()
+    assert all(torch.allclose(saved[0][k], saved[1][k], atol=1e-5) for k in saved[0])
 
 
 @pytest.mark.slow
