@@ -163,7 +163,7 @@ def test_a_killed_worker_restarts_from_the_last_checkpoint_and_ends_as_an_uninte
 
 def test_a_worker_killed_mid_save_stops_the_run_in_seconds_naming_it_and_the_last_checkpoint(ray_session, tmp_path):
     """on_worker_failure=stop (the default): worker 0 is SIGKILLed while the step-2 checkpoint
-    is being written (the driver reads the critic's model from it); the run stops within
+    is being written (worker 0 writes its HF folders, `RLWorker.save_hf`); the run stops within
     seconds although a collective may wait 300 s, names the worker and step-1, leaves no
     step-2 (sealed or not), and no worker process."""
     model = tiny_model_f64()
@@ -172,15 +172,15 @@ def test_a_worker_killed_mid_save_stops_the_run_in_seconds_naming_it_and_the_las
     trainer = PPOTrainer(copy.deepcopy(model), reward_funcs=[starts_with_a], args=cfg, train_dataset=PROMPTS,
                          processing_class=word_tokenizer())
     group, killed = trainer.roles.pools["global_pool"], {}
-    run_one = group._run_one
+    run = group._run
 
-    def kill_mid_save(rank, method, args):
-        if trainer.at_step == 2 and method == "critic_model" and not killed:  # `RLWorker.critic_model`
+    def kill_mid_save(method, args_per_rank):
+        if trainer.at_step == 2 and method == "save_hf" and not killed:  # `RLWorker.save_hf`
             killed["at"], killed["pid"] = time.perf_counter(), group.pids[0]
             os.kill(group.pids[0], signal.SIGKILL)
-        return run_one(rank, method, args)
+        return run(method, args_per_rank)
 
-    group._run_one = kill_mid_save
+    group._run = kill_mid_save
     pids = set(group.pids)
     with pytest.raises(WorkerFailure) as err:
         trainer.train()
