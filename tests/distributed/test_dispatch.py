@@ -17,6 +17,7 @@ from posttrain.distributed.dispatch import (
 )
 from posttrain.distributed.groups import LocalWorkerGroup, collective_backend
 from posttrain.distributed.ray_session import bundle
+from posttrain.distributed.register import Dispatch, register, role_view
 from posttrain.workers import RLBatch
 
 
@@ -207,8 +208,89 @@ def test_resource_pools_and_their_refusals_name_the_key():
             build_config(cls, None, [*base, *overrides])
 
 
+LOCAL_RUN = """
+import os, sys, tempfile
+from posttrain import GRPOConfig, GRPOTrainer
+from posttrain.config import build_config
+from posttrain.data.tokenizer import build_tokenizer
+from posttrain.models import BuiltinConfig, BuiltinLM
+
+tok = build_tokenizer()
+model = BuiltinLM(BuiltinConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                num_attention_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0))
+out = tempfile.mkdtemp()
+cfg = build_config(GRPOConfig, None, ["rollout.n=2", "rollout.max_new_tokens=2", "data.train_batch_size=2",
+                                      "actor.micro_batch_size=4", "trainer.max_steps=1", "trainer.save_steps=1",
+                                      "trainer.report_to=[]", "trainer.progress=false", f"trainer.output_dir={out}"])
+trainer = GRPOTrainer(model, reward_funcs=[lambda completions, **kw: [1.0] * len(completions)], args=cfg,
+                      train_dataset=[{"prompt": "a b"}, {"prompt": "c"}], processing_class=tok)
+assert type(trainer.roles.pools["global_pool"]).__name__ == "LocalWorkerGroup"
+trainer.train()
+assert os.path.isdir(os.path.join(out, "checkpoints", "step-1", "dcp", "actor"))  # the workers' layout
+assert 'ray' not in sys.modules, 'ray imported'
+"""
+
+
 def test_the_local_backend_never_imports_ray():
-    code = ("import sys; import posttrain, posttrain.trainers.rl, posttrain.distributed; "
-            "from posttrain.config import build_config; from posttrain.config.rl import GRPOConfig; "
-            "build_config(GRPOConfig, None, []); assert 'ray' not in sys.modules, 'ray imported'")
-    subprocess.run([sys.executable, "-c", code], check=True)
+    """A local run (one step and its checkpoint, on the one in-process worker) imports no Ray."""
+    subprocess.run([sys.executable, "-c", LOCAL_RUN], check=True)
+
+
+class Declared:
+    """A worker whose methods declare their dispatch modes (`distributed.register`)."""
+
+    def __init__(self, rank, world_size, collective, factor):
+        self.factor, self.rank, self.calls = factor, rank, []
+
+    @register(Dispatch.DP_COMPUTE, role="calc", name="compute")
+    def calc_compute(self, batch):
+        self.calls.append(("compute", len(batch)))
+        return row_sums(batch) * self.factor
+
+    @register(Dispatch.ONE_TO_ALL, role="calc")
+    def scale(self, factor):
+        self.factor = factor
+        return self.rank
+
+    @register(Dispatch.RANK_ZERO, Dispatch.DP_SPLIT, when="split", role="calc", collect=lambda parts: sum(parts, []))
+    def tag(self, part, first, suffix):
+        self.calls.append(("tag", first))
+        return None if part is None else [(p + suffix, first + i) for i, p in enumerate(part.prompts)]
+
+    @register(Dispatch.RANK_ZERO)
+    def whoami(self):
+        return self.rank
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_view_dispatches_each_method_as_it_declares(in_process_group, split):
+    group = in_process_group(Declared, 3, 2)
+    calc = role_view(group, Declared, "calc", {"split": split}, unit="rows")
+    assert sorted(n for n in vars(calc) if callable(getattr(calc, n))) == ["compute", "scale", "tag"]
+    assert calc.unit == "rows" and role_view(group, Declared).whoami() == 0
+    assert calc.scale(5) == 0 and [w.factor for w in group.workers] == [5, 5, 5]  # ONE_TO_ALL: worker 0's result
+    batch = rl_batch(7)
+    torch.testing.assert_close(calc.compute(batch), row_sums(batch) * 5, rtol=0, atol=0)
+    assert [w.calls[0] for w in group.workers] == [("compute", 3)] * 3  # 7 rows padded to 9, 3 each
+    out = calc.tag(batch, "!")
+    assert out == [(f"p{i}!", i) for i in range(7)]  # the same rows whichever mode
+    tags = [c for w in group.workers for c in w.calls if c[0] == "tag"]
+    assert tags == ([("tag", 0), ("tag", 3), ("tag", 5)] if split else [("tag", 0)])  # RANK_ZERO: worker 0, first 0
+
+
+def test_a_second_mode_needs_its_flag():
+    with pytest.raises(ValueError, match="when="):
+        register(Dispatch.RANK_ZERO, Dispatch.DP_SPLIT)
+
+
+def test_every_role_interface_method_is_generated_from_the_rl_worker():
+    """The driver's typed roles (`workers.roles`) are what `RLWorker` declares, method for method."""
+    from posttrain.trainers.rl_worker import RLWorker
+    from posttrain.workers import roles
+
+    group = LocalWorkerGroup(Doubler, 1)
+    for role, protocol in {"actor": roles.ActorRole, "critic": roles.CriticRole, "ref": roles.ReferenceRole,
+                           "rollout": roles.RolloutRole}.items():
+        view = role_view(group, RLWorker, role)
+        wanted = {n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")}
+        assert wanted and wanted <= set(vars(view)), (role, wanted - set(vars(view)))

@@ -169,7 +169,7 @@ def test_rollout_tools_in_the_config_make_a_tool_environment(taught, tok, tmp_pa
                                           "reward.functions": ["exact_match"]})
     trainer = GRPOTrainer(copy.deepcopy(taught), args=cfg, train_dataset=ROWS, processing_class=tok)
     assert trainer.roles.rollout.env_factory is not None
-    assert trainer.roles.actor.max_len == min(4 * 48, 160)  # Dr.GRPO's L counts an episode's model tokens
+    assert trainer.roles.pools["global_pool"].worker.actor.max_len == min(4 * 48, 160)  # Dr.GRPO's L counts an episode's model tokens
     trainer.train()
     assert all(math.isfinite(lines(tmp_path)[0][k]) for k in EPISODE_METRICS)
 

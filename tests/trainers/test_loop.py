@@ -193,7 +193,7 @@ def test_the_reference_after_a_sync_is_the_mix_of_policy_and_initial_reference(t
     initial = weights(model)
     trainer = COMMANDS[command](tok, tmp_path / "run", model=model, **SYNCED[command], **{"trainer.max_steps": 2})
     trainer.train()
-    ref = trainer.reference.model.state_dict()
+    ref = trainer.reference.saved_model().state_dict()
     for name, p in trainer.model.state_dict().items():
         torch.testing.assert_close(ref[name], 0.5 * p + 0.5 * initial[name], atol=1e-6, rtol=1e-6)
     assert (tmp_path / "run" / "checkpoints" / "step-2" / "reference" / "model.safetensors").is_file()
@@ -211,7 +211,7 @@ def test_resume_restores_the_synced_reference_exactly(tok, tmp_path, command):
     shutil.rmtree(cut / "final")
     resumed = COMMANDS[command](tok, cut, **opts)
     resumed.train()
-    a, b = weights(full.reference.model), weights(resumed.reference.model)
+    a, b = weights(full.reference.saved_model()), weights(resumed.reference.saved_model())
     assert any(not torch.equal(a[k], weights(tiny_lm(tok))[k]) for k in a)  # it did move
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-6)

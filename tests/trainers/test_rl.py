@@ -75,6 +75,11 @@ def trainer_for(cfg, reward=starts_with_a, model=None, **kwargs):
                train_dataset=PROMPTS, processing_class=word_tokenizer(), **kwargs)
 
 
+def in_process_worker(trainer):
+    """The local backend's one `RLWorker` (its roles' objects, for checks on them)."""
+    return trainer.roles.pools["global_pool"].worker
+
+
 def metric_lines(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -196,10 +201,33 @@ def test_resume_continues_exactly(tmp_path, estimator, extra):
     assert len(scored) == 2  # only steps 3 and 4 ran
     assert_same_weights(weights(full.model), weights(resumed.model), atol=1e-6)
     if estimator == "gae":
-        assert_same_weights(weights(full.roles.critic.model), weights(resumed.roles.critic.model), atol=1e-6)
+        assert_same_weights(weights(full.value_model), weights(resumed.value_model), atol=1e-6)
     assert [m["step"] for m in metric_lines(run)] == [1, 2, 3, 4]
     assert metric_lines(run)[3]["reward/mean"] == metric_lines(tmp_path / "full")[3]["reward/mean"]
     assert metric_lines(run)[0]["kl"] == 0.0  # the policy is the reference before its first update
+
+
+def test_a_checkpoint_of_the_layout_before_the_workers_shards_still_resumes(tmp_path):
+    """A local checkpoint written before the DCP layout (AdamW in trainer_state.pt, the critic's
+    in critic/optimizer.pt) loads into a new run's worker: weights, AdamW moments, schedules
+    and step counts (`RLWorker.restore_files`)."""
+    from posttrain.checkpoint import RunModels, save_checkpoint
+
+    small = {"trainer.max_steps": 2, "data.train_batch_size": 4, "actor.micro_batch_size": 4}
+    done = trainer_for(config(tmp_path / "a", "gae", **small))
+    old = in_process_worker(done)
+    done.step(1), done.step(2)  # the driver's steps, without the loop's own checkpoints
+    path = save_checkpoint(tmp_path / "old", 2, RunModels(old.actor.model, old.critic), done.tokenizer,
+                           old.actor.optimizer, old.actor.scheduler, done.state(), 0)
+    assert not (path / "dcp").exists()
+    fresh = trainer_for(config(tmp_path / "b", "gae", **small))
+    assert fresh.restore(path) == 2
+    new = in_process_worker(fresh)
+    for a, b in ((old.actor, new.actor), (old.critic, new.critic)):
+        assert_same_weights(weights(a.model), weights(b.model), atol=0)
+        moments = [(s["exp_avg"], t["exp_avg"]) for s, t in zip(a.optimizer.state.values(), b.optimizer.state.values())]
+        assert moments and all(torch.equal(x, y) for x, y in moments)
+        assert a.scheduler.state_dict() == b.scheduler.state_dict() and a.steps == b.steps == 2
 
 
 def test_a_python_api_run_records_its_data_and_reward_functions_for_a_rerun(tmp_path):
@@ -305,7 +333,7 @@ def test_lora_run_exports_a_merged_policy_and_keeps_one_copy(tmp_path):
     model = apply_lora(tiny_model(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     cfg = config(tmp_path, **{"trainer.max_steps": 2, "algorithm.kl.in_loss": "true"})
     trainer = trainer_for(cfg, model=model)
-    assert trainer.roles.ref.model is model
+    assert in_process_worker(trainer).ref.model is model
     trainer.train()
     merged = BuiltinLM.from_pretrained(tmp_path / "final")
     ids = torch.tensor([[1, 3, 4]])
@@ -523,7 +551,7 @@ def test_hf_engine_on_a_llama_checkpoint_trains_a_transformers_policy(tmp_path):
                                       "trainer.max_steps": 1, "data.train_batch_size": 2})
     trainer = grpo_for(cfg)
     assert isinstance(trainer.model, transformers.LlamaForCausalLM)
-    assert isinstance(trainer.roles.rollout.engine, HFEngine)
+    assert isinstance(in_process_worker(trainer).rollout.engine, HFEngine)
     trainer.train()
     (step,) = metric_lines(tmp_path / "run")
     assert 0.0 <= step["reward/mean"] <= 1.0 and step["response_length/mean"] > 0
@@ -566,7 +594,7 @@ def test_critic_model_path_needs_a_trained_head_unless_fresh_head(tmp_path):
                                           r"model: .*critic.fresh_head=true"):
         trainer_for(cfg)
     cfg = config(tmp_path / "b", "gae", **{"critic.model_path": str(tmp_path / "lm"), "critic.fresh_head": "true"})
-    critic = trainer_for(cfg).roles.critic.model
+    critic = trainer_for(cfg).value_model
     assert not critic.score.weight.any()  # a fresh head starts at zeros, as the default critic's
     assert torch.equal(critic.model.embed_tokens.weight, tiny_model(seed=1).model.embed_tokens.weight)
     with pytest.raises(ConfigError, match="critic.fresh_head: applies to critic.model_path only"):
@@ -634,9 +662,9 @@ class RecordingEngine(NativeEngine):
 
 def test_the_driver_offloads_the_engine_for_the_update_and_resumes_it_for_the_sync(tmp_path):
     trainer = trainer_for(config(tmp_path, "gae", **{"trainer.max_steps": 2}))
-    r = trainer.roles
-    engine = RecordingEngine(r.actor.model, trainer.tokenizer, [r.actor.model, r.critic.model])
-    r.rollout.engine = engine
+    w = in_process_worker(trainer)
+    engine = RecordingEngine(w.actor.model, trainer.tokenizer, [w.actor.model, w.critic.model])
+    w.rollout.engine = engine
     trainer.train()
     names = [name for name, _ in engine.calls]
     assert names == ["generate", "offload", "resume", "sync_weights"] * 2

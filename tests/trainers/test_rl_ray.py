@@ -6,7 +6,8 @@ runs end to end with the local run's directory and metrics, an impossible placem
 pool or of several together) fails in seconds, and no Ray process outlives a run. Resumes
 and dying workers: test_rl_ray_faults.py.
 
-The driver-side roles are first checked without Ray, over a `LocalWorkerGroup`. Ray runs on 127.0.0.1 in a short temp dir; the tests that share a session get it from one
+The driver's views over pools of their own are first checked without Ray, over a `LocalWorkerGroup`
+per pool. Ray runs on 127.0.0.1 in a short temp dir; the tests that share a session get it from one
 module fixture (conftest.py), whose finalizer shuts it down and checks that its raylet is gone.
 """
 
@@ -27,9 +28,13 @@ from posttrain.cli import main
 from posttrain.config import ConfigError, build_config
 from posttrain.data.tasks import make_task
 from posttrain.distributed.groups import GroupSpec, LocalWorkerGroup, RayWorkerGroup
+from posttrain.distributed.pools import WorkerPools
+from posttrain.distributed.register import role_view
 from posttrain.models import BuiltinLM
 from posttrain.trainers.rl_build import build_rollout
-from posttrain.trainers.rl_ray import Colocated, RayRollout, build_ray_roles
+from posttrain.trainers.rl_ray import start_worker_pools
+from posttrain.trainers.rl_roles import views
+from posttrain.trainers.rl_worker import RLWorker, pool_factories
 from posttrain.workers import RLBatch
 
 from .ray_procs import raylets, wait_gone
@@ -110,21 +115,21 @@ def config(run_dir, name, **overrides):
 
 
 def train(model, cfg, local_group=False, rows=PROMPTS, tokenizer=None, pools=None, **kwargs):
-    """Train a copy of `model`; local_group: on the driver-side Ray roles over a
-    `LocalWorkerGroup` per pool (no Ray), the pools of `pools` (a trainer.backend=ray config;
-    default `cfg`'s). Returns {role: state dict} of the actor (and critic)."""
+    """Train a copy of `model`; local_group: on views over a `LocalWorkerGroup` per pool of
+    `pools` (no Ray; a trainer.backend=ray config, default `cfg`'s). Returns {role: state dict}
+    of the actor (and critic)."""
     trainer_cls = PPOTrainer if isinstance(cfg, PPOConfig) else GRPOTrainer
     trainer = trainer_cls(copy.deepcopy(model), args=cfg, train_dataset=rows,
                           processing_class=tokenizer or word_tokenizer(), **kwargs)
     if local_group:
-        r = trainer.roles
-        value = r.critic.model if r.critic is not None else None
-        trainer.roles = build_ray_roles(pools or cfg, trainer.tokenizer, r.actor.model, r.reward, value,
-                                        r.rollout.env_factory,
-                                        make_group=lambda f, *args: LocalWorkerGroup(f, *copy.deepcopy(args)))
-        trainer.reference = trainer.roles.ref
+        r, placed = trainer.roles, pools or cfg
+        value = r.critic.model() if r.critic is not None else None
+        _, mapping = placed.resource_pools()
+        args = pool_factories(placed, trainer.tokenizer, trainer.model, value, r.rollout.env_factory, mapping)
+        groups = WorkerPools({name: LocalWorkerGroup(RLWorker, *copy.deepcopy(a)) for name, a in args.items()})
+        trainer.roles = views(placed, groups, mapping, r.reward, trainer.model, r.rollout.env_factory)
     trainer.train()
-    roles = {"actor": trainer.model, "critic": trainer.roles.critic.model if trainer.roles.critic else None}
+    roles = {"actor": trainer.model, "critic": trainer.value_model}
     return {k: {n: v.detach().clone() for n, v in m.state_dict().items()} for k, m in roles.items() if m is not None}
 
 
@@ -161,32 +166,46 @@ def assert_same_run(a_dir, b_dir, a, b, name, tol):
             assert x[key] == pytest.approx(y[key], rel=1e-6, abs=tol * 10), (x["step"], key)
 
 
-@pytest.mark.parametrize("name", list(SETTINGS))
-def test_driver_side_roles_over_a_local_group_give_the_local_run(tmp_path, name):
-    model = tiny_model_f64()
+def test_views_over_pools_of_their_own_give_the_local_run_without_ray(tmp_path):
+    """PPO with the critic and the rollout on pools of their own, each an in-process worker:
+    the rollout worker's policy copy takes the actor's weights after each update
+    (`Roles.sync_rollout`), the critic's worker trains alone, and the run is the local one."""
+    model, name = tiny_model_f64(), "ppo"
     local = train_grpo(model, config(tmp_path / "local", name))
-    grouped = train_grpo(model, config(tmp_path / "group", name), local_group=True)
+    pools = config(tmp_path / "unused", name, **on("ray", **POOLS))
+    grouped = train_grpo(model, config(tmp_path / "group", name), local_group=True, pools=pools)
     assert_same_run(tmp_path / "local", tmp_path / "group", local, grouped, name, 1e-12)
 
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_split_rollout_over_any_group_samples_the_local_rollout_s_rows(tmp_path, world, in_process_group):
-    """Every worker generates its slice (its own rollout counted prompts) and the joined batch,
-    uids included, is the local rollout's with the row sampler: twice, so the uids go on."""
+    """Every worker generates its slice and the joined batch, the driver's uids included, is
+    the local rollout's with the row sampler: twice."""
     cfg = grpo_config(tmp_path, **{"rollout.seed_mode": "row", "trainer.backend": "ray",
                                    "trainer.n_workers_per_node": world})
     model, tok = tiny_model_f64(), word_tokenizer()
-    group = in_process_group(Colocated, world, cfg, tok, model)
-    split = RayRollout(group, build_rollout(cfg, model, tok).params, "native", split=cfg.rollout.split)
+    group = in_process_group(RLWorker, world, cfg, tok, model)
+    split = role_view(group, RLWorker, "rollout", {"split": cfg.rollout.split})
     local = build_rollout(cfg, copy.deepcopy(model), tok)
+    rows: list[int] = []
+    for w in group.workers:  # each worker's prompts
+        w.rollout.generate = counted(w.rollout.generate, rows)
     for seed in (3, 4):
         prompts = RLBatch.from_prompts([{"ids": tok(p["prompt"])["input_ids"], "prompt": p["prompt"], "columns": {}}
-                                        for p in PROMPTS[:5]], 0)
+                                        for p in PROMPTS[:5]], 0).replace(uid=torch.arange(5) + seed * 5)
         a, b = split.generate(prompts, seed), local.generate(prompts, seed)
         assert a.completions == b.completions and torch.equal(a.uid, b.uid) and torch.equal(a.lengths, b.lengths)
         torch.testing.assert_close(a.rollout_logp, b.rollout_logp, rtol=0, atol=1e-12)
-    assert all(w.rollout._next_uid > 0 for w in group.workers)  # each worker generated
+    assert rows == [5 // world + (r < 5 % world) for r in range(world)] * 2  # every worker its slice, twice
+
+
+def counted(generate, rows):
+    def wrapped(prompts, *args):
+        rows.append(len(prompts))
+        return generate(prompts, *args)
+
+    return wrapped
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
@@ -312,7 +331,7 @@ def test_an_environment_raising_on_a_worker_is_counted_as_the_local_backend_coun
 def test_vllm_engines_on_gpu_workers_sample_like_the_local_engine_and_take_the_new_weights(ray_session, tmp_path):
     """rollout.engine=vllm on a GPU worker (placement.gpus_per_worker=1): its engine samples the
     local engine's first batch (same weights, same request seeds), then sleeps, wakes and loads
-    its actor's weights each step (`Colocated.sync_weights`), and the run trains."""
+    its actor's weights each step (`RLWorker.sync_weights`), and the run trains."""
     torch.manual_seed(0)  # 32-wide heads: what vLLM's attention backends serve (tests/rollout/test_rollout_vllm.py)
     model = BuiltinLM.from_preset("tiny", vocab_size=len(WORDS) + 3, num_hidden_layers=1, hidden_size=64,
                                   intermediate_size=96, num_attention_heads=2, num_key_value_heads=1,
@@ -383,7 +402,9 @@ def test_impossible_pools_fail_in_seconds_over_the_sum_of_their_bundles(ray_sess
                        r"placement.critic.n_workers_per_node, placement.rollout.n_workers_per_node: .*"
                        r"placement.critic.n_workers_per_node=2 × placement.critic.nnodes=1 .* = 5 CPUs, "
                        r"but the Ray cluster at \S+:\d+ has 4 CPUs on 1 node\(s\) \(\d free\)"):
-        build_ray_roles(cfg, word_tokenizer(), tiny_model_f64(), None, tiny_model_f64())
+        specs, mapping = cfg.resource_pools()
+        start_worker_pools(cfg, specs, mapping, pool_factories(cfg, word_tokenizer(), tiny_model_f64(),
+                                                               tiny_model_f64(), None, mapping))
     ray = ray_session.ray
     held = place(ray, [Bundles(3, 1, "3 held", ("held",))], 5)  # 3 of the 4 CPUs taken
     try:

@@ -45,9 +45,9 @@ from .words import word_tokenizer
     pytest.param(POOLS, id="critic and rollout pools", marks=pytest.mark.slow),
 ])
 def test_a_ray_run_resumes_exactly_from_its_checkpoint(ray_session, tmp_path, pools):
-    """The restore loads the driver's mirrors, which go to every worker (`RayActor.steps`):
-    a PPO run's critic, its AdamW moments and its schedule included; a rollout pool loads the
-    restored actor's weights (`RayRollout.sync_from`)."""
+    """Every worker restores its roles from the DCP shards (`RLWorker.restore`): a PPO run's
+    critic, its AdamW moments and its schedule included; a rollout pool loads the restored
+    actor's weights (`Roles.sync_rollout`)."""
     model = tiny_model_f64()
     over = {"trainer.backend": "ray", "trainer.n_workers_per_node": 2, "trainer.save_steps": 1, **pools}
     full = train_grpo(model, config(tmp_path / "full", "ppo", **over))
@@ -64,8 +64,9 @@ def test_a_ray_run_resumes_exactly_from_its_checkpoint(ray_session, tmp_path, po
 
 
 def resume_at(model, name, run, workers, **over):
-    """Resume a copy of `run` from its step-2 checkpoint on `workers` Ray workers; checks
-    the checkpoint's layout first (the workers' DCP shards, no optimizer in trainer_state.pt)."""
+    """Resume a copy of `run` from its step-2 checkpoint on `workers` workers (None: the local
+    backend's one); checks the checkpoint's layout first (the workers' DCP shards, no optimizer
+    in trainer_state.pt: the same on every backend)."""
     step2 = run / "checkpoints" / "step-2"
     roles = {"ppo": {"actor", "critic"}}.get(name, {"actor", "ref"})
     assert {p.name for p in (step2 / "dcp").iterdir()} == roles
@@ -75,7 +76,8 @@ def resume_at(model, name, run, workers, **over):
     shutil.copytree(run, cut)
     shutil.rmtree(cut / "checkpoints" / "step-3", ignore_errors=True)
     shutil.rmtree(cut / "final")
-    resumed = train_grpo(model, config(cut, name, **over, **{"trainer.n_workers_per_node": workers}))
+    where = {"trainer.backend": "local"} if workers is None else {"trainer.n_workers_per_node": workers}
+    resumed = train_grpo(model, config(cut, name, **{**over, **where}))
     assert [m["step"] for m in lines(cut)] == [1, 2, 3]
     return resumed
 
@@ -97,6 +99,18 @@ def test_a_ray_checkpoint_resumes_at_another_worker_count(ray_session, tmp_path)
             for n in (1, 2)}
     assert_same_params(full[1], resume_at(model, name, tmp_path / "w2", 1, **over))
     assert_same_params(full[2], resume_at(model, name, tmp_path / "w1", 2, **over))
+
+
+def test_a_checkpoint_resumes_across_backends(ray_session, tmp_path):
+    """One layout on both backends: a local run's checkpoint resumes on 2 Ray workers, and a
+    2-worker checkpoint on the local backend, each ending on the parameters of an
+    uninterrupted run (the local run's and 2 workers' agree: `test_two_workers_give_the_local_update`)."""
+    model, name = tiny_model_f64(), "reference synced every 2 steps"
+    local = train_grpo(model, config(tmp_path / "local", name, **{"trainer.save_steps": 2}))
+    over = {"trainer.backend": "ray", "trainer.save_steps": 2}
+    ray = train_grpo(model, config(tmp_path / "ray", name, **over, **{"trainer.n_workers_per_node": 2}))
+    assert_same_params(ray, resume_at(model, name, tmp_path / "local", 2, **over))
+    assert_same_params(local, resume_at(model, name, tmp_path / "ray", None, **over))
 
 
 @pytest.mark.slow
@@ -135,7 +149,7 @@ def test_a_killed_worker_restarts_from_the_last_checkpoint_and_ends_as_an_uninte
 
     def kill_at_steps_1_and_3(prompts, completions, completion_ids, **columns):
         seen["calls"] += 1
-        seen["group"] = group = trainer.roles.group["global_pool"]  # the same object across restarts
+        seen["group"] = group = trainer.roles.pools["global_pool"]  # the same object across restarts
         seen["pids"] |= set(group.pids)
         if seen["calls"] in (1, 4):
             os.kill(group.pids[1], signal.SIGKILL)
@@ -167,7 +181,7 @@ def test_a_worker_killed_mid_save_stops_the_run_in_seconds_naming_it_and_the_las
                                      "trainer.save_steps": 1, "trainer.collective_timeout_s": 300})
     trainer = PPOTrainer(copy.deepcopy(model), reward_funcs=[starts_with_a], args=cfg, train_dataset=PROMPTS,
                          processing_class=word_tokenizer())
-    group, killed = trainer.roles.group["global_pool"], {}
+    group, killed = trainer.roles.pools["global_pool"], {}
     run_one = group._run_one
 
     def kill_mid_save(rank, method, args):

@@ -309,7 +309,8 @@ class RunModels:
     adapter in `adapter/`, and a synced reference model in `reference/` (TR-DPO: it is no
     longer the initial policy, so a resume must load it).
 
-    `critic` is a role object with `model`, `optimizer`, `scheduler` and `steps`.
+    `critic` is a role object with `model`, `optimizer`, `scheduler` and `steps`, or the value
+    model alone (its optimizer state is then saved elsewhere: the RL workers' DCP shards).
     """
 
     ADAPTER = "adapter"
@@ -330,6 +331,9 @@ class RunModels:
         if self.reference is not None:
             _unwrap(self.reference).save_pretrained(directory / self.REFERENCE)
         if self.critic is None:
+            return
+        if isinstance(self.critic, torch.nn.Module):
+            self.critic.save_pretrained(directory / self.CRITIC)
             return
         self.critic.model.save_pretrained(directory / self.CRITIC)
         if self.with_optimizer and self.critic.optimizer is not None:

@@ -49,10 +49,11 @@ RESUME_MAY_CHANGE = (
     # memory only: micro-batches accumulate exactly, so the update does not depend on them
     "trainer.micro_batch_size", "actor.micro_batch_size", "actor.max_tokens_per_micro_batch",
     "critic.micro_batch_size", "rollout.max_batch_size", "rollout.gpu_memory_utilization",
-    # the device it runs on, how many workers (Ray: the DCP shards reshard on load), and what
-    # happens when a Ray worker dies
-    "model.device", "trainer.nnodes", "trainer.n_workers_per_node", "trainer.collective_timeout_s",
-    "trainer.on_worker_failure", "trainer.max_restarts",
+    # the device it runs on, the backend and how many workers (every backend writes the same DCP
+    # shards, which reshard on load; W workers give one worker's update), where they are placed,
+    # and what happens when a Ray worker dies
+    "model.device", "trainer.backend", "trainer.nnodes", "trainer.n_workers_per_node", "placement.*", "ray.*",
+    "trainer.collective_timeout_s", "trainer.on_worker_failure", "trainer.max_restarts",
     # held-out evaluation reads the model, it never trains it
     "data.eval_files", "eval.*",
     # how config.yaml describes what the Python API passed: where a function's file is, the

@@ -3,6 +3,7 @@ name in veRL's dispatch modes (`dispatch`).
 
     group = RayWorkerGroup(GroupSpec(...), factory, *args)   # or LocalWorkerGroup(factory, *args)
     group.one_to_all("sync_weights")          # ONE_TO_ALL: [result of worker r for r < W]
+                                              # (`register`: methods that declare their mode)
     group.rank_zero("generate", prompts, s)   # RANK_ZERO: worker 0's result
     group.rank_zero_ref("policy_weights")     # RANK_ZERO, the result left in Ray's object store
     group.dp_compute("logprobs", batch)       # DP_COMPUTE: pad, balance, split, run, gather
@@ -106,7 +107,8 @@ class LocalWorkerGroup(_Dispatch):
         return getattr(self.worker, method)(*args)
 
     def close(self) -> None:
-        self.worker = None
+        """Nothing to stop: the worker is an object of this process (its models stay readable
+        after the run, as a Python API user expects of `trainer.model`)."""
 
 
 @dataclass(frozen=True)
@@ -315,6 +317,14 @@ class RayWorkerGroup(_Dispatch):
         """Wait until every worker joined the group and built its object (a death raises `WorkerDied`)."""
         pids = self._gather("setup", self._joining)
         self.pids = [pids[r] for r in range(self.world_size)]
+
+    def one_to_all(self, method: str, *args: Any) -> list[Any]:
+        """The arguments go to Ray's object store once, and every worker reads them there (not
+        W copies from the driver: an update's whole batch goes to every worker, `DP_SHARES`)."""
+        if self.world_size > 1:
+            ref_type = self.session.ray.ObjectRef
+            args = tuple(a if isinstance(a, ref_type) else self.session.ray.put(a) for a in args)
+        return self._run(method, [args] * self.world_size)
 
     def _run(self, method: str, args_per_rank: Sequence[tuple]) -> list[Any]:
         calls = {r: a.call.remote(method, *args) for r, (a, args) in enumerate(zip(self.actors, args_per_rank,

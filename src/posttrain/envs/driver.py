@@ -40,7 +40,7 @@ import numpy
 import torch
 
 from posttrain.envs.base import Environment, StepResult
-from posttrain.rewards.runner import map_in_daemon_threads
+from posttrain.rewards.base import map_in_daemon_threads
 from posttrain.rollout import Episodes, MultiTurnLimits, Reply, SamplingParams
 from posttrain.training.core import merge_metrics
 from posttrain.user_code import name_of, raised

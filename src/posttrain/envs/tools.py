@@ -36,7 +36,7 @@ from typing import Any
 
 from transformers.utils import get_json_schema
 
-from posttrain.rewards.runner import map_in_daemon_threads
+from posttrain.rewards.base import map_in_daemon_threads
 
 MAX_RESULT_CHARS = 2000
 """Longest tool result shown to the model; longer ones are cut and end with `...`."""

@@ -40,16 +40,16 @@ import json
 import logging
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 from typing import Any
 
 import torch
 
 from posttrain.algos.dapo import overlong_penalty as _dapo_overlong_penalty
+from posttrain.rewards.base import RUN_KWARGS, completion_text
 from posttrain.rewards.judge import llm_judge
 from posttrain.rewards.reward_model import reward_model
-from posttrain.rewards.runner import RUN_KWARGS
 
 __all__ = [
     "BUILTIN_REWARDS",
@@ -98,17 +98,6 @@ def _records_spec(factory: Callable[..., Any]) -> Callable[..., Any]:
         return fn
 
     return make
-
-
-def completion_text(completion: Any) -> str:
-    """The text of a completion: a string, a message dict, or a list of messages (the last one)."""
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, Mapping):
-        return str(completion.get("content") or "")
-    if isinstance(completion, Sequence) and completion:
-        return completion_text(completion[-1])
-    return ""
 
 
 def _last_boxed(text: str) -> str | None:
@@ -397,7 +386,7 @@ def code_tests(
     empty) gives None; a row whose tests are not valid Python fails alone (the runner's
     failure reward), as does a host where the sandbox cannot start (`SandboxError`).
     """
-    from posttrain.rewards.runner import map_in_daemon_threads
+    from posttrain.rewards.base import map_in_daemon_threads
     from posttrain.rewards.sandbox import run_python_tests
 
     def one(i: int) -> float | None:

@@ -139,8 +139,7 @@ class LLMJudge:
         completion_ids: Any = None,
         **columns: Any,
     ) -> list[float | None | JudgeError]:
-        from posttrain.rewards.builtin import completion_text
-        from posttrain.rewards.runner import RUN_KWARGS, map_in_daemon_threads
+        from posttrain.rewards.base import RUN_KWARGS, completion_text, map_in_daemon_threads
 
         requests = [
             self.render(

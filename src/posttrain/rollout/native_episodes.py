@@ -9,7 +9,7 @@ W chunk width, P the longest prompt, D head dim.
   `valid` (R, capacity) bool records which cache positions hold a real token of each
   row (prompt padding and chunk padding are False); it is the attention key mask of every
   later forward. Positions (RoPE) count real tokens only, so a row's logits are those of
-  its unpadded sequence. A width-1 chunk (plain decoding) runs `native._decode_step` on
+  its unpadded sequence. A width-1 chunk (plain decoding) runs `native_decode.decode_step` on
   the call's `DecodeWeights`; a wider one (an environment answer) runs
   `BuiltinLM.hidden_states` with the cache, for the rows with an answer only (`_feed_wide`:
   most rows of a chunk feed one token, and running them W wide made these forwards 70%
@@ -30,10 +30,12 @@ W chunk width, P the longest prompt, D head dim.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from posttrain.data.collate import left_pad
-from posttrain.rollout.native import DecodeWeights, NativeEngine, _decode_step
+from posttrain.rollout.native_decode import DecodeWeights, decode_step
 
 FIRST_ROOM = 64
 """Cache positions allocated after the prompt at the start; `_reserve` doubles from there."""
@@ -45,9 +47,10 @@ step reads, and every later step reads the padding again."""
 
 
 class NativeEpisodeModel:
-    """KV-cache extension over a NativeEngine's model (module docstring)."""
+    """KV-cache extension over a NativeEngine's model (module docstring); `engine` is the
+    `native.NativeEngine` (its `_prefill`, `model` and `compact_fraction`)."""
 
-    def __init__(self, engine: NativeEngine, pad_id: int, max_total_tokens: int, weights: DecodeWeights | None):
+    def __init__(self, engine: Any, pad_id: int, max_total_tokens: int, weights: DecodeWeights | None):
         self.engine, self.model, self.pad_id = engine, engine.model, pad_id
         self.max_total_tokens, self.weights = max_total_tokens, weights
 
@@ -81,7 +84,7 @@ class NativeEpisodeModel:
         self.valid[:, length : length + width] = chunk_mask.bool()
         if width == 1:
             pos = self.next_pos
-            logits = _decode_step(
+            logits = decode_step(
                 self.model, ids[:, 0], self.cos[pos][:, None], self.sin[pos][:, None],
                 self.valid[:, None, None, : length + 1], self.cache, self.weights,
             )
@@ -106,7 +109,7 @@ class NativeEpisodeModel:
         hidden = self.model.hidden_states(ids[wide], mask[wide], pos[wide], part)  # (A, W, H)
         self.cache.pad(width - 1)
         last = self.next_pos
-        logits = _decode_step(
+        logits = decode_step(
             self.model, ids[:, -1], self.cos[last][:, None], self.sin[last][:, None],
             self.valid[:, None, None, : length + width], self.cache, self.weights,
         )  # (R, V); the wide rows' are replaced below

@@ -133,7 +133,7 @@ class Task(Protocol):
     """Logged with the first step of a fresh run (e.g. data counts)."""
     has_eval: bool
     reference: Any
-    """A `workers.Reference` when the task has one (for `ref_sync_steps`), else None."""
+    """The reference when the task has one (for `ref_sync_steps`: its `shares_policy`), else None."""
     inputs: dict[str, Any] | None
     """What the Python API passed in place of config keys (`config.inputs`), for config.yaml."""
 
@@ -149,6 +149,8 @@ class Task(Protocol):
     def train_samples(self) -> list[dict]:
         """samples.jsonl rows of the step just run, written at each logged step ([] for none)."""
         ...
+    def sync_reference(self, alpha: float) -> None:
+        """TR-DPO: ref ← α·policy + (1 − α)·ref (`RefSync`)."""
     def save(self, run_dir: Path, step: int, metrics: dict[str, float], keep: int, run: RunRecord) -> Path: ...
     def restore(self, checkpoint: Path) -> int: ...
     def save_final(self, run_dir: Path) -> Path: ...
@@ -246,7 +248,7 @@ def _run(task: Task, config: Any, ref_sync: RefSync | None, callbacks: Callbacks
             guard.update(out, step, last_ckpt)
             metrics.update(out.metrics, nonfinite_steps=guard.total, epoch=task.epoch)
             if ref_sync.due(step) and not out.nonfinite:
-                task.reference.sync(task.model, ref_sync.alpha)
+                task.sync_reference(ref_sync.alpha)
             hooks.step_end(step, task.epoch)
             if task.has_eval and (cfg.eval_steps and step % cfg.eval_steps == 0 or asked("should_evaluate")):
                 last_eval = _timed_eval(task, step, sink, hooks)
@@ -448,6 +450,9 @@ class OptimizerTask:
             metrics, samples = self._evaluate(self.model, step)
         self.model.train()
         return metrics, samples[:SAMPLES_PER_EVAL]
+
+    def sync_reference(self, alpha: float) -> None:
+        self.reference.sync(self.model, alpha)
 
     def save(self, run_dir: Path, step: int, metrics: dict[str, float], keep: int, run: RunRecord) -> Path:
         ref = self.reference.saved_model() if self.reference is not None else None

@@ -97,20 +97,15 @@ from posttrain.config.core import check
 from posttrain.config.rl import GRPOConfig, PPOConfig, RLConfig
 from posttrain.data.collate import pad_id_of
 from posttrain.data.prompts import load_prompts
-from posttrain.distributed.checkpoint import SHARDS
 from posttrain.logging import get_logger
 from posttrain.logging.timing import StageTimer
 from posttrain.models.lora import is_peft, merged_for_export, parameter_counts
 from posttrain.trainers.batches import EpochBatches
 from posttrain.trainers.callbacks import Callbacks
 from posttrain.trainers.loop import SAMPLES_PER_EVAL, FitResult, RefSync, StepOutput, run
-from posttrain.trainers.rl_build import (
-    build_roles,
-    check_reward_source,
-    episode_source,
-    evaluate_policy,
-)
-from posttrain.trainers.rl_ray import load_shards, write_shards
+from posttrain.trainers.rl_build import check_reward_source, episode_source, evaluate_policy
+from posttrain.trainers.rl_faults import run_restarting
+from posttrain.trainers.rl_roles import build_roles
 from posttrain.trainers.rl_samples import train_samples
 from posttrain.trainers.rl_steps import (
     NOT_RUN,
@@ -192,24 +187,35 @@ class RLTrainer:
         data = "train_dataset" if train_dataset is not None else f"data.train_files {list(args.data.train_files)}"
         self.roles = build_roles(args, self.tokenizer, model, reward_funcs, value_model,
                                  columns=list(self.examples[0]["columns"]), data=data, env_factory=env_factory)
-        self.roles.reward.runner.trainer_state = self.callbacks.state  # TRL's reward argument (both backends:
-        # the reward runs in this process)
+        self.roles.reward.runner.trainer_state = self.callbacks.state  # TRL's reward argument (the reward
+        # runs in this process)
         self.stream = EpochBatches(self.examples, args.data.train_batch_size, args.data.train_batch_size,
                                    partial(RLBatch.from_prompts, pad_id=pad_id_of(self.tokenizer)), seed=args.trainer.seed, shuffle=args.data.shuffle)
         kl = args.algorithm.kl
         self.kl_ctrl = (AdaptiveKLController(kl.coef, kl.target, kl.horizon) if kl.adaptive
                         else FixedKLController(kl.coef))
         self.rollout_logp_ok: bool | None = None  # the one-time engine check (None: not done)
+        self.next_uid = 0  # the prompts' group ids, counted over the run
+        self.trained: tuple[torch.nn.Module, torch.nn.Module | None] | None = None  # (policy, critic) after train()
         self.last_batch: RLBatch | None = None  # the latest training batch (its rows go to samples.jsonl)
         self.desc, self.start_metrics = "rl", self.data_stats
-        self.has_eval, self.reference = self.eval_examples is not None, self.roles.ref
+        self.has_eval = self.eval_examples is not None
         self.at_step = 0  # the step running (a worker failure names it)
         self.worker_restarts: int | None = None  # trainer.on_worker_failure=restart: the metric worker_restarts
         self.callbacks.init_end(self.model, self.tokenizer)
 
     @property
     def model(self) -> torch.nn.Module:
-        return self.roles.actor.model
+        """Worker 0's policy (locally the one in-process worker's own module; on Ray a copy);
+        after `train()`, the trained one (the workers are gone)."""
+        return self.trained[0] if self.trained is not None else self.roles.actor.model()
+
+    @property
+    def value_model(self) -> torch.nn.Module | None:
+        """Worker 0's critic (None without one), as `model`."""
+        if self.trained is not None:
+            return self.trained[1]
+        return self.roles.critic.model() if self.roles.critic is not None else None
 
     @property
     def epoch(self) -> float:
@@ -221,18 +227,16 @@ class RLTrainer:
         return self.stream.steps_per_epoch
 
     def train(self) -> FitResult:
-        """Run the RL loop (`trainers/loop.run`): trainer.max_steps steps of `rl_step`; on Ray, a
-        worker death stops the run or restarts its workers (`rl_faults.run_restarting`)."""
+        """Run the RL loop (`trainers/loop.run`): trainer.max_steps steps of `rl_step`; a worker
+        death (Ray) stops the run or restarts its workers (`rl_faults.run_restarting`)."""
         log.info("%s", self.setup_line())
         log.info("%s", self.accuracy_line())
         try:
-            if self.args.trainer.backend == "ray":  # a worker death stops or restarts the run
-                from posttrain.trainers.rl_faults import run_restarting
-
-                return run_restarting(self, self._run)
-            return self._run(self.args)
+            result = run_restarting(self, self._run)
+            self.trained = (self.roles.actor.model(), self.value_model)  # before the workers stop
+            return result
         finally:
-            self.roles.close()  # trainer.backend=ray: the workers (and a Ray the run started) stop
+            self.roles.close()  # the workers (and a Ray the run started) stop
 
     def _run(self, config: RLConfig) -> FitResult:
         a = config.algorithm
@@ -246,7 +250,7 @@ class RLTrainer:
         params = list(model.parameters())
         return (f"RL ({a.algorithm.adv_estimator}): {name}, {parameter_counts(model)}; {len(self.examples)} prompts, "
                 f"{a.trainer.max_steps} steps of {a.data.train_batch_size} x {a.rollout.n}; rollout engine "
-                f"{self.roles.rollout.engine.kind}, on {params[0].device}, {params[0].dtype}")
+                f"{self.roles.rollout.kind}, on {params[0].device}, {params[0].dtype}")
 
     def accuracy_line(self) -> str:
         """Where `accuracy` comes from (`workers.reward_worker`), or why there is none."""
@@ -270,7 +274,21 @@ class RLTrainer:
     # ------------------------------------------------------------------ one step's stages
 
     def next_prompts(self) -> RLBatch:
-        return self.stream.next_step()[0]
+        """The next prompts, each with its group id (`uid`, counted over the run here, so a
+        batch generated in slices by several workers keeps one numbering)."""
+        prompts = self.stream.next_step()[0]
+        uid = torch.arange(self.next_uid, self.next_uid + len(prompts))
+        self.next_uid += len(prompts)
+        return prompts.replace(uid=uid)
+
+    @property
+    def reference(self) -> Any:
+        """The reference role (`loop.RefSync` checks and syncs it)."""
+        return self.roles.ref
+
+    def sync_reference(self, alpha: float) -> None:
+        """TR-DPO's sync: every worker's reference moves towards its own actor."""
+        self.roles.ref.sync(alpha)
 
     @property
     def on_policy_update(self) -> bool:
@@ -325,38 +343,22 @@ class RLTrainer:
         self.last_batch = None
 
     def save(self, run_dir: Path, step: int, metrics: dict[str, float], keep: int, run: RunRecord) -> Path:
+        """The HF folders from worker 0's models; every worker's DCP shards of model + AdamW
+        (`RLWorker.save_shards`: one layout on every backend and worker count)."""
         r = self.roles
         ref = r.ref.saved_model() if r.ref is not None else None
-        if r.group is not None:  # the workers write model, optimizer and schedule as DCP shards
-            models = RunModels(r.actor.model, r.critic, reference=ref, with_optimizer=False)
-            return save_checkpoint(run_dir, step, models, self.tokenizer, None, None, self.state(), keep, metrics,
-                                   run, write_shards=lambda tmp: write_shards(r, tmp))
-        return save_checkpoint(run_dir, step, RunModels(r.actor.model, r.critic, reference=ref), self.tokenizer,
-                               r.actor.optimizer, r.actor.scheduler, self.state(), keep, metrics, run)
+        critic = r.critic.model() if r.critic is not None else None
+        models = RunModels(r.actor.model(), critic, reference=ref, with_optimizer=False)
+        return save_checkpoint(run_dir, step, models, self.tokenizer, None, None, self.state(), keep, metrics, run,
+                               write_shards=r.save_shards)
 
     def restore(self, path: Path) -> int:
-        """Load checkpoint `path` into every role and the prompt stream; returns its step."""
-        r = self.roles
-        if r.group is not None and (path / SHARDS).is_dir():
-            state = load_checkpoint(path, None)
-            load_shards(r, path)
-        else:
-            state = self._restore_models(path)
+        """Load checkpoint `path` into every worker's roles (`RLWorker.restore`) and the driver's
+        state (prompt stream, KL coefficient, RNG); returns its step."""
+        state = load_checkpoint(path, None)
+        self.roles.restore(path, state["step"])
         self.load_state(state["data_state"])
         return state["step"]
-
-    def _restore_models(self, path: Path) -> dict[str, Any]:
-        """A checkpoint of the local layout (trainer_state.pt holds the optimizer) into the
-        roles; on Ray, through the driver's mirrors, which go to every worker."""
-        r = self.roles
-        state = load_checkpoint(path, r.actor.model, r.actor.optimizer, r.actor.scheduler)
-        if r.critic is not None:
-            RunModels.load_critic(path, r.critic)
-        if r.ref is not None:
-            RunModels.load_reference(path, r.ref)
-        r.actor.steps = max(0, state["step"] - self.args.critic.warmup_steps)
-        r.rollout.sync_from(r.actor)
-        return state
 
     def save_final(self, run_dir: Path) -> Path:
         """`final/`, at the end of the run: also where the reward functions' error counts are said."""
@@ -365,8 +367,9 @@ class RLTrainer:
         failed = any(t.errors or t.nan for t in runner.tallies.values())
         log.log(logging.WARNING if failed else logging.INFO,
                 "reward functions over the run (training and eval samples): %s", runner.summary())
-        models = RunModels(merged_for_export(r.actor.model), r.critic,
-                           adapter=r.actor.model if is_peft(r.actor.model) else None, with_optimizer=False)
+        policy = r.actor.model()
+        models = RunModels(merged_for_export(policy), r.critic.model() if r.critic is not None else None,
+                           adapter=policy if is_peft(policy) else None, with_optimizer=False)
         return save_final(run_dir, models, self.tokenizer)
 
 
@@ -423,7 +426,7 @@ def rl_step(trainer: RLTrainer, step: int) -> tuple[dict[str, float], RLBatch]:
     #    which gives its GPU memory to the update meanwhile (a colocated vllm engine sleeps)
     rows, epochs = cfg.mini_batch_prompts * n, cfg.actor.ppo_epochs
     seed = step_seed(cfg.trainer.seed, step, UPDATE_SALT)
-    r.rollout.offload()
+    r.offload_rollout()
     critic_metrics = {}
     if r.critic is not None:
         with timer("update_critic"):
@@ -432,7 +435,7 @@ def rl_step(trainer: RLTrainer, step: int) -> tuple[dict[str, float], RLBatch]:
         actor_metrics = {}
         if step > cfg.critic.warmup_steps:
             actor_metrics = r.actor.update(batch, rows, epochs, beta, seed)
-    r.rollout.sync_from(r.actor)
+    r.sync_rollout()
 
     if step == 1 and not cfg.use_critic:
         log.info("policy_loss ≈ 0 on a fresh rollout is expected (ratio 1, advantages centred per group); "
@@ -444,7 +447,7 @@ def rl_step(trainer: RLTrainer, step: int) -> tuple[dict[str, float], RLBatch]:
     if kl.enabled:  # β only acts through a KL term (`config.rl.KLConfig`)
         out["kl_coef"] = beta
     out.update(timer.metrics(), **{
-        "lr": actor_metrics.get("lr", r.actor.lr),
+        "lr": actor_metrics["lr"] if "lr" in actor_metrics else r.actor.lr(),
         "timing/step": elapsed,
         "throughput/tokens_per_s": batch.num_tokens() / max(elapsed, 1e-9),
     })

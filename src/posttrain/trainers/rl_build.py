@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,32 +23,11 @@ from posttrain.rewards.checks import check_reward_signature
 from posttrain.rewards.registry import resolve_reward
 from posttrain.rollout import SamplingParams, make_engine
 from posttrain.trainers.rl_steps import step_seed
-from posttrain.workers import Actor, Critic, Reference, Reward, RLBatch, Rollout, head_on_policy
+from posttrain.workers import Reference, Reward, RLBatch, Rollout
 
 log = get_logger(__name__)
 
 EVAL_SALT = 2_000_000
-
-
-@dataclass
-class Roles:
-    """The objects the driver calls (see `posttrain.workers`)."""
-
-    actor: Actor
-    rollout: Rollout
-    reward: Reward
-    ref: Reference | None
-    critic: Critic | None
-    group: Any = None
-    """The worker groups the roles run on (trainer.backend=ray: `distributed.pools.WorkerPools`),
-    closed at the end of the run."""
-
-    def close(self) -> None:
-        """Stop the workers (and a Ray this run started) and the reward worker processes
-        (reward.isolation=process)."""
-        self.reward.runner.close()
-        if self.group is not None:
-            self.group.close()
 
 
 def check_reward_source(cfg: RLConfig, reward_funcs: Any, episodes: bool = False) -> None:
@@ -206,14 +184,6 @@ def check_critic_source(cfg: RLConfig) -> None:
         ) from None
 
 
-def build_critic(cfg: RLConfig, policy: torch.nn.Module, value_model: Any) -> Critic:
-    """The critic role: a value head on the policy's backbone (critic.share_backbone), or a
-    separate value model (`build_value_model`) with its own optimizer."""
-    if cfg.critic.share_backbone:
-        return Critic(head_on_policy(policy), cfg, cfg.trainer.max_steps, policy=policy)
-    return Critic(build_value_model(cfg, policy, value_model), cfg, cfg.trainer.max_steps)
-
-
 def build_value_model(cfg: RLConfig, policy: torch.nn.Module, value_model: Any) -> ScalarHeadModel:
     """A separate critic's initial model: `value_model` (Python API), else critic.model_path,
     else the policy's initial weights with a zero head; dropout off."""
@@ -243,14 +213,15 @@ def build_reference(cfg: RLConfig, policy: torch.nn.Module) -> Reference | None:
                                 precision=cfg.trainer.precision)
 
 
-def build_roles(cfg: RLConfig, tokenizer: Any, model: Any, reward_funcs: Any, value_model: Any,
-                columns: Sequence[str] | None = None, data: str = "the data", env_factory: Any = None) -> Roles:
-    """Engine, reward and critic checks first (cheap, fail early: `check_engine_fits`, then
-    `build_reward` checks the reward against the data's `columns`, plus `env_reward` for
-    episodes), then the policy (a module passed in gets `model.lora` adapters, as a built
-    one), reference, critic, actor, rollout. Dropout is off in every model: see `disable_dropout`.
-    trainer.backend=ray: the policy and a critic's value model go to the workers, which build
-    actor, reference, critic and rollout each (`rl_ray`); the reward stays here."""
+def initial_models(cfg: RLConfig, tokenizer: Any, model: Any, reward_funcs: Any, value_model: Any,
+                   columns: Sequence[str] | None = None, data: str = "the data",
+                   env_factory: Any = None) -> tuple[torch.nn.Module, ScalarHeadModel | None, Reward]:
+    """(policy, separate critic's value model or None, reward role): engine, reward and critic
+    checks first (cheap, fail early: `check_engine_fits`, then `build_reward` checks the reward
+    against the data's `columns`, plus `env_reward` for episodes), then the policy (a module
+    passed in gets `model.lora` adapters, as a built one) and a separate critic's initial value
+    model, both with dropout off (`disable_dropout`). The workers build actor, reference,
+    critic and rollout from them (`rl_worker.RLWorker`); the reward stays in the driver."""
     from posttrain.models.factory import build_model
     from posttrain.models.loading import disable_dropout
 
@@ -266,25 +237,14 @@ def build_roles(cfg: RLConfig, tokenizer: Any, model: Any, reward_funcs: Any, va
     reward = build_reward(cfg, reward_funcs, columns, data, episodes=env_factory is not None)
     check_critic_source(cfg)
     if isinstance(model, torch.nn.Module):
-        model = apply_lora(model, cfg.model.lora)  # as build_model does, for local and Ray runs
+        model = apply_lora(model, cfg.model.lora)  # as build_model does
     else:
         model = build_model(policy_config(cfg), tokenizer, train=True)
     disable_dropout(model, "policy")  # before the reference and a critic are copied from it
-    if cfg.trainer.backend == "ray":
-        from posttrain.trainers.rl_ray import build_ray_roles
-
-        value = build_value_model(cfg, model, value_model) if cfg.use_critic else None  # share_backbone: refused
-        return build_ray_roles(cfg, tokenizer, model, reward, value, env_factory)
-    ref = build_reference(cfg, model)
-    critic = build_critic(cfg, model, value_model) if cfg.use_critic else None
-    shared = critic is not None and critic.shared
-    actor = Actor(model, cfg, cfg.trainer.max_steps - cfg.critic.warmup_steps,
-                  extra_params=critic.model.score if shared else None, episodes=env_factory is not None)
-    if shared:
-        actor.joint = critic.joint_forward
     if is_peft(model):
         log.info("LoRA policy: the reference is the base model with adapters disabled (no copy)")
-    return Roles(actor, build_rollout(cfg, model, tokenizer, env_factory), reward, ref, critic)  # the engine last
+    separate = cfg.use_critic and not cfg.critic.share_backbone
+    return model, build_value_model(cfg, model, value_model) if separate else None, reward
 
 
 def evaluate_policy(trainer: Any, step: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
@@ -294,7 +254,7 @@ def evaluate_policy(trainer: Any, step: int) -> tuple[dict[str, float], list[dic
     e, cfg = trainer.args.eval, trainer.args
     examples = trainer.eval_examples
     max_new = e.max_new_tokens or cfg.rollout.max_new_tokens
-    model = trainer.roles.actor.model
+    model = trainer.roles.actor.model()
     was_training = model.training
     model.eval()
     try:

@@ -5,8 +5,8 @@ the group's workers killed). `run_restarting` wraps the training loop: with `res
 workers for every pool (`restart_workers`) and the loop's own resume from the run's newest
 complete checkpoint (`restart_config`); otherwise, or once the restarts are spent,
 `WorkerFailure` names the dead worker and the checkpoint to resume from (`failure_message`).
-The driver (`trainers/rl.py`) is unchanged: it calls `run_restarting` around its loop on the
-Ray backend only.
+The driver (`trainers/rl.py`) calls `run_restarting` around its loop on every backend (an
+in-process worker never dies alone: its exceptions are the driver's).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from posttrain.config import RunStopped
 from posttrain.config.rl import RLConfig
 from posttrain.distributed.groups import WorkerDied
 from posttrain.logging import get_logger
-from posttrain.trainers.rl_build import Roles
+from posttrain.trainers.rl_roles import Roles
 
 log = get_logger(__name__)
 
@@ -33,12 +33,9 @@ class WorkerFailure(RunStopped):
 
 
 def restart_workers(roles: Roles) -> None:
-    """New workers, built from the run's initial weights as at its start; the driver-side
-    roles read their mirrors from them again (a restore then loads a checkpoint into both)."""
-    roles.group.restart()
-    for role in (roles.actor, roles.critic, roles.ref):
-        if role is not None:
-            role.forget()
+    """New workers, built from the run's initial weights as at its start (a restore then
+    loads a checkpoint into them); the driver's views call the new ones."""
+    roles.pools.restart()
 
 
 def run_restarting(trainer: Any, run_once: Callable[[RLConfig], Any]) -> Any:

@@ -70,13 +70,16 @@ class Rollout:
         replaces the rollout's sampling settings for this call (evaluation). `first`: the
         index of `prompts`' first prompt in a batch generated in slices (Ray's split
         rollout; it needs seed_mode "row", whose rows then draw as the whole batch's rows
-        first·n, ...). Needs `prompt_ids`, `prompt_mask` and `prompts`."""
+        first·n, ...). Needs `prompt_ids`, `prompt_mask` and `prompts`; the prompts' `uid`
+        (group ids) are kept when given, else counted from 0 over this rollout's calls."""
         prompts.require("prompt_ids", "prompt_mask", "prompts", role="rollout.generate")
         params = params or self.params
         n = params.n
         params = dataclasses.replace(params, seed=seed, first_row=first * n)
-        uid = torch.arange(self._next_uid, self._next_uid + len(prompts))
-        self._next_uid += len(prompts)
+        uid = prompts.uid  # given by the driver (its prompt stream counts them), else counted here
+        if uid is None:
+            uid = torch.arange(self._next_uid, self._next_uid + len(prompts))
+            self._next_uid += len(prompts)
         if self.env_factory is not None:
             return self._play(prompts.replace(uid=uid), params)
         ids = [row[mask.bool()].tolist() for row, mask in zip(prompts.prompt_ids, prompts.prompt_mask)]
@@ -110,12 +113,6 @@ class Rollout:
         self.engine.resume()
         self.engine.sync_weights(model)
 
-    def sync_from(self, actor: Any) -> None:
-        """After an update: sample from the actor role's current weights (`sync_weights` of
-        its module). The driver calls this, not `sync_weights(actor.model)`, so a role group
-        decides how weights reach its engines (Ray: each worker's engine from its own actor,
-        without fetching the weights into the driver)."""
-        self.sync_weights(actor.model)
 
 
 def episode_batch(batch: RLBatch, n: int, out: Episodes, env_rewards: torch.Tensor,

@@ -1,0 +1,293 @@
+"""The RL worker: one class per process holding the roles it hosts, each method declaring how
+the driver calls it (`distributed.register`).
+
+trainer.backend=local runs ONE `RLWorker` in the driver's process (a `LocalWorkerGroup`);
+trainer.backend=ray runs N of them, one per Ray worker (`rl_ray.start_worker_pools`). The
+driver calls the views generated from the declarations below (`rl_build.Roles`), the same
+on both backends:
+
+    rollout.generate(prompts, seed)   RANK_ZERO   worker 0 samples the whole batch (or plays
+                                                  every episode, rollout.env), so the tokens
+                                                  are one worker's, exactly
+                                      DP_SPLIT    rollout.dispatch=split (rollout.seed_mode=row):
+                                                  worker r samples a contiguous slice of the
+                                                  prompts, each row drawing by its index in
+                                                  the batch; the slices joined in order
+    actor.compute_logprobs(batch)     DP_COMPUTE  token-balanced parts, gathered to (B, Tr)
+    ref.compute_logprobs(batch)       DP_COMPUTE
+    critic.compute_values(batch)      DP_COMPUTE
+    critic.update(batch, rows, ...)   DP_SHARES   every worker cuts the mini-batches as one
+    actor.update(batch, rows, ...)    DP_SHARES   process would (`shuffled_mini_batches`) and
+                                                  trains on its token-balanced share of each
+                                                  (`update_share`); `train_step`'s collective
+                                                  all-reduces the weight Σw, the gradients and
+                                                  the metrics, so each optimizer step is the
+                                                  whole mini-batch's
+    ref.sync(alpha)                   ONE_TO_ALL  every reference moves towards its own actor
+    rollout.offload / sync_weights    ONE_TO_ALL  every engine takes its own actor's weights (a
+                                                  rollout pool: actor worker 0's, `load_weights`)
+    actor.model(), critic.model(),    RANK_ZERO   worker 0's module (in process: the worker's
+    ref.saved_model()                             own; Ray: a copy): the checkpoints' HF
+                                                  folders, final/, eval
+    save_shards / restore             ONE_TO_ALL  every worker writes / reads its roles' DCP
+                                                  shards (model + AdamW; resharded on load)
+
+Exactness (tests/trainers/test_rl_ray.py): W workers give the parameters of one worker after
+3 steps in float64 within 1e-10: the global update is
+    g = (1/W) Σ_r Σ_{k∈r} ∇(w_k L_k) · W / Σ_k w_k = Σ_k ∇(w_k L_k) / Σ_k w_k,
+one worker's whatever the shares (`distributed.collectives`).
+
+Checkpoints, on both backends (docs/distributed.md "Checkpoints"): every worker writes each
+trained role's model and AdamW state as DCP shards into `dcp/<role>/` of the unsealed folder,
+worker 0 the schedule and step count (`role_state.pt`); a resume reads them, resharded to
+any worker count. A checkpoint written before this layout (trainer_state.pt holding the
+optimizer, `critic/optimizer.pt`) is read by every worker from its files (`restore`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.checkpoint import RunModels, load_checkpoint
+from posttrain.config.rl import RLConfig
+from posttrain.distributed.checkpoint import SHARDS, load_sharded, save_sharded
+from posttrain.distributed.dispatch import shard_rows
+from posttrain.distributed.register import Dispatch, register
+from posttrain.models.heads import ScalarHeadModel
+from posttrain.rollout import SamplingParams
+from posttrain.trainers.rl_build import build_reference, build_rollout
+from posttrain.workers import Actor, Critic, RLBatch, head_on_policy
+from posttrain.workers.actor import shuffled_mini_batches
+
+ALL_ROLES = ("actor", "rollout", "critic")
+ROLE_STATE = "role_state.pt"
+"""Next to a trained role's DCP shards: {"scheduler": its state_dict, "steps": n}."""
+
+
+def update_share(batch: RLBatch, mini_batch_rows: int, epochs: int, seed: int, rank: int,
+                 world_size: int) -> list[RLBatch]:
+    """Worker `rank`'s share of each of the update's mini-batches: they are cut as one process
+    cuts them (`shuffled_mini_batches`), then each is shared out by tokens (`shard_rows`,
+    unpadded); every worker computes the same cut. One worker: the mini-batches themselves."""
+    minis = shuffled_mini_batches(batch, mini_batch_rows, epochs, seed)
+    if world_size == 1:
+        return minis
+    return [shard_rows(m, world_size, pad=False).parts[rank] for m in minis]
+
+
+def join_slices(slices: list[RLBatch]) -> RLBatch:
+    """The generated slices of one batch as one batch, rows in order; episodes' metrics merged
+    as over several rounds (`envs.merge_episode_metrics`: means weighted by rows)."""
+    from posttrain.envs import merge_episode_metrics
+
+    out = RLBatch.concat(slices)
+    if "episode_metrics" in out.meta:
+        out.meta["episode_metrics"] = merge_episode_metrics([(len(b), b.meta["episode_metrics"]) for b in slices])
+    return out
+
+
+class RLWorker:
+    """The roles of one worker process, those of its pool (`roles`; all of them by default):
+    actor + reference, critic, rollout. `policy` and `value_model` are the driver's initial
+    modules (the same objects in process, copies on Ray; None where the pool does not hold
+    their role); `env_factory` plays episodes (None: single-turn). The rollout's engine runs
+    over the actor's policy when both are here, else over this worker's own copy of it
+    (`load_weights`). critic.share_backbone (one process only): the value head sits on the
+    policy's backbone and trains in the actor's loss."""
+
+    def __init__(self, rank: int, world_size: int, collective: Any, cfg: RLConfig, tokenizer: Any,
+                 policy: torch.nn.Module | None, value_model: ScalarHeadModel | None = None, env_factory: Any = None,
+                 roles: tuple[str, ...] = ALL_ROLES):
+        self.rank, self.world_size, self.policy = rank, world_size, policy
+        self.ref = self.actor = self.critic = self.rollout = None
+        episodes = env_factory is not None
+        if "actor" in roles:
+            self.ref = build_reference(cfg, policy)  # before training: a copy of the initial policy
+        if "critic" in roles and cfg.use_critic:
+            if cfg.critic.share_backbone:
+                self.critic = Critic(head_on_policy(policy), cfg, cfg.trainer.max_steps, policy=policy)
+            else:
+                self.critic = Critic(value_model, cfg, cfg.trainer.max_steps, collective=collective)
+        if "actor" in roles:
+            shared = self.critic is not None and self.critic.shared
+            self.actor = Actor(policy, cfg, cfg.trainer.max_steps - cfg.critic.warmup_steps, collective=collective,
+                               extra_params=self.critic.model.score if shared else None, episodes=episodes)
+            if shared:
+                self.actor.joint = self.critic.joint_forward
+        if "rollout" in roles:
+            self.rollout = build_rollout(cfg, policy, tokenizer, env_factory)  # the engine last
+
+    # ------------------------------------------------------------------ rollout
+
+    @register(Dispatch.RANK_ZERO, Dispatch.DP_SPLIT, when="split", role="rollout", name="generate", collect=join_slices)
+    def generate(self, prompts: RLBatch | None, first: int, seed: int,
+                 params: SamplingParams | None = None) -> RLBatch | None:
+        """Responses to `prompts`, whose first prompt is the batch's `first` (None: no prompts
+        for this worker)."""
+        return None if prompts is None else self.rollout.generate(prompts, seed, params, first)
+
+    @register(Dispatch.ONE_TO_ALL, role="rollout", name="offload")
+    def offload(self) -> None:
+        self.rollout.offload()
+
+    @register(Dispatch.ONE_TO_ALL, role="rollout", name="sync_weights")
+    def sync_weights(self) -> None:
+        """The engine samples from this worker's actor's current weights."""
+        self.rollout.sync_weights(self.actor.model)
+
+    @register(Dispatch.ONE_TO_ALL, role="rollout", name="load_weights")
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """A rollout pool's worker: its policy copy takes the actor's weights, its engine samples from them."""
+        self.policy.load_state_dict(state)
+        self.rollout.sync_weights(self.policy)
+
+    # ------------------------------------------------------------------ actor and reference
+
+    @register(Dispatch.DP_COMPUTE, role="actor", name="compute_logprobs")
+    def actor_logprobs(self, batch: RLBatch) -> torch.Tensor:
+        return self.actor.compute_logprobs(batch)
+
+    @register(Dispatch.DP_SHARES, role="actor", name="update")
+    def actor_update(self, batch: RLBatch, mini_batch_rows: int, epochs: int, kl_coef: float,
+                     seed: int) -> dict[str, float]:
+        self.actor.require_update_fields(batch, mini_batch_rows, epochs)
+        shares = update_share(batch, mini_batch_rows, epochs, seed, self.rank, self.world_size)
+        return self.actor.update_mini_batches(shares, kl_coef)
+
+    @register(Dispatch.RANK_ZERO, role="actor", name="lr")
+    def actor_lr(self) -> float:
+        return self.actor.lr
+
+    @register(Dispatch.RANK_ZERO, role="actor", name="model")
+    def actor_model(self) -> torch.nn.Module:
+        return self.actor.model
+
+    @register(Dispatch.RANK_ZERO_REF, role="actor", name="policy_weights")
+    def policy_weights(self) -> dict[str, torch.Tensor]:
+        """The actor's weights, on the CPU, for a rollout pool (`Roles.sync_rollout`)."""
+        return {k: v.detach().cpu() for k, v in self.actor.model.state_dict().items()}
+
+    @register(Dispatch.DP_COMPUTE, role="ref", name="compute_logprobs")
+    def ref_logprobs(self, batch: RLBatch) -> torch.Tensor:
+        return self.ref.compute_logprobs(batch)
+
+    @register(Dispatch.ONE_TO_ALL, role="ref", name="sync")
+    def ref_sync(self, alpha: float) -> None:
+        self.ref.sync(self.actor.model, alpha)
+
+    @register(Dispatch.RANK_ZERO, role="ref", name="saved_model")
+    def ref_saved_model(self) -> torch.nn.Module | None:
+        return self.ref.saved_model()
+
+    # ------------------------------------------------------------------ critic
+
+    @register(Dispatch.DP_COMPUTE, role="critic", name="compute_values")
+    def critic_values(self, batch: RLBatch) -> torch.Tensor:
+        return self.critic.compute_values(batch)
+
+    @register(Dispatch.DP_SHARES, role="critic", name="update")
+    def critic_update(self, batch: RLBatch, mini_batch_rows: int, epochs: int, seed: int) -> dict[str, float]:
+        if self.critic.shared:  # the actor's update trains it
+            return {}
+        batch.require("values", "returns", role="critic.update")
+        return self.critic.update_mini_batches(update_share(batch, mini_batch_rows, epochs, seed, self.rank,
+                                                            self.world_size))
+
+    @register(Dispatch.RANK_ZERO, role="critic", name="model")
+    def critic_model(self) -> torch.nn.Module:
+        return self.critic.model
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _trained(self, role: str) -> Actor | Critic:
+        return self.actor if role == "actor" else self.critic
+
+    def _optimized(self, role: str) -> torch.nn.Module:
+        """The module whose parameters `role`'s optimizer steps: the actor's policy, plus the
+        value head of a critic on its backbone (one optimizer trains both)."""
+        r = self._trained(role)
+        if role == "actor" and self.critic is not None and self.critic.shared:
+            return torch.nn.ModuleList([r.model, self.critic.model.score])
+        return r.model
+
+    def _held(self) -> list[str]:
+        """The roles this worker writes: actor (and a synced reference), a separate critic."""
+        names = ["actor"] if self.actor is not None else []
+        if self.critic is not None and not self.critic.shared:
+            names.append("critic")
+        return names + (["ref"] if self.ref is not None and self.ref.synced else [])
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_shards(self, checkpoint: str) -> None:
+        """Write each held role's state into `checkpoint`/dcp/<role>/ (collective: every worker
+        of the pool calls it): the weights and AdamW's state as DCP shards (`ref`: the
+        weights), and, from worker 0, the schedule and step count (`ROLE_STATE`). A critic on
+        the policy's backbone is the actor's model and optimizer already."""
+        for role in self._held():
+            folder = Path(checkpoint) / SHARDS / role
+            if role == "ref":
+                save_sharded(folder, self.ref.model)
+                continue
+            r = self._trained(role)
+            save_sharded(folder, self._optimized(role), r.optimizer)
+            if self.rank == 0:
+                torch.save({"scheduler": r.scheduler.state_dict(), "steps": r.steps}, folder / ROLE_STATE)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def restore(self, checkpoint: str, step: int) -> None:
+        """Load checkpoint `checkpoint` (of step `step`) into this worker's roles: the DCP shards
+        `save_shards` wrote (by any number of workers: DCP reshards), or a checkpoint of the
+        layout before them (`restore_files`); the engine then takes the actor's weights."""
+        path = Path(checkpoint)
+        if (path / SHARDS).is_dir():
+            self._restore_shards(path)
+        else:
+            self.restore_files(path, step)
+        if self.rollout is not None and self.actor is not None:  # colocated: the engine reads the actor's weights
+            self.rollout.sync_weights(self.actor.model)
+
+    def _restore_shards(self, path: Path) -> None:
+        for role in ("actor", "critic", "ref"):
+            folder = path / SHARDS / role
+            if role == "ref":
+                if self.ref is not None and folder.is_dir():
+                    load_sharded(folder, self.ref.model)
+                    self.ref.synced = True
+                continue
+            r = self._trained(role)
+            if r is None or (role == "critic" and r.shared):
+                continue
+            load_sharded(folder, self._optimized(role), r.optimizer)
+            state = torch.load(folder / ROLE_STATE, map_location="cpu", weights_only=True)
+            r.scheduler.load_state_dict(state["scheduler"])
+            r.steps = state["steps"]
+
+    def restore_files(self, path: Path, step: int) -> None:
+        """A checkpoint written before the DCP layout (one process: the policy's HF files,
+        trainer_state.pt with its AdamW state, `critic/` with `optimizer.pt`, `reference/`),
+        read from its files by every worker. The actor's step count is the RL steps past the
+        critic's warmup (it was not saved then)."""
+        if self.actor is not None:
+            load_checkpoint(path, self.actor.model, self.actor.optimizer, self.actor.scheduler, restore_rng=False)
+            self.actor.steps = max(0, step - self.actor.cfg.critic.warmup_steps)
+        if self.critic is not None and not self.critic.shared:
+            RunModels.load_critic(path, self.critic)
+        if self.ref is not None:
+            RunModels.load_reference(path, self.ref)
+
+
+def pool_factories(cfg: RLConfig, tokenizer: Any, policy: torch.nn.Module, value_model: ScalarHeadModel | None,
+                   env_factory: Any, mapping: dict[str, str]) -> dict[str, tuple]:
+    """Each pool's `RLWorker` arguments (pool name → args): the roles mapped to it, and only
+    the models they need (a critic pool gets no policy; a pool without the critic, no value
+    model)."""
+    out = {}
+    for pool in dict.fromkeys(mapping.values()):
+        roles = tuple(r for r in ALL_ROLES if mapping.get(r) == pool)
+        needs_policy = "actor" in roles or "rollout" in roles
+        out[pool] = (cfg, tokenizer, policy if needs_policy else None, value_model if "critic" in roles else None,
+                     env_factory if needs_policy else None, roles)
+    return out
