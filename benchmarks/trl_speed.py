@@ -441,7 +441,7 @@ def main() -> None:
                    help="posttrain's actor.micro_batch_size, rows per forward/backward (memory only; cut from "
                         "rows sorted by length); default all rows, as TRL")
     p.add_argument("--ours-override", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra posttrain config override (e.g. rollout.use_rollout_logprobs=true)")
+                   help="extra posttrain config override (e.g. algorithm.rollout_correction.bypass_mode=true)")
     p.add_argument("--quick", action="store_true", help="a smoke run: 1 round, 1 warm-up + 2 steps, 4 × 4 rows")
     p.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)

@@ -240,3 +240,31 @@ def test_unknown_names_raise():
     logp, old = logps([1.0], requires_grad=False)
     with pytest.raises(ValueError, match="ratio level"):
         policy_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 1), level="seq")
+
+
+def test_rollout_correction_weights_multiply_the_policy_gradient_term():
+    # The hand example above with weights w = (0.5, 2, 0, 1):
+    #   ℓ = (−1.2·0.5 + 0.8·2 + 2.0·0 − 0.5·1) / 4 = (−0.6 + 1.6 + 0 − 0.5) / 4 = 0.125
+    #   dℓ/dlogp = w · (0, 0, 2.0, −0.5) / 4 = (0, 0, 0, −0.5) / 4
+    logp, old = logps([1.5, 0.5, 2.0, 0.5])
+    adv = torch.tensor([[1.0, -1.0, -1.0, 1.0]], dtype=torch.float64)
+    w = torch.tensor([[0.5, 2.0, 0.0, 1.0]], dtype=torch.float64)
+    loss, metrics = policy_loss(logp, old, adv, torch.ones(1, 4), is_weights=w)
+    assert loss.item() == pytest.approx(0.125)
+    torch.testing.assert_close(grad_of(loss, logp), torch.tensor([[0.0, 0.0, 0.0, -0.5]], dtype=torch.float64) / 4)
+    assert metrics["clip_frac"].item() == pytest.approx(0.5)  # the ratio metrics do not see the weights
+
+
+@pytest.mark.parametrize("level,agg", [("token", "token-mean"), ("sequence", "seq-mean-token-mean"),
+                                       ("token", "seq-mean-token-sum-norm")])
+def test_weights_of_one_leave_every_loss_as_it_was(level, agg):
+    # PPO / GRPO (token), GSPO (sequence), Dr.GRPO (sum-norm): w = 1 on valid tokens is no correction
+    g = torch.Generator().manual_seed(0)
+    logp = torch.randn(3, 5, generator=g, dtype=torch.float64).requires_grad_()
+    old, adv = torch.randn(3, 5, generator=g, dtype=torch.float64), torch.randn(3, generator=g, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    ones = torch.where(mask.bool(), 1.0, 7.0).double()  # padding's weight is never read
+    plain, _ = policy_loss(logp, old, adv, mask, level=level, agg=agg, max_len=5)
+    weighted, _ = policy_loss(logp, old, adv, mask, level=level, agg=agg, max_len=5, is_weights=ones)
+    assert weighted.item() == plain.item()
+    torch.testing.assert_close(grad_of(weighted, logp), grad_of(plain, logp), rtol=0, atol=0)

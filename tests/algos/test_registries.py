@@ -6,13 +6,14 @@ import typing
 import pytest
 
 import posttrain.algos as algos
-from posttrain.config.preference import DPOAlgorithmConfig
-from posttrain.config.rl import (
+from posttrain.config.algorithm import (
     AlgorithmConfig,
     KLConfig,
     PolicyLossConfig,
     PPOAlgorithmConfig,
+    RolloutCorrectionConfig,
 )
+from posttrain.config.preference import DPOAlgorithmConfig
 
 FIELDS = [
     (AlgorithmConfig, "adv_estimator", "ADV_ESTIMATORS"),
@@ -22,6 +23,8 @@ FIELDS = [
     (PolicyLossConfig, "level", "RATIO_LEVELS"),
     (KLConfig, "kind", "KL_KINDS"),
     (DPOAlgorithmConfig, "loss_type", "DPO_LOSS_TYPES"),
+    (RolloutCorrectionConfig, "rollout_is", "IS_LEVELS"),
+    (RolloutCorrectionConfig, "rollout_is_mode", "IS_MODES"),
 ]
 
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from posttrain.algos import compute_gae, policy_loss, value_loss
-from posttrain.config.rl import AlgorithmConfig
+from posttrain.config.algorithm import AlgorithmConfig
 from posttrain.config.rollout import MultiTurnConfig, RolloutConfig
 from posttrain.rewards import RewardRunner
 from posttrain.trainers.rl_steps import compute_advantages

@@ -36,6 +36,10 @@ RL_METRICS = (
     "value_loss policy_loss grad_norm lr timing/gen timing/reward timing/old_logprob timing/ref timing/values "
     "timing/adv timing/update_actor timing/update_critic timing/step throughput/tokens_per_s"
 ).split()
+ROLLOUT_CORR_METRICS = [f"rollout_corr/{k}" for k in (
+    "kl k3_kl log_ppl_abs_diff ppl_ratio rollout_is_mean rollout_is_max rollout_is_min rollout_is_eff_sample_size "
+    "rollout_rs_masked_fraction").split()]
+"""veRL's names (`posttrain.algos.rollout_correction`); the first four with correction off too."""
 
 
 def tiny_model(seed=0):
@@ -115,17 +119,20 @@ def test_every_estimator_reaches_the_optimum(tmp_path, name):
 
 
 def test_every_metric_every_step_and_eval_samples(tmp_path):
+    # PPO with the rollout correction on (sequence TIS): the native engine in fp32 shows no gap
     cfg = config(tmp_path, "gae", **{"trainer.max_steps": 2, "trainer.eval_steps": 2, "eval.num_examples": 5,
-                                     "rollout.use_rollout_logprobs": "true", "actor.ppo_epochs": 2})
+                                     "algorithm.rollout_correction.rollout_is": "sequence", "actor.ppo_epochs": 2})
     trainer_for(cfg, eval_dataset=PROMPTS[:5]).train()
     lines = metric_lines(tmp_path)
     assert [m["step"] for m in lines] == [1, 2]
     for m in lines:
-        missing = [k for k in RL_METRICS if not isinstance(m.get(k), (int, float))]
+        missing = [k for k in RL_METRICS + ROLLOUT_CORR_METRICS if not isinstance(m.get(k), (int, float))]
         assert not missing, missing
+        assert abs(m["rollout_corr/kl"]) < 1e-6 and m["rollout_corr/k3_kl"] < 1e-6, m
+        assert abs(m["rollout_corr/ppl_ratio"] - 1) < 1e-5 and abs(m["rollout_corr/rollout_is_mean"] - 1) < 1e-5
+        assert m["rollout_corr/rollout_is_eff_sample_size"] > 1 - 1e-6 and m["rollout_corr/rollout_rs_masked_fraction"] == 0
     assert "eval/accuracy" in lines[1] and "eval/accuracy" not in lines[0]
-    assert lines[0]["data/n_rows"] == 64 and lines[0]["rollout/logprob_max_diff"] <= 1e-3
-    assert lines[1]["timing/old_logprob"] < lines[0]["timing/old_logprob"]  # the engine's log-probs are used
+    assert lines[0]["data/n_rows"] == 64
     samples = [json.loads(s) for s in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert [(s["step"], s["split"]) for s in samples] == [(1, "train")] * 4 + [(2, "eval")] * 5 + [(2, "train")] * 4
     assert (tmp_path / "final" / "config.json").is_file() and (tmp_path / "final" / "critic" / "config.json").is_file()
@@ -142,6 +149,69 @@ def test_an_on_policy_update_skips_the_old_logprob_pass_exactly(tmp_path, monkey
     a, b = metric_lines(tmp_path / "a"), metric_lines(tmp_path / "b")
     assert all(x["timing/old_logprob"] < y["timing/old_logprob"] / 10 for x, y in zip(a, b))
     assert all(m["ratio/mean"] == 1.0 for m in a)
+
+
+def test_the_engine_gap_is_logged_with_the_correction_off(tmp_path):
+    # GRPO on-policy (no old-log-prob pass of its own): calculate_log_probs=true adds the pass and
+    # logs the gap; fp32 native engine: ~0. The update is the one without it (ratio 1, weights none).
+    overrides = {"trainer.max_steps": 2, "actor.micro_batch_size": 16}
+    plain = trainer_for(config(tmp_path / "a", **overrides))
+    plain.train()
+    logged = trainer_for(config(tmp_path / "b", **overrides, **{"rollout.calculate_log_probs": "true"}))
+    logged.train()
+    assert_same_weights(weights(plain.model), weights(logged.model), atol=1e-6)
+    for m in metric_lines(tmp_path / "b"):
+        assert abs(m["rollout_corr/kl"]) < 1e-6 and m["rollout_corr/log_ppl_abs_diff"] < 1e-6, m
+        assert "rollout_corr/rollout_is_mean" not in m  # no weights: the correction is off
+    assert not any(k.startswith("rollout_corr/") for k in metric_lines(tmp_path / "a")[0])
+
+
+def test_the_correction_s_weights_reach_the_update(tmp_path):
+    # Token TIS on an engine that agrees (fp32): weights 1, the uncorrected update. Masking every
+    # token (a window [0.4, 0.5] that ratio 1 is outside of): weights 0, so the policy never moves.
+    overrides = {"trainer.max_steps": 2, "actor.micro_batch_size": 16}
+    plain = trainer_for(config(tmp_path / "a", **overrides))
+    plain.train()
+    tis = trainer_for(config(tmp_path / "b", **overrides, **{"algorithm.rollout_correction.rollout_is": "token"}))
+    tis.train()
+    assert_same_weights(weights(plain.model), weights(tis.model), atol=1e-5)  # weights 1 ± fp32 rounding
+    start = weights(tiny_model())
+    masked = trainer_for(config(tmp_path / "c", **overrides, **{
+        "algorithm.rollout_correction.rollout_is": "token", "algorithm.rollout_correction.rollout_is_mode": "mask",
+        "algorithm.rollout_correction.rollout_is_threshold_lower": 0.4,
+        "algorithm.rollout_correction.rollout_is_threshold": 0.5}))
+    masked.train()
+    assert_same_weights(start, weights(masked.model), atol=0)
+    lines = metric_lines(tmp_path / "c")
+    assert all(m["rollout_corr/rollout_rs_masked_fraction"] == 1 and m["rollout_corr/rollout_is_eff_sample_size"] == 0
+               for m in lines)
+    assert any(m["grad_norm"] > 0 for m in metric_lines(tmp_path / "b")) and all(m["grad_norm"] == 0 for m in lines)
+
+
+def test_bypass_mode_uses_the_engine_s_log_probs_without_a_pass(tmp_path):
+    # ppo_epochs 2 needs old log-probs: bypass takes the engine's (no actor pass), which in fp32
+    # are the actor's, so the run is the recomputing one
+    overrides = {"trainer.max_steps": 2, "actor.micro_batch_size": 16, "actor.ppo_epochs": 2}
+    recomputed = trainer_for(config(tmp_path / "a", **overrides))
+    recomputed.train()
+    bypass = trainer_for(config(tmp_path / "b", **overrides, **{"algorithm.rollout_correction.bypass_mode": "true"}))
+    bypass.train()
+    assert_same_weights(weights(recomputed.model), weights(bypass.model), atol=2e-5)
+    a, b = metric_lines(tmp_path / "a"), metric_lines(tmp_path / "b")
+    assert all(y["timing/old_logprob"] < x["timing/old_logprob"] / 10 for x, y in zip(a, b))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("correction", [
+    {"rollout_is": "token"},
+    {"rollout_is": "sequence", "rollout_is_mode": "mask", "rollout_is_threshold_lower": 0.5},
+    {"bypass_mode": "true"},
+])
+def test_a_corrected_run_reaches_the_optimum(tmp_path, correction):
+    cfg = config(tmp_path, **{f"algorithm.rollout_correction.{k}": v for k, v in correction.items()})
+    trainer_for(cfg).train()
+    rewards = [m["reward/mean"] for m in metric_lines(tmp_path)]
+    assert rewards[0] < 0.4 and sum(rewards[-3:]) / 3 > 0.9, rewards
 
 
 @pytest.mark.parametrize("variant", ["micro", "tokens"])

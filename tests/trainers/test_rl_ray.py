@@ -183,7 +183,7 @@ def test_a_split_rollout_over_any_group_samples_the_local_rollout_s_rows(tmp_pat
     """Every worker generates its slice and the joined batch, the driver's uids included, is
     the local rollout's with the row sampler: twice."""
     cfg = grpo_config(tmp_path, **{"rollout.seed_mode": "row", "trainer.backend": "ray",
-                                   "trainer.n_workers_per_node": world})
+                                   "trainer.n_workers_per_node": world, "rollout.calculate_log_probs": "true"})
     model, tok = tiny_model_f64(), word_tokenizer()
     group = in_process_group(RLWorker, world, cfg, tok, model)
     split = role_view(group, RLWorker, "rollout", {"split": cfg.rollout.split})

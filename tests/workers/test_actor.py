@@ -9,7 +9,8 @@ import torch
 
 from posttrain.algos import aggregate_loss, grpo_advantages, kl_penalty, token_logprobs
 from posttrain.config import LoraConfig
-from posttrain.config.rl import GRPOConfig, PolicyLossConfig
+from posttrain.config.algorithm import PolicyLossConfig
+from posttrain.config.rl import GRPOConfig
 from posttrain.models.lora import apply_lora
 from posttrain.training.core import train_step
 from posttrain.workers import Actor, Reference, forward
@@ -64,6 +65,26 @@ def test_first_step_ratio_is_one_and_gradient_is_the_policy_gradient(model, tok,
     model.zero_grad()
     logp = token_logprobs(response_logits(model, mb), mb.response_ids)
     aggregate_loss(-mb.advantages * logp, mb.response_mask, agg, 5).backward()
+    for k, g in grads(model).items():
+        torch.testing.assert_close(ours[k], g, atol=1e-6, rtol=1e-5)
+
+
+def test_rollout_correction_weights_scale_the_policy_gradient_only(model, tok):
+    # L = w · pg + β · KL: the gradient with weights w is −∇ agg(w · A · log π) + β ∇ agg(KL),
+    # w = 0.5 on the first rows, 2 on the others (the KL term is not reweighted, as veRL)
+    batch = training_batch(model, tok)
+    w = torch.where(torch.arange(len(batch))[:, None] < 6, 0.5, 2.0) * batch.response_mask
+    mb = batch.replace(rollout_is_weights=w).trimmed()
+    actor = make_actor(model, agg="seq-mean-token-mean", kl_in_loss=True)
+    loss_sum, weight, _ = actor.loss(model, mb, kl_coef=0.1)
+    model.zero_grad()
+    (loss_sum / weight).backward()
+    ours = grads(model)
+    model.zero_grad()
+    logp = token_logprobs(response_logits(model, mb), mb.response_ids)
+    pg = aggregate_loss(-mb.rollout_is_weights * mb.advantages * logp, mb.response_mask, "seq-mean-token-mean")
+    kl = aggregate_loss(kl_penalty(logp, mb.ref_logp, "k3"), mb.response_mask, "seq-mean-token-mean")
+    (pg + 0.1 * kl).backward()
     for k, g in grads(model).items():
         torch.testing.assert_close(ours[k], g, atol=1e-6, rtol=1e-5)
 

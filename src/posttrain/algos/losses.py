@@ -54,15 +54,19 @@ def policy_loss(
     level: str = "token",
     agg: str = "token-mean",
     max_len: int | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate policy loss with decoupled clip bounds.
 
     Shapes: logp, old_logp, mask (B, T); adv (B, T), or (B,) shared by all
-    tokens of a response → (0-dim loss, metrics).
+    tokens of a response; is_weights (B, T) or None → (0-dim loss, metrics).
     Formula (PPO, Schulman et al. 2017, arXiv 1707.06347, eq. 7, as a loss):
         r_t = exp(ρ_t),  ρ_t the clamped log-ratio of `level` (below)
         ℓ_t = max(−A_t r_t, −A_t clip(r_t, 1 − clip_low, 1 + clip_high))
-    then `aggregate_loss(ℓ, mask, agg, max_len)`.
+        ℓ_t ← w_t · ℓ_t  with w = is_weights, the rollout correction's weights
+              (`posttrain.algos.rollout_correction`; veRL multiplies pg_losses the same way)
+    then `aggregate_loss(ℓ, mask, agg, max_len)`. A token of weight 0 still counts
+    in the aggregation's denominator (as TRL's masked IS).
     - clip_high > clip_low is DAPO's clip-higher (arXiv 2503.14476, eq. 8).
     - dual_clip = c > 1 (Ye et al. 2020, arXiv 1912.09729): for A_t < 0,
       ℓ_t = min(ℓ_t, −c A_t), bounding the loss when r_t ≫ 1.
@@ -107,6 +111,8 @@ def policy_loss(
     per_token = torch.maximum(unclipped, clipped)
     if dual_clip is not None:
         per_token = torch.where(adv < 0, torch.minimum(per_token, -dual_clip * adv), per_token)
+    if is_weights is not None:
+        per_token = per_token * torch.where(valid, is_weights.detach(), 0.0)
     loss = aggregate_loss(per_token, valid, agg, max_len)
     return loss, _policy_metrics(logp, old_logp, ratio, adv, valid, clip_low, clip_high, dual_clip)
 

@@ -259,10 +259,23 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "", root: type |
     return cls(**kwargs)
 
 
+RETIRED_KEYS = {
+    "rollout.use_rollout_logprobs": (
+        "it is gone: for the engine's log-probs as old log-probs with no recompute pass set "
+        "algorithm.rollout_correction.bypass_mode=true (no first-batch check, no fallback: the PPO ratio "
+        "π_θ / π_rollout carries the gap); to see the gap, rollout.calculate_log_probs=true logs it every "
+        "step (rollout_corr/*, docs/rollout_correction.md)"),
+}
+"""Keys posttrain had and no longer has → what to set instead."""
+
+
 def _unknown_key(cls: type, key: str, value: Any, prefix: str, root: type) -> ConfigError:
     """The error for `key` (a section of its own when `value` is a mapping), unknown in the
-    section `cls` at `prefix` of the tree `root`: another library's name for one of ours first
-    (`num_generations` is rollout.n), then a spelling or section slip."""
+    section `cls` at `prefix` of the tree `root`: a retired key of ours first, then another
+    library's name for one of ours (`num_generations` is rollout.n), then a spelling or
+    section slip."""
+    if key in RETIRED_KEYS:  # `key` is dotted from the root
+        return ConfigError(f"{key}: {RETIRED_KEYS[key]}")
     alias_error = _alias_error(key, value, root)
     if alias_error is not None:
         return alias_error

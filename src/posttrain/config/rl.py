@@ -16,12 +16,17 @@ Batch sizes, as veRL counts them:
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any, ClassVar, Literal
 
-from posttrain.algos import ADV_ESTIMATORS, AdvEstimator
+from posttrain.config.algorithm import (  # noqa: F401  (KLConfig, OverlongConfig: their old import path)
+    AlgorithmConfig,
+    KLConfig,
+    OverlongConfig,
+    PolicyLossConfig,
+    PPOAlgorithmConfig,
+)
 from posttrain.config.aliases import aliases, openrlhf, trl, verl
 from posttrain.config.core import check, iter_fields
 from posttrain.config.placement import (
@@ -32,27 +37,7 @@ from posttrain.config.placement import (
     ResourcePool,
 )
 from posttrain.config.rollout import RolloutConfig, check_vllm_temperature
-from posttrain.config.sections import ModelConfig, RefSyncConfig, TrainerConfig, check_divides
-
-log = logging.getLogger(__name__)
-
-AdvEstimatorName = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"]
-"""The keys of `posttrain.algos.ADV_ESTIMATORS`, spelt out for the validator, the docs and
-type checkers (tests/algos/test_registries.py checks that they stay equal)."""
-
-ADV_ESTIMATOR_ALIASES = aliases(
-    verl("algorithm.adv_estimator", {"gae": "gae", "grpo": "grpo", "rloo": "rloo",
-                                     "reinforce_plus_plus": "reinforce_pp"}),
-    openrlhf("advantage_estimator", {"gae": "gae", "group_norm": "grpo", "dr_grpo": "dr_grpo", "rloo": "rloo",
-                                     "reinforce": "reinforce_pp"}),
-)
-"""algorithm.adv_estimator of GRPO and PPO alike (veRL's grpo without std scaling is dr_grpo)."""
-
-BOTH_SIDES = "it sets both sides: also set actor.policy_loss.clip_high (DAPO's clip-higher is clip_high > clip_low)"
-"""A single clip range of TRL, veRL and OpenRLHF is our clip_low and clip_high."""
-
-VERL_KL = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3", "abs": "abs"}
-"""veRL's KL estimator names → ours (`posttrain.algos.kl_penalty`)."""
+from posttrain.config.sections import ModelConfig, TrainerConfig, check_divides
 
 
 @dataclass
@@ -90,41 +75,6 @@ class RLDataConfig:
     def validate(self) -> None:
         check(self.max_prompt_length > 0, "data.max_prompt_length", "must be > 0")
         check(self.train_batch_size > 0, "data.train_batch_size", f"must be > 0, got {self.train_batch_size}")
-
-
-@dataclass
-class PolicyLossConfig:
-    """The clipped surrogate loss (`posttrain.algos.policy_loss`)."""
-
-    level: Literal["token", "sequence"] = field(default="token", metadata=aliases(
-        trl("importance_sampling_level"),
-        verl("actor_rollout_ref.actor.policy_loss.loss_mode", {"vanilla": "token", "gspo": "sequence"})))
-    """Importance ratio per token (PPO, GRPO, DAPO) or per sequence, length-normalised (GSPO)."""
-    clip_low: float = field(default=0.2, metadata=aliases(
-        trl("epsilon", note=BOTH_SIDES), trl("cliprange", note=BOTH_SIDES),
-        verl("actor_rollout_ref.actor.clip_ratio_low"), verl("actor_rollout_ref.actor.clip_ratio", note=BOTH_SIDES),
-        openrlhf("eps_clip", note=BOTH_SIDES)))
-    """ε_low: the ratio is clipped below at 1 − clip_low."""
-    clip_high: float = field(default=0.2, metadata=aliases(
-        trl("epsilon_high"), verl("actor_rollout_ref.actor.clip_ratio_high")))
-    """ε_high: the ratio is clipped above at 1 + clip_high; > clip_low is DAPO's clip-higher."""
-    dual_clip: float | None = field(default=None, metadata=aliases(verl("actor_rollout_ref.actor.clip_ratio_c")))
-    """Dual-clip constant c > 1 bounding the loss of negative advantages (veRL uses 3.0); null = off."""
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = field(
-        default="token-mean", metadata=aliases(
-            trl("loss_type", {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": "token-mean",
-                              "dr_grpo": "seq-mean-token-sum-norm"}),
-            verl("actor_rollout_ref.actor.loss_agg_mode")))
-    """How per-token losses become one number (`posttrain.algos.aggregate_loss`): token-mean
-    (DAPO, TRL `loss_type="dapo"`, veRL default), seq-mean-token-mean (GRPO paper, GSPO),
-    seq-mean-token-sum, seq-mean-token-sum-norm (Dr.GRPO: ÷ rows · rollout.max_new_tokens; for episodes
-    min(max_turns · max_new_tokens, max_total_tokens))."""
-
-    def validate(self) -> None:
-        check(0 <= self.clip_low < 1, "actor.policy_loss.clip_low", f"must be in [0, 1), got {self.clip_low}")
-        check(self.clip_high >= 0, "actor.policy_loss.clip_high", f"must be >= 0, got {self.clip_high}")
-        check(self.dual_clip is None or self.dual_clip > 1, "actor.policy_loss.dual_clip",
-              f"must be > 1 (or null), got {self.dual_clip}")
 
 
 @dataclass
@@ -246,138 +196,6 @@ class RewardConfig:
               f"needs one weight per reward function ({len(self.functions)}), got {self.weights}")
         check(self.missing_eos_penalty is None or self.missing_eos_penalty >= 0, "reward.missing_eos_penalty",
               "must be >= 0 (it is subtracted)")
-
-
-KL_COEF_DEFAULT = 0.001
-
-
-@dataclass
-class KLConfig:
-    """The KL(π ‖ π_ref) regulariser; the reference model is loaded only when one is on."""
-
-    in_reward: bool = field(default=False, metadata=aliases(verl("algorithm.use_kl_in_reward")))
-    """Subtract coef · KL_t from every token's reward (InstructGPT/PPO style)."""
-    in_loss: bool = field(default=False, metadata=aliases(
-        verl("actor_rollout_ref.actor.use_kl_loss"), openrlhf("use_kl_loss")))
-    """Add coef · KL to the actor loss (GRPO; TRL's β > 0)."""
-    kind: Literal["k1", "k2", "k3", "abs"] | None = field(default=None, metadata=aliases(
-        verl("actor_rollout_ref.actor.kl_loss_type", VERL_KL), verl("algorithm.kl_penalty", VERL_KL),
-        trl("kl_estimator"), openrlhf("kl_estimator")))
-    """Estimator (`posttrain.algos.kl_penalty`); null = k1 in the reward, k3 in the loss (the anchors' defaults)."""
-    coef: float = field(default=KL_COEF_DEFAULT, metadata=aliases(
-        trl("beta", note="the KL term acts only with algorithm.kl.in_loss=true (TRL adds it to the loss when beta > 0)"),
-        trl("kl_coef", note="the KL term acts only with algorithm.kl.in_reward=true (TRL's PPO and RLOO "
-            "put it in the reward)"),
-        verl("actor_rollout_ref.actor.kl_loss_coef", note="acts with use_kl_loss=true, here "
-             "algorithm.kl.in_loss=true"),
-        verl("algorithm.kl_ctrl.kl_coef", note="acts with use_kl_in_reward=true, here algorithm.kl.in_reward=true"),
-        openrlhf("init_kl_coef", note="in the reward (algorithm.kl.in_reward=true), or the loss with use_kl_loss "
-                 "(algorithm.kl.in_loss=true)")))
-    """β (veRL's default 0.001). It acts only with in_loss or in_reward on: set apart from its
-    default with both off it is refused, as it would do nothing. TRL GRPO's `beta` > 0 is
-    in_loss=true with coef=beta; TRL's beta=0 (its default) is both off (coef unset or 0)."""
-    adaptive: bool = field(default=False, metadata=aliases(
-        verl("algorithm.kl_ctrl.type", {"fixed": False, "adaptive": True})))
-    """Adapt β towards `target` (Ziegler et al. 2019) instead of keeping it fixed (needs a KL term)."""
-    target: float = field(default=6.0, metadata=aliases(verl("algorithm.kl_ctrl.target_kl"), openrlhf("kl_target")))
-    """Target KL of the adaptive controller."""
-    horizon: int = field(default=10000, metadata=aliases(verl("algorithm.kl_ctrl.horizon"), openrlhf("kl_horizon")))
-    """Horizon (samples) of the adaptive controller."""
-
-    def validate(self) -> None:
-        check(self.coef >= 0, "algorithm.kl.coef", f"must be >= 0, got {self.coef}")
-        check(self.target > 0 and self.horizon > 0, "algorithm.kl.target", "target and horizon must be > 0")
-        idle = [f"algorithm.kl.coef={self.coef:g}"] if self.coef not in (0.0, KL_COEF_DEFAULT) else []
-        idle += ["algorithm.kl.adaptive=true"] if self.adaptive else []
-        if idle and not self.enabled:
-            check(False, idle[0].partition("=")[0],
-                  f"{' and '.join(idle)} would do nothing: the KL term is off. Put it in the loss with "
-                  "algorithm.kl.in_loss=true (what TRL's GRPOTrainer does for beta > 0; veRL use_kl_loss) or "
-                  "in the reward with algorithm.kl.in_reward=true (veRL use_kl_in_reward, TRL's PPO); for no "
-                  "KL (TRL's beta=0), leave algorithm.kl.coef unset or 0 and adaptive false")
-
-    @property
-    def enabled(self) -> bool:
-        return self.in_reward or self.in_loss
-
-
-@dataclass
-class OverlongConfig:
-    """DAPO's soft overlong punishment (eq. 13), added to the score."""
-
-    buffer: int = field(default=0, metadata=aliases(verl("reward_model.overlong_buffer.len")))
-    """L_cache: the penalty ramps from 0 to −penalty over the last `buffer` tokens before
-    rollout.max_new_tokens (0 = off). For episodes the length is the episode's model tokens
-    and the limit min(multi_turn.max_turns · max_new_tokens, multi_turn.max_total_tokens)."""
-    penalty: float = field(default=1.0, metadata=aliases(verl("reward_model.overlong_buffer.penalty_factor")))
-    """α: the penalty at the length limit."""
-
-
-@dataclass
-class AlgorithmConfig(RefSyncConfig):
-    """Advantages, KL and the DAPO data tricks."""
-
-    adv_estimator: AdvEstimatorName = field(default="grpo", metadata=ADV_ESTIMATOR_ALIASES)
-    """gae (PPO: critic + GAE), grpo (group-normalised), dr_grpo (group mean only), rloo
-    (leave-one-out baseline), reinforce_pp (REINFORCE++: batch-whitened returns)."""
-    norm_adv_by_std: Literal["group", "batch", "none"] | None = field(default=None, metadata=aliases(
-        trl("scale_rewards", {True: "group", False: "none", "group": "group", "batch": "batch", "none": "none"}),
-        verl("algorithm.norm_adv_by_std_in_grpo", {True: "group", False: "none"})))
-    """Group estimators' scaling: divide by the group's std, the
-    batch's, or not at all; null = group for grpo, none for dr_grpo."""
-    gamma: float = field(default=1.0, metadata=aliases(trl("gamma"), verl("algorithm.gamma"), openrlhf("gamma")))
-    """Discount γ (gae, reinforce_pp)."""
-    lam: float = field(default=0.95, metadata=aliases(trl("lam"), verl("algorithm.lam"), openrlhf("lambd")))
-    """GAE λ (TRL 0.95; veRL 1.0)."""
-    whiten_advantages: bool | None = None
-    """Whiten advantages over the batch's valid tokens; null = on for gae, off otherwise
-    (reinforce_pp always whitens, as its definition does)."""
-    kl: KLConfig = field(default_factory=KLConfig)
-    """KL to the reference policy."""
-    filter_groups: bool = field(default=False, metadata=aliases(
-        verl("algorithm.filter_groups.enable"), openrlhf("dynamic_filtering")))
-    """DAPO dynamic sampling: drop groups whose scores are all equal and generate more
-    prompts until data.train_batch_size groups are kept."""
-    max_gen_batches: int = field(default=10, metadata=aliases(verl("algorithm.filter_groups.max_num_gen_batches")))
-    """Dynamic sampling gives up after this many generation rounds per step and trains on
-    what it kept (with a warning; metrics dynamic_sampling/*)."""
-    overlong: OverlongConfig = field(default_factory=OverlongConfig)
-    """Soft overlong punishment."""
-    mask_truncated_completions: bool = field(default=False, metadata=aliases(trl("mask_truncated_completions")))
-    """Leave truncated responses out of the loss (DAPO's overlong filtering)."""
-
-    def validate(self) -> None:
-        self.check_ref_sync()
-        check(not (self.ref_sync_steps and not self.kl.enabled), "algorithm.ref_sync_steps",
-              "there is no reference to sync without a KL term: set algorithm.kl.in_loss=true or in_reward=true")
-        check(self.max_gen_batches >= 1, "algorithm.max_gen_batches", "must be >= 1")
-        check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algorithm.gamma", "gamma and lam must be in [0, 1]")
-        check(self.overlong.buffer >= 0, "algorithm.overlong.buffer", "must be >= 0")
-        fixed = self.estimator.scale
-        check(fixed is None or self.norm_adv_by_std in (None, fixed), "algorithm.norm_adv_by_std",
-              f"{self.adv_estimator} is defined with norm_adv_by_std={fixed}; leave it null or {fixed}")
-        check(not (self.estimator.whitens and self.whiten_advantages is False),
-              "algorithm.whiten_advantages", f"{self.adv_estimator} always whitens; leave it null or true")
-        if self.kl.in_reward and self.kl.in_loss:
-            log.warning("algorithm.kl: both in_reward and in_loss are on: the KL is penalised twice "
-                        "(veRL allows it too); usually one is meant")
-
-    @property
-    def estimator(self) -> AdvEstimator:
-        """The `posttrain.algos.ADV_ESTIMATORS` entry of adv_estimator."""
-        return ADV_ESTIMATORS[self.adv_estimator]
-
-    @property
-    def grpo_scale(self) -> str:
-        if self.norm_adv_by_std is not None:
-            return self.norm_adv_by_std
-        return self.estimator.scale or "group"
-
-    @property
-    def whiten(self) -> bool:
-        if self.whiten_advantages is not None:
-            return self.whiten_advantages
-        return self.estimator.needs_values  # a critic's advantages have its scale: TRL, veRL whiten them
 
 
 @dataclass
@@ -523,6 +341,11 @@ class RLConfig:
               f"{'apply' if len(ray_keys) > 1 else 'applies'} to Ray workers only: set trainer.backend=ray, or "
               f"drop {'them' if len(ray_keys) > 1 else 'it'} (trainer.backend=local runs every role in this one process)")
         self.check_overlong()
+        corr = self.algorithm.rollout_correction
+        check(not (corr.needs_rollout_logprobs and self.rollout.calculate_log_probs is False),
+              "rollout.calculate_log_probs",
+              f"algorithm.rollout_correction.{'rollout_is' if corr.rollout_is else 'bypass_mode'} reads the engine's "
+              "log-probs: set rollout.calculate_log_probs=true, or leave it null (true when the correction is on)")
         if self.rollout.engine == "vllm" and self.eval.task is None:  # eval samples through the engine
             problem = check_vllm_temperature(self.eval.temperature)
             check(problem is None, "eval.temperature", problem or "")
@@ -615,6 +438,13 @@ class RLConfig:
         return self.actor.ppo_mini_batch_size or self.data.train_batch_size
 
     @property
+    def rollout_log_probs(self) -> bool:
+        """rollout.calculate_log_probs, null resolved: the engine returns log-probs when the
+        rollout correction reads them."""
+        wanted = self.rollout.calculate_log_probs
+        return self.algorithm.rollout_correction.needs_rollout_logprobs if wanted is None else wanted
+
+    @property
     def use_critic(self) -> bool:
         """The estimator reads a critic's values (gae), so the run trains one."""
         return self.algorithm.estimator.needs_values
@@ -637,14 +467,6 @@ class PPORolloutConfig(RolloutConfig):
 
     n: int = 1
     """Responses per prompt."""
-
-
-@dataclass
-class PPOAlgorithmConfig(AlgorithmConfig):
-    """PPO's algorithm section: GAE by default."""
-
-    adv_estimator: AdvEstimatorName = field(default="gae", metadata=ADV_ESTIMATOR_ALIASES)
-    """gae (PPO: critic + GAE), grpo, dr_grpo, rloo or reinforce_pp (see `posttrain grpo`)."""
 
 
 @dataclass

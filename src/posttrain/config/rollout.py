@@ -24,7 +24,7 @@ def check_vllm_temperature(temperature: float) -> str | None:
 
 
 ROLLOUT_ENGINE_OPTIONS = (
-    "engine", "max_batch_size", "gpu_memory_utilization", "use_rollout_logprobs", "multi_turn", "env", "tools",
+    "engine", "max_batch_size", "gpu_memory_utilization", "calculate_log_probs", "multi_turn", "env", "tools",
     "dispatch",
 )
 """The RolloutConfig fields that choose or tune the engine (and the episodes); every
@@ -91,10 +91,13 @@ class RolloutConfig:
         trl("vllm_gpu_memory_utilization"), verl("actor_rollout_ref.rollout.gpu_memory_utilization"),
         openrlhf("vllm_gpu_memory_utilization")))
     """vLLM engine: fraction of GPU memory it may take."""
-    use_rollout_logprobs: bool = False
-    """Use the engine's log-probs as old log-probs and skip the actor's recompute pass.
-    Checked once against a recompute on the first batch: if any token differs by more than
-    1e-3 the run warns and recomputes for the rest of the run (veRL recomputes always)."""
+    calculate_log_probs: bool | None = field(default=None, metadata=aliases(
+        verl("actor_rollout_ref.rollout.calculate_log_probs")))
+    """The engine returns each sampled token's log-prob, and every step logs their gap to
+    the actor's (rollout_corr/*; docs/rollout_correction.md). null = true exactly when
+    algorithm.rollout_correction needs them (rollout_is or bypass_mode set). Where the update
+    needs no old log-probs (one optimizer step per rollout) the gap costs the actor's
+    log-prob pass, which then runs."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Episode limits of multi-turn rollouts."""
     env: str | None = None

@@ -44,12 +44,17 @@ Departures from the papers, TRL and veRL, and why:
   on the groups it kept (or on the last round when it kept none), with a warning and
   the metrics dynamic_sampling/gen_batches and dynamic_sampling/kept_frac. The kept
   batch is cut to exactly data.train_batch_size groups, as veRL's DAPO recipe.
-- Old log-probs are recomputed by the actor (veRL), unless rollout.use_rollout_logprobs
-  and a one-time check on the first batch finds the engine within 1e-3 of the actor.
-  With one optimizer step per rollout (ppo_epochs 1, ppo_mini_batch_size = the batch) and
-  no KL in the reward, there is no recompute at all: the loss uses its own log-probs,
-  detached, which are exactly the behaviour policy's (TRL does the same when
-  num_iterations = 1); the ratio is 1 and timing/old_logprob is 0.
+- Old log-probs are recomputed by the actor (veRL), or are the engine's in bypass mode
+  (algorithm.rollout_correction.bypass_mode, veRL's). With one optimizer step per rollout
+  (ppo_epochs 1, ppo_mini_batch_size = the batch), no KL in the reward and no comparison
+  with the engine's log-probs (rollout.calculate_log_probs), there is no recompute at all:
+  the loss uses its own log-probs, detached, which are exactly the behaviour policy's (TRL
+  does the same when num_iterations = 1); the ratio is 1 and timing/old_logprob is 0.
+- Rollout correction (`algos.rollout_correction`, docs/rollout_correction.md): with the
+  engine's log-probs every step logs their gap to the actor's (rollout_corr/*, veRL's names),
+  correction on or off; with algorithm.rollout_correction.rollout_is the weights (TIS,
+  IcePop, MIS) multiply the policy-gradient term of the actor's loss. A masked token keeps
+  its place in the loss's denominator (TRL); veRL's rejection takes it out of the mask.
 - Rows whose advantage is 0 on every token (a GRPO group whose rewards are all equal) get
   no forward/backward when the loss is the clipped surrogate alone (no entropy bonus, no
   KL in the loss, no shared value head): their loss and gradient are exactly 0, and they
@@ -109,9 +114,9 @@ from posttrain.trainers.rl_roles import build_roles
 from posttrain.trainers.rl_samples import train_samples
 from posttrain.trainers.rl_steps import (
     NOT_RUN,
-    ROLLOUT_LOGPROB_TOL,
     collect_rollouts,
     compute_advantages,
+    correct_rollout,
     mask_truncated,
     step_seed,
     step_stages,
@@ -194,7 +199,6 @@ class RLTrainer:
         kl = args.algorithm.kl
         self.kl_ctrl = (AdaptiveKLController(kl.coef, kl.target, kl.horizon) if kl.adaptive
                         else FixedKLController(kl.coef))
-        self.rollout_logp_ok: bool | None = None  # the one-time engine check (None: not done)
         self.next_uid = 0  # the prompts' group ids, counted over the run
         self.trained: tuple[torch.nn.Module, torch.nn.Module | None] | None = None  # (policy, critic) after train()
         self.last_batch: RLBatch | None = None  # the latest training batch (its rows go to samples.jsonl)
@@ -300,25 +304,20 @@ class RLTrainer:
         return single and not cfg.algorithm.kl.in_reward
 
     def old_logprobs(self, batch: RLBatch) -> tuple[RLBatch, dict[str, float]]:
-        """The behaviour policy's log-probs: none when the update is on-policy (the actor
-        uses its own, detached), else recomputed by the actor, or the engine's once a
-        first-batch comparison found them within ROLLOUT_LOGPROB_TOL."""
-        if self.on_policy_update:
-            return batch, {}
-        wanted = self.args.rollout.use_rollout_logprobs and batch.rollout_logp is not None
-        if wanted and self.rollout_logp_ok:
+        """The behaviour policy's log-probs: the engine's in bypass mode; none when the update
+        is on-policy (the actor uses its own, detached) and the engine's are not compared;
+        else recomputed by the actor, then compared with the engine's and corrected for
+        (`rl_steps.correct_rollout`) when the engine returned them (rollout.calculate_log_probs)."""
+        cfg = self.args
+        corr = cfg.algorithm.rollout_correction
+        if corr.bypass_mode:
+            batch.require("rollout_logp", role="algorithm.rollout_correction.bypass_mode",
+                          why="old log-probs are the engine's (rollout.calculate_log_probs)")
             return batch.replace(old_logp=batch.rollout_logp), {}
-        old = self.roles.actor.compute_logprobs(batch)
-        metrics: dict[str, float] = {}
-        if wanted and self.rollout_logp_ok is None:
-            mask = batch.response_mask.bool()
-            diff = float((old - batch.rollout_logp).abs()[mask].max()) if mask.any() else 0.0
-            self.rollout_logp_ok = diff <= ROLLOUT_LOGPROB_TOL
-            metrics["rollout/logprob_max_diff"] = diff
-            if not self.rollout_logp_ok:
-                log.warning("rollout.use_rollout_logprobs: the engine's log-probs differ from the actor's by "
-                            "up to %.3g (> %g); recomputing them for the rest of the run", diff, ROLLOUT_LOGPROB_TOL)
-        return batch.replace(old_logp=old), metrics
+        if self.on_policy_update and not cfg.rollout_log_probs:
+            return batch, {}
+        batch = batch.replace(old_logp=self.roles.actor.compute_logprobs(batch))
+        return correct_rollout(batch, corr) if cfg.rollout_log_probs else (batch, {})
 
     def evaluate(self, step: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
         """eval/* metrics and the first eval samples."""
@@ -332,14 +331,12 @@ class RLTrainer:
     # ------------------------------------------------------------------ checkpoints
 
     def state(self) -> dict[str, Any]:
-        return {"prompts": self.stream.state_dict(), "kl_coef": self.kl_ctrl.value,
-                "rollout_logp_ok": self.rollout_logp_ok}
+        return {"prompts": self.stream.state_dict(), "kl_coef": self.kl_ctrl.value}
 
     def load_state(self, state: dict[str, Any]) -> None:
-        """The driver's state (`state()`): prompt stream position, KL coefficient, engine check."""
+        """The driver's state (`state()`): prompt stream position, KL coefficient."""
         self.stream.load_state_dict(state["prompts"])
         self.kl_ctrl.value = float(state["kl_coef"])
-        self.rollout_logp_ok = state["rollout_logp_ok"]
         self.last_batch = None
 
     def save(self, run_dir: Path, step: int, metrics: dict[str, float], keep: int, run: RunRecord) -> Path:
@@ -444,7 +441,7 @@ def rl_step(trainer: RLTrainer, step: int) -> tuple[dict[str, float], RLBatch]:
            **actor_metrics}
     trainer.kl_ctrl.update(out["kl"], len(batch))
     elapsed = time.perf_counter() - started
-    if kl.enabled:  # β only acts through a KL term (`config.rl.KLConfig`)
+    if kl.enabled:  # β only acts through a KL term (`config.algorithm.KLConfig`)
         out["kl_coef"] = beta
     out.update(timer.metrics(), **{
         "lr": actor_metrics["lr"] if "lr" in actor_metrics else r.actor.lr(),

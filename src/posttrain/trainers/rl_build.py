@@ -114,8 +114,14 @@ def build_rollout(cfg: RLConfig, model: torch.nn.Module, tokenizer: Any, env_fac
     rc = cfg.rollout
     kind = engine_kind_for(model) if rc.engine == "auto" else rc.engine
     opts = engine_options(cfg, kind, is_peft(model))
-    return Rollout(make_engine(kind, model, tokenizer, **opts), SamplingParams.from_config(rc),
+    return Rollout(make_engine(kind, model, tokenizer, **opts), sampling_params(cfg),
                    env_factory, MultiTurnLimits.from_config(rc.multi_turn))
+
+
+def sampling_params(cfg: RLConfig) -> SamplingParams:
+    """The rollout's sampling settings; the engine returns log-probs when
+    rollout.calculate_log_probs (null resolved, `RLConfig.rollout_log_probs`) says so."""
+    return dataclasses.replace(SamplingParams.from_config(cfg.rollout), logprobs=cfg.rollout_log_probs)
 
 
 def check_engine_fits(cfg: RLConfig, model: Any) -> None:

@@ -18,8 +18,8 @@ from posttrain.distributed.groups import LocalWorkerGroup
 from posttrain.distributed.pools import WorkerPools
 from posttrain.distributed.register import RoleView, role_view
 from posttrain.models.lora import is_peft
-from posttrain.rollout import MultiTurnLimits, SamplingParams, engine_kind_for
-from posttrain.trainers.rl_build import initial_models
+from posttrain.rollout import MultiTurnLimits, engine_kind_for
+from posttrain.trainers.rl_build import initial_models, sampling_params
 from posttrain.trainers.rl_worker import RLWorker, pool_factories
 from posttrain.workers import Reward
 from posttrain.workers.roles import ActorRole, CriticRole, ReferenceRole, RolloutRole
@@ -104,7 +104,7 @@ def views(cfg: RLConfig, pools: WorkerPools, mapping: dict[str, str], reward: Re
     kind = engine_kind_for(policy) if rc.engine == "auto" else rc.engine
     actor_group = pools[mapping["actor"]]
     rollout = role_view(pools[mapping["rollout"]], RLWorker, "rollout", {"split": rc.split}, kind=kind,
-                        params=SamplingParams.from_config(rc), env_factory=env_factory,
+                        params=sampling_params(cfg), env_factory=env_factory,
                         limits=MultiTurnLimits.from_config(rc.multi_turn))
     ref = role_view(actor_group, RLWorker, "ref", shares_policy=is_peft(policy)) if cfg.algorithm.kl.enabled else None
     critic = role_view(pools[mapping["critic"]], RLWorker, "critic") if cfg.use_critic else None

@@ -1,6 +1,6 @@
 """The stages of one RL step that the driver (`trainers/rl.py`) calls: rollout collection
-with DAPO's dynamic sampling, the step's generation metrics, truncation masking, and the
-advantage stage (the estimators themselves are `algos.advantages`).
+with DAPO's dynamic sampling, the step's generation metrics, truncation masking, the rollout
+correction, and the advantage stage (the estimators themselves are `algos.advantages`).
 
 Notation: B rows, n responses per prompt, Tr response tokens.
 """
@@ -12,8 +12,15 @@ from collections.abc import Callable
 
 import torch
 
-from posttrain.algos import filter_groups, masked_mean, masked_sum, masked_whiten
-from posttrain.config.rl import AlgorithmConfig
+from posttrain.algos import (
+    filter_groups,
+    masked_mean,
+    masked_sum,
+    masked_whiten,
+    rollout_correction,
+    rollout_gap_metrics,
+)
+from posttrain.config.algorithm import AlgorithmConfig, RolloutCorrectionConfig
 from posttrain.envs import merge_episode_metrics
 from posttrain.logging import get_logger
 from posttrain.logging.timing import StageTimer
@@ -38,7 +45,6 @@ critic logs no critic metric at all (value_loss, critic/*, timing/values, ...)."
 def step_stages(with_critic: bool) -> tuple[str, ...]:
     """The stages a step times: all of STAGES, less CRITIC_STAGES without a critic."""
     return STAGES if with_critic else tuple(s for s in STAGES if s not in CRITIC_STAGES)
-ROLLOUT_LOGPROB_TOL = 1e-3
 
 
 def step_seed(seed: int, step: int, salt: int) -> int:
@@ -128,6 +134,20 @@ def generation_metrics(batches: list[RLBatch], reward_metrics: list[dict[str, fl
 def mask_truncated(batch: RLBatch) -> RLBatch:
     """Remove truncated responses from the loss (their scores still count in group baselines)."""
     return batch.replace(response_mask=batch.response_mask * (~batch.truncated).long()[:, None])
+
+
+def correct_rollout(batch: RLBatch, corr: RolloutCorrectionConfig) -> tuple[RLBatch, dict[str, float]]:
+    """The gap between the engine's log-probs and the actor's old ones (rollout_corr/*), and,
+    with `corr.rollout_is` set, the correction's weights as the batch's `rollout_is_weights`
+    (`algos.rollout_correction`), which the actor's loss multiplies its policy-gradient term by."""
+    batch.require("old_logp", "rollout_logp", "response_mask", role="rollout correction",
+                  why="it compares the engine's log-probs (rollout.calculate_log_probs) with the actor's")
+    args = batch.old_logp, batch.rollout_logp, batch.response_mask
+    if corr.rollout_is is None:
+        return batch, {k: float(v) for k, v in rollout_gap_metrics(*args).items()}
+    weights, metrics = rollout_correction(*args, level=corr.rollout_is, mode=corr.rollout_is_mode,
+                                          c_low=corr.rollout_is_threshold_lower, c_high=corr.rollout_is_threshold)
+    return batch.replace(rollout_is_weights=weights), {k: float(v) for k, v in metrics.items()}
 
 
 # ----------------------------------------------------------------------------- advantages

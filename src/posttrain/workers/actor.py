@@ -14,9 +14,11 @@ Notation: B rows, Tr response tokens, V vocab. One `update(batch)`:
 
 Loss of a micro-batch (each term reduced with the same `loss_agg_mode`, which is what
 makes the weighted combination exact):
-    L = policy_loss(logp, old_logp, adv) − entropy_coeff · H + β · KL(logp, ref_logp)
+    L = policy_loss(logp, old_logp, adv, w) − entropy_coeff · H + β · KL(logp, ref_logp)
 (old_logp = sg[logp] when the batch has none: a single on-policy step), with the KL
-term only when `algorithm.kl.in_loss`. The policy runs in whatever mode it
+term only when `algorithm.kl.in_loss`. w, the batch's `rollout_is_weights` when the rollout
+correction is on, multiplies the policy-gradient term only (as veRL: not the entropy, KL or
+value terms). The policy runs in whatever mode it
 is in (train); RL models should have no dropout, or the first ratio is not exactly 1.
 
 Rows that cannot move the policy get no forward pass. When the loss is the clipped
@@ -178,6 +180,7 @@ class Actor:
         old_logp = mb.old_logp if mb.old_logp is not None else logp.detach()  # on-policy: ratio 1
         loss, metrics = policy_loss(
             logp, old_logp, mb.advantages, mask, pl.clip_low, pl.clip_high, pl.dual_clip, pl.level, agg, self.max_len,
+            mb.rollout_is_weights,
         )
         metrics["policy_loss"] = loss.detach()
         with torch.set_grad_enabled(a.entropy_coeff != 0 and torch.is_grad_enabled()):

@@ -49,6 +49,9 @@ class RLBatch(BatchOps):
     """(B, Tr) float: log-probs the rollout engine reported while sampling."""
     old_logp: torch.Tensor | None = field(default=None, metadata={"kind": "right"})
     """(B, Tr) float: log-probs of the behaviour policy π_old (the ratio's denominator)."""
+    rollout_is_weights: torch.Tensor | None = field(default=None, metadata={"kind": "right"})
+    """(B, Tr) float: the rollout correction's importance weights on the policy-gradient term
+    (`algos.rollout_correction`, veRL's name), 0 on padding; None = no correction."""
     ref_logp: torch.Tensor | None = field(default=None, metadata={"kind": "right"})
     """(B, Tr) float: log-probs under the frozen reference π_ref (only when KL is used)."""
     values: torch.Tensor | None = field(default=None, metadata={"kind": "right"})
