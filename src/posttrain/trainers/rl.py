@@ -330,7 +330,9 @@ class RLTrainer:
         oldest = torch.where(batch.response_mask.bool(), versions, versions.amax()).amin(-1)
         record = {"step": step, "prompt_index": batch.prompt_index[::n].tolist(),
                   "version": oldest.view(-1, n).amin(-1).tolist()}
-        with open(Path(self.args.trainer.output_dir) / PROMPTS_FILE, "a") as f:
+        run_dir = Path(self.args.trainer.output_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)  # `step` called outside the loop (tests) too
+        with open(run_dir / PROMPTS_FILE, "a") as f:
             f.write(json.dumps(record) + "\n")
 
     @property
