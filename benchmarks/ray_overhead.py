@@ -43,7 +43,7 @@ its time stands in for the workers' compute and
 (an upper bound: it also holds the loss of 2-thread vs 2-process parallel efficiency, either
 sign). With --seed-mode batch generation is the exception: on Ray it runs on worker 0 alone
 with 1 thread, so its compute is ~the local one with 1 thread, not 2; the gap there is mostly
-compute, not communication (`RayRollout.generate`).
+compute, not communication (`RLWorker.generate`, RANK_ZERO).
 """
 
 from __future__ import annotations

@@ -81,3 +81,64 @@ def test_algos_imports_only_torch_and_the_standard_library():
                                                           not name.startswith("posttrain.algos")):
                     bad.append(f"{path.name}:{node.lineno} imports {name}")
     assert not bad, bad
+
+
+ACYCLIC = ("trainers", "workers", "distributed", "rollout", "rewards", "envs", "algos", "models", "data")
+"""Packages whose modules import one another without a cycle (a shared piece sits below both
+sides: e.g. `rollout/native_decode.py`, `rewards/base.py`, `trainers/rl_worker.py`)."""
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    return ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """posttrain module -> the posttrain modules it imports (a name imported from a package
+    counts as its submodule when there is one)."""
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("posttrain"):
+                for a in node.names:
+                    full = f"{node.module}.{a.name}"
+                    targets.add(full if full in modules else node.module)
+            elif isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names if a.name in modules}
+        graph[name] = {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while not comp or comp[-1] != v:
+                comp.append(stack.pop())
+                on.discard(comp[-1])
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles_inside_the_packages_below_the_cli():
+    found = [c for c in cycles(import_graph()) if any(m.split(".")[1] in ACYCLIC for m in c)]
+    assert not found, f"import cycles: {found}"

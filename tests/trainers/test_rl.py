@@ -162,7 +162,8 @@ def test_the_engine_gap_is_logged_with_the_correction_off(tmp_path):
     assert_same_weights(weights(plain.model), weights(logged.model), atol=1e-6)
     for m in metric_lines(tmp_path / "b"):
         assert abs(m["rollout_corr/kl"]) < 1e-6 and m["rollout_corr/log_ppl_abs_diff"] < 1e-6, m
-        assert "rollout_corr/rollout_is_mean" not in m  # no weights: the correction is off
+        # the weights the correction would apply are described though it is off: all ~1 here
+        assert abs(m["rollout_corr/rollout_is_mean"] - 1) < 1e-5 and m["rollout_corr/rollout_is_eff_sample_size"] > 0.99999, m
     assert not any(k.startswith("rollout_corr/") for k in metric_lines(tmp_path / "a")[0])
 
 

@@ -35,6 +35,15 @@ def build(*overrides, cls=GRPOConfig):
         (["algorithm.adv_estimator=gae", "critic.share_backbone=true", "critic.warmup_steps=2"], "critic.warmup_steps"),
         (["algorithm.adv_estimator=gae", "critic.share_backbone=true", "model.lora.r=4"], "critic.share_backbone"),
         (["actor.policy_loss.loss_agg_mode=token_mean"], "actor.policy_loss.loss_agg_mode"),
+        (["algorithm.rollout_correction.rollout_is=token", "rollout.calculate_log_probs=false"],
+         "rollout.calculate_log_probs"),
+        (["algorithm.rollout_correction.bypass_mode=true", "rollout.calculate_log_probs=false"],
+         "rollout.calculate_log_probs"),
+        (["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.rollout_is=sequence"],
+         "algorithm.rollout_correction.bypass_mode"),
+        (["algorithm.rollout_correction.rollout_is_threshold_lower=2.0"], "algorithm.rollout_correction.rollout_is_threshold_lower"),
+        (["algorithm.rollout_correction.rollout_is_threshold=0"], "algorithm.rollout_correction.rollout_is_threshold"),
+        (["rollout.use_rollout_logprobs=true"], "algorithm.rollout_correction.bypass_mode=true"),
     ],
 )
 def test_impossible_settings_name_the_field(overrides, field):
@@ -184,3 +193,28 @@ def test_vllm_options_carry_the_base_model_path_for_a_lora_policy():
     with pytest.raises(ConfigError, match="model.path"):
         engine_options(build("rollout.engine=vllm"), "vllm", peft=True)
     assert engine_options(build("rollout.max_batch_size=4"), "native", peft=True) == {"max_batch_size": 4}
+
+
+@pytest.mark.parametrize("overrides,wanted", [
+    ([], False),
+    (["rollout.calculate_log_probs=true"], True),
+    (["algorithm.rollout_correction.rollout_is=token"], True),
+    (["algorithm.rollout_correction.bypass_mode=true"], True),
+])
+def test_the_engine_returns_log_probs_when_they_are_read(overrides, wanted):
+    from posttrain.trainers.rl_build import sampling_params
+
+    cfg = build(*overrides)
+    assert cfg.rollout_log_probs is wanted and sampling_params(cfg).logprobs is wanted
+
+
+@pytest.mark.parametrize("theirs,ours", [
+    ("vllm_importance_sampling_mode=token_mask", "algorithm.rollout_correction.rollout_is=token"),
+    ("vllm_importance_sampling_clip_max=3.0", "algorithm.rollout_correction.rollout_is_threshold=3.0"),
+    ("vllm_importance_sampling_clip_min=0.5", "algorithm.rollout_correction.rollout_is_threshold_lower=0.5"),
+    ("actor_rollout_ref.rollout.calculate_log_probs=true", "rollout.calculate_log_probs=true"),
+    ("algorithm.rollout_correction.rollout_rs=seq_mean_k1", "algorithm.rollout_correction.rollout_is_mode"),
+])
+def test_trl_and_verl_rollout_correction_keys_point_to_ours(theirs, ours):
+    with pytest.raises(ConfigError, match=f"Did you mean {ours}"):
+        build(theirs)

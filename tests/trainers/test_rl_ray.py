@@ -94,6 +94,8 @@ SETTINGS = {
         "cls": PPOConfig, "rollout.n": 2, "actor.ppo_mini_batch_size": 2, "actor.ppo_epochs": 2,
         "actor.micro_batch_size": 2, "critic.micro_batch_size": 4, "critic.learning_rate": 1e-2,
         "critic.warmup_steps": 1, "algorithm.kl.in_reward": "true", "algorithm.kl.coef": 0.05,
+        # token TIS with C = 0.5 < the ratio 1: every weight 0.5, which must reach each worker's loss
+        "algorithm.rollout_correction.rollout_is": "token", "algorithm.rollout_correction.rollout_is_threshold": 0.5,
     },
 }
 PPO_COMPARED = ("value_loss", "values/mean", "returns/mean", "critic/grad_norm")
@@ -133,8 +135,8 @@ def train(model, cfg, local_group=False, rows=PROMPTS, tokenizer=None, pools=Non
     return {k: {n: v.detach().clone() for n, v in m.state_dict().items()} for k, m in roles.items() if m is not None}
 
 
-def train_grpo(model, cfg, local_group=False):
-    return train(model, cfg, local_group, reward_funcs=[starts_with_a])
+def train_grpo(model, cfg, local_group=False, pools=None):
+    return train(model, cfg, local_group, pools=pools, reward_funcs=[starts_with_a])
 
 
 def saved_models(run_dir):
@@ -441,6 +443,7 @@ def cli_args(data, run, backend):
 
 
 def test_cli_grpo_on_ray_runs_end_to_end_like_local_and_leaves_no_process(tmp_path):
+    """The same metrics and the same files, DCP shards included (one checkpoint layout)."""
     pytest.importorskip("ray")
     data = tmp_path / "data"
     make_task("arithmetic", data, n_train=16, n_test=4, seed=0, difficulty="easy")
@@ -460,9 +463,8 @@ def test_cli_grpo_on_ray_runs_end_to_end_like_local_and_leaves_no_process(tmp_pa
     assert [m["step"] for m in ray_lines] == [m["step"] for m in local_lines] == [1, 2]
     assert [sorted(m) for m in ray_lines] == [sorted(m) for m in local_lines]
     listing = {p.relative_to(tmp_path / "ray").as_posix() for p in (tmp_path / "ray").rglob("*")}
-    shards = {p for p in listing if "/dcp" in p}  # the workers' DCP shards: Ray's checkpoints only
-    assert {"checkpoints/step-1/dcp/actor", "checkpoints/step-2/dcp/actor"} <= shards
-    assert listing - shards == {p.relative_to(tmp_path / "local").as_posix() for p in (tmp_path / "local").rglob("*")}
+    assert {"checkpoints/step-1/dcp/actor", "checkpoints/step-2/dcp/actor"} <= listing  # the workers' DCP shards
+    assert listing == {p.relative_to(tmp_path / "local").as_posix() for p in (tmp_path / "local").rglob("*")}
     assert (tmp_path / "ray" / "final" / "config.json").is_file() and "eval/accuracy" in ray_lines[-1]
     assert sorted(p.name for p in (tmp_path / "ray" / "checkpoints").iterdir()) == ["step-1", "step-2"]
 

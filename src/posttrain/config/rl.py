@@ -308,7 +308,7 @@ class RLConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Rewards."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    """Advantage estimator, KL, DAPO tricks."""
+    """Advantage estimator, KL, DAPO tricks, rollout correction."""
     trainer: RLTrainerConfig = field(default_factory=RLTrainerConfig)
     """Steps, optimizer (the actor's), schedule, logging, checkpoints. max_steps, warmup
     and the schedule count RL steps; micro-batches are actor.micro_batch_size."""
@@ -499,4 +499,4 @@ class PPOConfig(RLConfig):
     rollout: PPORolloutConfig = field(default_factory=PPORolloutConfig)
     """Sampling."""
     algorithm: PPOAlgorithmConfig = field(default_factory=PPOAlgorithmConfig)
-    """Advantage estimator, KL, DAPO tricks."""
+    """Advantage estimator, KL, DAPO tricks, rollout correction."""

@@ -11,7 +11,7 @@ name in veRL's dispatch modes (`dispatch`).
     group.per_rank("update", [args_0, ...])   # worker r gets args_r
 
 `factory(rank, world_size, collective, *args)` runs in the worker's process and builds the
-object (the colocated roles: `trainers/rl_ray.py`); `collective` is a `Collective` over the
+object (the RL worker: `trainers/rl_worker.py`); `collective` is a `Collective` over the
 workers' gloo group that averages gradients (None in a local group). This layer knows no
 role: the factory comes from above.
 
@@ -78,7 +78,10 @@ class _Dispatch(ABC):
 
     def dp_compute(self, method: str, batch: Any, *args: Any) -> Any:
         """`method(part, *args)` on each worker's balanced part of `batch`, gathered back in
-        row order (`dispatch.shard_rows`, `dispatch.gather_rows`)."""
+        row order (`dispatch.shard_rows`, `dispatch.gather_rows`); one worker gets the batch
+        itself (its one part, uncopied)."""
+        if self.world_size == 1:
+            return self._run(method, [(batch, *args)])[0]
         sharded = shard_rows(batch, self.world_size)
         return gather_rows(self._run(method, [(part, *args) for part in sharded.parts]), sharded)
 

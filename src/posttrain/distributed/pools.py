@@ -9,7 +9,7 @@
 seconds, naming every pool's keys, before any worker starts), then starts the groups'
 workers together and waits for all of them. Each group is its own gloo group (its ranks
 0..W-1): pools share no collective. This layer knows no role: which roles a pool's workers
-hold is in the factory arguments (`trainers/rl_ray.py`).
+hold is in the factory arguments (`trainers/rl_worker.py`).
 """
 
 from __future__ import annotations

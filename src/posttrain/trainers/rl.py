@@ -1,13 +1,14 @@
 """Online RL: PPO with a critic and the GRPO family (GRPO, DAPO, GSPO, Dr.GRPO, RLOO, REINFORCE++).
 
-One driver, `rl_step` (one step of the loop in `trainers/loop.py`), calls the roles of
-`posttrain.workers` in veRL's order:
+One driver, `rl_step` (one step of the loop in `trainers/loop.py`), calls the roles in veRL's
+order, through views generated from the worker's declarations (`rl_worker.RLWorker`: one
+in-process worker locally, N on Ray; `rl_roles.Roles`, typed by `workers.roles`):
 
     prompts → rollout.generate (n per prompt) → reward.score → actor.compute_logprobs (old)
       → ref.compute_logprobs (only with a KL term) → critic.compute_values (PPO)
       → advantages (`algos.ADV_ESTIMATORS[algorithm.adv_estimator]`)
       → rollout.offload → critic.update → actor.update (ppo_epochs × shuffled mini-batches)
-      → rollout.sync_from(actor) (the engine resumes, then takes the new weights)
+      → roles.sync_rollout() (each engine resumes, then takes its actor's new weights)
 
 Papers: PPO (Schulman et al. 2017, arXiv 1707.06347) with GAE (arXiv 1506.02438); GRPO
 (Shao et al. 2024, arXiv 2402.03300); DAPO (Yu et al. 2025, arXiv 2503.14476); GSPO

@@ -18,7 +18,6 @@ from posttrain.algos import (
     masked_sum,
     masked_whiten,
     rollout_correction,
-    rollout_gap_metrics,
 )
 from posttrain.config.algorithm import AlgorithmConfig, RolloutCorrectionConfig
 from posttrain.envs import merge_episode_metrics
@@ -139,15 +138,19 @@ def mask_truncated(batch: RLBatch) -> RLBatch:
 def correct_rollout(batch: RLBatch, corr: RolloutCorrectionConfig) -> tuple[RLBatch, dict[str, float]]:
     """The gap between the engine's log-probs and the actor's old ones (rollout_corr/*), and,
     with `corr.rollout_is` set, the correction's weights as the batch's `rollout_is_weights`
-    (`algos.rollout_correction`), which the actor's loss multiplies its policy-gradient term by."""
+    (`algos.rollout_correction`), which the actor's loss multiplies its policy-gradient term by.
+    With the correction off, the weights it would apply (token level, the configured mode and
+    thresholds) are still described by the rollout_is_* metrics, so a user sees the gap and what
+    the correction would do before turning it on; the batch is left as it was."""
     batch.require("old_logp", "rollout_logp", "response_mask", role="rollout correction",
                   why="it compares the engine's log-probs (rollout.calculate_log_probs) with the actor's")
-    args = batch.old_logp, batch.rollout_logp, batch.response_mask
+    weights, metrics = rollout_correction(
+        batch.old_logp, batch.rollout_logp, batch.response_mask, level=corr.rollout_is or "token",
+        mode=corr.rollout_is_mode, c_low=corr.rollout_is_threshold_lower, c_high=corr.rollout_is_threshold)
+    metrics = {k: float(v) for k, v in metrics.items()}
     if corr.rollout_is is None:
-        return batch, {k: float(v) for k, v in rollout_gap_metrics(*args).items()}
-    weights, metrics = rollout_correction(*args, level=corr.rollout_is, mode=corr.rollout_is_mode,
-                                          c_low=corr.rollout_is_threshold_lower, c_high=corr.rollout_is_threshold)
-    return batch.replace(rollout_is_weights=weights), {k: float(v) for k, v in metrics.items()}
+        return batch, metrics
+    return batch.replace(rollout_is_weights=weights), metrics
 
 
 # ----------------------------------------------------------------------------- advantages

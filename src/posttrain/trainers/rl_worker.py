@@ -46,6 +46,7 @@ optimizer, `critic/optimizer.pt`) is read by every worker from its files (`resto
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,17 @@ def update_share(batch: RLBatch, mini_batch_rows: int, epochs: int, seed: int, r
     return [shard_rows(m, world_size, pad=False).parts[rank] for m in minis]
 
 
+def cpu_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model` whose parameters and buffers are CPU tensors, made tensor by tensor
+    (`deepcopy` takes them from its memo), so the module is never copied on its device."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = torch.nn.Parameter(p.detach().to("cpu", copy=True), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = b.detach().to("cpu", copy=True)
+    return copy.deepcopy(model, memo)
+
+
 def join_slices(slices: list[RLBatch]) -> RLBatch:
     """The generated slices of one batch as one batch, rows in order; episodes' metrics merged
     as over several rounds (`envs.merge_episode_metrics`: means weighted by rows)."""
@@ -102,6 +114,7 @@ class RLWorker:
                  policy: torch.nn.Module | None, value_model: ScalarHeadModel | None = None, env_factory: Any = None,
                  roles: tuple[str, ...] = ALL_ROLES):
         self.rank, self.world_size, self.policy = rank, world_size, policy
+        self.in_process = collective is None  # the driver's own process (trainer.backend=local)
         self.ref = self.actor = self.critic = self.rollout = None
         episodes = env_factory is not None
         if "actor" in roles:
@@ -161,9 +174,14 @@ class RLWorker:
     def actor_lr(self) -> float:
         return self.actor.lr
 
+    def _readable(self, model: torch.nn.Module | None) -> torch.nn.Module | None:
+        """`model` for the driver: itself in process, else a copy on the CPU (made without a
+        second copy on the worker's device)."""
+        return model if self.in_process or model is None else cpu_copy(model)
+
     @register(Dispatch.RANK_ZERO, role="actor", name="model")
     def actor_model(self) -> torch.nn.Module:
-        return self.actor.model
+        return self._readable(self.actor.model)
 
     @register(Dispatch.RANK_ZERO_REF, role="actor", name="policy_weights")
     def policy_weights(self) -> dict[str, torch.Tensor]:
@@ -180,7 +198,7 @@ class RLWorker:
 
     @register(Dispatch.RANK_ZERO, role="ref", name="saved_model")
     def ref_saved_model(self) -> torch.nn.Module | None:
-        return self.ref.saved_model()
+        return self._readable(self.ref.saved_model())
 
     # ------------------------------------------------------------------ critic
 
@@ -198,7 +216,7 @@ class RLWorker:
 
     @register(Dispatch.RANK_ZERO, role="critic", name="model")
     def critic_model(self) -> torch.nn.Module:
-        return self.critic.model
+        return self._readable(self.critic.model)
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -5,11 +5,13 @@
     actor.compute_logprobs(batch), actor.update(...)  Actor     (actor.py)
     ref.compute_logprobs(batch)                       Reference (reference.py)
     critic.compute_values(batch), critic.update(...)  Critic    (critic.py)
-    rollout.sync_from(actor)                          after each update
+    rollout.sync_weights(model)                       after each update
 
 Roles take and return `RLBatch` containers (batch.py) and plain numbers, never config
-trees other than the run's own config, or each other's internals, so a Ray-backed worker group exposing the same methods
-can replace any of them without changing the driver (`posttrain.trainers.rl`). Each role
+trees other than the run's own config, or each other's internals. The RL driver never holds
+them: one worker class (`trainers/rl_worker.py`) holds those of its process, and the driver
+calls views typed by `roles.py`, the same whether one in-process worker or N Ray workers run
+them (`posttrain.trainers.rl`). Each role
 method checks the fields it reads at its entry (`RLBatch.require`), so a stage run out of
 order fails there, naming the role, the method and the missing field.
 """
