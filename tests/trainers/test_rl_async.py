@@ -8,6 +8,7 @@ within 1e-10 (in practice bit for bit).
 """
 
 import json
+import time
 from collections import Counter
 from functools import partial
 
@@ -185,5 +186,52 @@ def test_a_crashed_async_run_resumes_training_every_prompt_once_per_epoch(tmp_pa
     log = prompt_log(tmp_path)
     assert [r["step"] for r in log] == list(range(1, 9))
     for epoch in range(2):
+        seen = Counter(i for r in log[epoch * 4:(epoch + 1) * 4] for i in r["prompt_index"])
+        assert seen == Counter(range(16)), (epoch, seen)
+
+
+def test_ppo_with_its_critic_trains_asynchronously(tmp_path):
+    """Decoupled PPO with GAE: the critic's values and the advantages are the step's own."""
+    cfg = config(tmp_path, "gae", **{"trainer.async_training.max_staleness": 1, "trainer.max_steps": 3,
+                                     "data.train_batch_size": 8, "actor.micro_batch_size": 8})
+    trainer_for(cfg).train()
+    lines = metric_lines(tmp_path)
+    assert [m["async/staleness/max"] for m in lines] == [0.0, 1.0, 1.0]
+    assert all(m["value_loss"] > 0 and "rollout_corr/rollout_is_mean" in m for m in lines)
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_driver_at_five_points_then_resume_trains_every_prompt_once_per_epoch(tmp_path):
+    """`posttrain grpo` with max_staleness=1 in its own process, SIGKILLed five times (after
+    steps 2, 4, 5, 7 and 9 are logged, at a random delay after it, so some land mid-step or
+    mid-save; checkpoints every step), each time resumed with trainer.resume=auto until it
+    finishes its 12 steps (3 epochs of 16 prompts, 4 per step): every prompt is in
+    trained_prompts.jsonl exactly once per epoch."""
+    import random
+    import signal
+
+    from posttrain.data.tasks import make_task
+
+    from .test_preemption import finish, posttrain, wait_for_step
+
+    make_task("arithmetic", tmp_path / "data", n_train=16, n_test=4, seed=0, difficulty="easy")
+    run = tmp_path / "run"
+    argv = ["grpo", "model.init=tiny", f"data.train_files=[{tmp_path / 'data' / 'train.jsonl'}]",
+            "data.train_batch_size=4", "rollout.n=2", "rollout.max_new_tokens=4", "actor.micro_batch_size=8",
+            "trainer.max_steps=12", "trainer.save_steps=1", "trainer.resume=auto", f"trainer.output_dir={run}",
+            "trainer.report_to=[]", "trainer.progress=false", "reward.functions=[task_reward]",
+            "trainer.async_training.max_staleness=1"]
+    rng = random.Random(0)
+    for step in (2, 4, 5, 7, 9):
+        proc = posttrain(*argv)
+        wait_for_step(proc, run, step)
+        time.sleep(rng.uniform(0.0, 0.4))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    rc, _, err = finish(posttrain(*argv))
+    assert rc == 0, err[-3000:]
+    log = prompt_log(run)
+    assert [r["step"] for r in log] == list(range(1, 13))
+    for epoch in range(3):
         seen = Counter(i for r in log[epoch * 4:(epoch + 1) * 4] for i in r["prompt_index"])
         assert seen == Counter(range(16)), (epoch, seen)
