@@ -18,7 +18,9 @@ async ones must for decoupled PPO):
   one_step_off  max_staleness=1 mode=one_step_off
 Measured from each run's metrics.jsonl after --warmup steps: the median of timing/step, and of
 the synchronous run's generation (timing/gen) and update side (old_logprob + ref + adv +
-update_actor) to show they are about equal; the async runs' median perf/overlap.
+update_actor) to show they are about equal; the async runs' median perf/overlap. The modes
+alternate their order over --rounds; the 1-minute load average before and after each run is
+recorded (on a machine shared with other jobs, an overlap needs two idle cores to pay).
 """
 
 from __future__ import annotations
@@ -70,14 +72,16 @@ def run_mode(mode: str, out: Path, data: Path, args: argparse.Namespace) -> dict
 def table(results: dict[str, list[dict[str, float]]]) -> str:
     """A markdown table: per mode the median step, its speed-up over sync, gen/update, overlap."""
     med = {m: statistics.median(r["step_s"] for r in rs) for m, rs in results.items()}
-    lines = ["| mode | s/step (median) | speed-up vs sync | share of the 2x ideal | gen s | update s | perf/overlap |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| mode | s/step (median) | speed-up vs sync | share of the 2x ideal | gen s | update s | perf/overlap "
+             "| load avg (1 min) |", "|---|---|---|---|---|---|---|---|"]
     for mode, rs in results.items():
         speed = med["sync"] / med[mode]
-        lines.append(f"| {mode} | {med[mode]:.3f} | {speed:.2f}x | {speed / 2:.0%} | "
+        share = "–" if mode == "sync" else f"{speed / 2:.0%}"
+        lines.append(f"| {mode} | {med[mode]:.3f} | {speed:.2f}x | {share} | "
                      f"{statistics.median(r['gen_s'] for r in rs):.3f} | "
                      f"{statistics.median(r['update_s'] for r in rs):.3f} | "
-                     f"{statistics.median(r['overlap'] for r in rs):.2f} |")
+                     f"{statistics.median(r['overlap'] for r in rs):.2f} | "
+                     f"{min(r['load_before'] for r in rs):.1f}–{max(r['load_after'] for r in rs):.1f} |")
     return "\n".join(lines)
 
 
@@ -98,9 +102,11 @@ def main() -> None:
     data = args.out / "data"
     make_task("arithmetic", data, n_train=64, n_test=4, seed=0, difficulty="easy")
     results: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
-    for _ in range(args.rounds):
-        for mode in MODES:
-            results[mode].append(run_mode(mode, args.out, data, args))
+    for r in range(args.rounds):
+        for mode in (list(MODES) if r % 2 == 0 else list(MODES)[::-1]):  # alternate the order over rounds
+            before = os.getloadavg()[0]
+            results[mode].append({**run_mode(mode, args.out, data, args), "load_before": before,
+                                  "load_after": os.getloadavg()[0]})
             print(mode, results[mode][-1], flush=True)
     record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "args": {k: str(v) for k, v in vars(args).items()}, "results": results}
