@@ -400,11 +400,14 @@ class RLTrainer:
         return out
 
     def load_state(self, state: dict[str, Any]) -> None:
-        """The driver's state (`state()`): prompt stream position, KL coefficient."""
+        """The driver's state (`state()`): prompt stream position, KL coefficient, group ids, and
+        the prompts in flight (async; also the state a worker restart goes back to)."""
         self.stream.load_state_dict(state["prompts"])
         self.kl_ctrl.value = float(state["kl_coef"])
         self.next_uid = int(state.get("next_uid", 0))
         self.last_batch = None
+        if self.pipeline is not None:  # its prompts in flight are generated again (version: `restore` sets it)
+            self.pipeline.load_state(state.get("in_flight", []), 0, self.prompts_of)
 
     def save(self, run_dir: Path, step: int, metrics: dict[str, float], keep: int, run: RunRecord) -> Path:
         """The HF folders from worker 0's models; every worker's DCP shards of model + AdamW
@@ -426,8 +429,8 @@ class RLTrainer:
             self.pipeline.lane.drain()
         self.roles.restore(path, state["step"])
         self.load_state(state["data_state"])
-        if self.pipeline is not None:  # the prompts in flight at the checkpoint are generated again
-            self.pipeline.load_state(state["data_state"].get("in_flight", []), state["step"], self.prompts_of)
+        if self.pipeline is not None:  # the restored weights are version `step`
+            self.pipeline.version = state["step"]
         return state["step"]
 
     def save_final(self, run_dir: Path) -> Path:
