@@ -56,6 +56,11 @@ Departures from the papers, TRL and veRL, and why:
   correction on or off; with algorithm.rollout_correction.rollout_is the weights (TIS,
   IcePop, MIS) multiply the policy-gradient term of the actor's loss. A masked token keeps
   its place in the loss's denominator (TRL); veRL's rejection takes it out of the mask.
+- Asynchronous RL (trainer.async_training.max_staleness=K ≥ 1, `rl_async`, docs/async.md): the
+  rollout generates the next K steps' batches while the actor trains; each token records its
+  policy version; the old log-probs are always recomputed (π_prox) and the rollout correction's
+  weight π_prox / π_behaviour is always applied (AReaL's decoupled PPO; token TIS when
+  algorithm.rollout_correction.rollout_is is null). K = 0 is the synchronous loop, unchanged.
 - Rows whose advantage is 0 on every token (a GRPO group whose rewards are all equal) get
   no forward/backward when the loss is the clipped surrogate alone (no entropy bonus, no
   KL in the loss, no shared value head): their loss and gradient are exactly 0, and they
