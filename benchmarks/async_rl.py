@@ -53,8 +53,8 @@ def summarise(rows: list[dict[str, Any]], warmup: int) -> dict[str, float]:
             "overlap": med("perf/overlap"), "steps": float(len(steps))}
 
 
-def run_mode(mode: str, out: Path, data: Path, args: argparse.Namespace) -> dict[str, float]:
-    run_dir = out / mode
+def run_mode(mode: str, out: Path, data: Path, args: argparse.Namespace, round_: int) -> dict[str, float]:
+    run_dir = out / f"{mode}-{round_}"  # a fresh run directory per run
     argv = [sys.executable, "-m", "posttrain", "grpo", "--config", str(ROOT / "recipes" / "grpo.yaml"),
             "model.path=null", "model.init=tiny", f"data.train_files=[{data / 'train.jsonl'}]",
             "trainer.save_steps=0", "trainer.eval_steps=0", "trainer.report_to=[]", "trainer.progress=false",
@@ -105,7 +105,7 @@ def main() -> None:
     for r in range(args.rounds):
         for mode in (list(MODES) if r % 2 == 0 else list(MODES)[::-1]):  # alternate the order over rounds
             before = os.getloadavg()[0]
-            results[mode].append({**run_mode(mode, args.out, data, args), "load_before": before,
+            results[mode].append({**run_mode(mode, args.out, data, args, r), "load_before": before,
                                   "load_after": os.getloadavg()[0]})
             print(mode, results[mode][-1], flush=True)
     record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
