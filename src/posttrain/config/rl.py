@@ -28,6 +28,7 @@ from posttrain.config.algorithm import (  # noqa: F401  (KLConfig, OverlongConfi
     PPOAlgorithmConfig,
 )
 from posttrain.config.aliases import aliases, openrlhf, trl, verl
+from posttrain.config.asyncrl import AsyncConfig
 from posttrain.config.core import check, iter_fields
 from posttrain.config.placement import (
     GLOBAL_POOL,
@@ -255,6 +256,8 @@ class RLTrainerConfig(TrainerConfig):
     max_restarts: int = 1
     """How many times one run restarts its workers (trainer.on_worker_failure=restart) before
     it stops as `stop` would."""
+    async_training: AsyncConfig = field(default_factory=AsyncConfig)
+    """Asynchronous RL: generation overlapped with the update, bounded staleness (docs/async.md)."""
 
     def validate(self) -> None:
         super().validate()
@@ -348,9 +351,23 @@ class RLConfig:
               "rollout.calculate_log_probs",
               f"algorithm.rollout_correction.{'rollout_is' if corr.rollout_is else 'bypass_mode'} reads the engine's "
               "log-probs: set rollout.calculate_log_probs=true, or leave it null (true when the correction is on)")
+        self._validate_async()
         if self.rollout.engine == "vllm" and self.eval.task is None:  # eval samples through the engine
             problem = check_vllm_temperature(self.eval.temperature)
             check(problem is None, "eval.temperature", problem or "")
+
+    def _validate_async(self) -> None:
+        """Async RL needs the behaviour log-probs and one generation round per step."""
+        k = self.trainer.async_training.max_staleness
+        if not k:
+            return
+        check(self.rollout.calculate_log_probs is not False, "rollout.calculate_log_probs",
+              f"trainer.async_training.max_staleness={k} records the behaviour policy's log-probs (the decoupled "
+              "PPO objective weighs by them): set rollout.calculate_log_probs=true or leave it null")
+        check(not self.algorithm.filter_groups, "algorithm.filter_groups",
+              f"dynamic sampling draws extra generation rounds inside a step, which the async pipeline "
+              f"(trainer.async_training.max_staleness={k}) does not schedule: set algorithm.filter_groups=false "
+              "or trainer.async_training.max_staleness=0")
 
     def ray_keys_set(self) -> list[str]:
         """The keys of RAY_ONLY (and of its sections) set to something other than their default."""
@@ -444,7 +461,8 @@ class RLConfig:
         """rollout.calculate_log_probs, null resolved: the engine returns log-probs when the
         rollout correction reads them."""
         wanted = self.rollout.calculate_log_probs
-        return self.algorithm.rollout_correction.needs_rollout_logprobs if wanted is None else wanted
+        needed = self.algorithm.rollout_correction.needs_rollout_logprobs or self.trainer.async_training.enabled
+        return needed if wanted is None else wanted
 
     @property
     def use_critic(self) -> bool:
