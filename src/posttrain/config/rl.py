@@ -32,6 +32,7 @@ from posttrain.config.core import check, iter_fields
 from posttrain.config.placement import (
     GLOBAL_POOL,
     RAY_ONLY,
+    FSDPConfig,
     PlacementConfig,
     RayConfig,
     ResourcePool,
@@ -253,6 +254,16 @@ class RLTrainerConfig(TrainerConfig):
     max_restarts: int = 1
     """How many times one run restarts its workers (trainer.on_worker_failure=restart) before
     it stops as `stop` would."""
+    strategy: Literal["none", "ddp", "fsdp2"] = field(default="ddp", metadata=aliases(
+        verl("actor_rollout_ref.actor.strategy", same_value=False, note="veRL's fsdp/fsdp2 is trainer.strategy=fsdp2")))
+    """How the workers hold the actor, reference and critic (the key SFT/RM/DPO use). `ddp`:
+    a whole copy on each worker, gradients averaged over them after each backward. `fsdp2`:
+    sharded over the workers (`fully_shard` per decoder layer, then the root;
+    `distributed.fsdp`): each holds 1/W of every weight, gradient and AdamW moment; on CUDA
+    bf16 compute with fp32 master weights and reduction (trainer.precision). `none`: one
+    worker (trainer.backend=local, or one Ray worker). All three give the same update."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """Offload of the fsdp2 shards (CUDA workers)."""
 
     def validate(self) -> None:
         super().validate()
@@ -260,6 +271,9 @@ class RLTrainerConfig(TrainerConfig):
         check(self.n_workers_per_node >= 1, "trainer.n_workers_per_node", f"must be >= 1, got {self.n_workers_per_node}")
         check(self.collective_timeout_s > 0, "trainer.collective_timeout_s", "must be > 0 seconds")
         check(self.max_restarts >= 0, "trainer.max_restarts", f"must be >= 0, got {self.max_restarts}")
+        check(self.strategy != "none" or self.world_size == 1, "trainer.strategy",
+              f"none holds the models in one process, and this run has {self.world_size} workers: set "
+              "trainer.strategy=ddp (a copy on each) or fsdp2 (sharded over them)")
 
     @property
     def world_size(self) -> int:
@@ -346,9 +360,19 @@ class RLConfig:
               "rollout.calculate_log_probs",
               f"algorithm.rollout_correction.{'rollout_is' if corr.rollout_is else 'bypass_mode'} reads the engine's "
               "log-probs: set rollout.calculate_log_probs=true, or leave it null (true when the correction is on)")
+        self.trainer.fsdp.check(self.trainer.strategy, self.cuda_workers)
         if self.rollout.engine == "vllm" and self.eval.task is None:  # eval samples through the engine
             problem = check_vllm_temperature(self.eval.temperature)
             check(problem is None, "eval.temperature", problem or "")
+
+    @property
+    def cuda_workers(self) -> bool:
+        """The workers train on CUDA: it is here, model.device is not cpu, and on Ray each
+        worker has a GPU share (placement.gpus_per_worker)."""
+        import torch
+
+        gpus = self.trainer.backend == "local" or self.placement.gpus_per_worker > 0
+        return torch.cuda.is_available() and self.model.device != "cpu" and gpus
 
     def ray_keys_set(self) -> list[str]:
         """The keys of RAY_ONLY (and of its sections) set to something other than their default."""

@@ -31,6 +31,7 @@ from torch import nn
 
 from posttrain.algos import aggregation_weight, masked_mean, value_loss
 from posttrain.config.rl import RLConfig
+from posttrain.distributed.fsdp import is_sharded
 from posttrain.models.heads import ScalarHeadModel
 from posttrain.training.core import (
     StepCollective,
@@ -105,7 +106,8 @@ class Critic:
             return self.model.score(response_hidden(self.model, mb)).squeeze(-1).float()
 
         with autocast(self.cfg.trainer.precision, self.device):
-            (out,) = per_token_pass(batch, values, self.micro_batch_size, self.max_tokens, self.device)
+            (out,) = per_token_pass(batch, values, self.micro_batch_size, self.max_tokens, self.device,
+                                    self.collective if is_sharded(self.model) else None)
         return out
 
     def _value_term(self, values: torch.Tensor, mb: RLBatch) -> tuple[torch.Tensor, dict[str, Any]]:

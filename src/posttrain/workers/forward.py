@@ -10,6 +10,7 @@ column (prompt + response[:t]).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -75,12 +76,19 @@ def per_token_pass(
     rows: int,
     max_tokens: int = 0,
     device: torch.device | str | None = None,
+    collective: Any = None,
 ) -> tuple[torch.Tensor, ...]:
     """Run `fn(micro_batch) -> (b, tr') tensors` over micro-batches and reassemble (B, Tr)
-    tensors, zero on padding, on the CPU."""
+    tensors, zero on padding, on the CPU. `collective` (a sharded model's workers): every
+    worker runs the max over workers of its micro-batch count, repeating its last one and
+    dropping the result, since each forward all-gathers with the other workers."""
     width = batch.response_ids.shape[1]
     outs: list[list[torch.Tensor]] = []
-    for part in micro_batches(batch, rows, max_tokens, device):
+    parts = micro_batches(batch, rows, max_tokens, device)
+    if collective is not None:
+        for _ in range(int(collective.all_max([len(parts)])[0]) - len(parts)):
+            fn(parts[-1])
+    for part in parts:
         got = fn(part)
         got = got if isinstance(got, tuple) else (got,)
         mask = part.response_mask.bool().to(got[0].device)

@@ -50,6 +50,8 @@ class Reference:
         self.max_tokens = max_tokens_per_micro_batch
         self.precision = precision
         self.synced = False
+        self.collective: Any = None
+        """Set when the model is sharded over workers (equal forward counts: `per_token_pass`)."""
         """True once `sync` moved it away from the initial policy (checkpoints then save it)."""
 
     @classmethod
@@ -85,7 +87,7 @@ class Reference:
 
         device = device_of(self.model)
         with self._base_weights(), autocast(self.precision, device):
-            (out,) = per_token_pass(batch, logp, self.micro_batch_size, self.max_tokens, device)
+            (out,) = per_token_pass(batch, logp, self.micro_batch_size, self.max_tokens, device, self.collective)
         return out
 
     @torch.no_grad()
