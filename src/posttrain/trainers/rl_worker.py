@@ -129,8 +129,9 @@ class RLWorker:
         self.rank, self.world_size, self.policy = rank, world_size, policy
         self.in_process = collective is None  # the driver's own process (trainer.backend=local)
         self.ref = self.actor = self.critic = self.rollout = None
-        self.sharded = cfg.trainer.strategy == "fsdp2" and collective is not None and world_size > 1
-        """trainer.strategy=fsdp2 over several workers: the models are sharded (`distributed.fsdp`)."""
+        self.sharded = cfg.trainer.strategy == "fsdp2" and collective is not None
+        """trainer.strategy=fsdp2 on Ray workers: the models are sharded over their group
+        (`distributed.fsdp`; one worker too: its bf16 compute and offload apply)."""
         if collective is not None:  # FSDP2's backward averages the gradients itself
             collective.average_gradients = not self.sharded
         self.collective = collective
