@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import socket
+import time
 
 import torch
 import torch.multiprocessing as mp
@@ -65,8 +66,17 @@ def worker(rank: int, world: int, port: int, cfg_kwargs: dict, out: str) -> None
     opt.step()
     got = training_bytes(model, opt)
     n_params = sum(p.numel() for p in model.parameters())
+    sync_s = 0.0
+    if world > 1:  # a colocated engine's weight sync: every parameter gathered in turn into a plain copy
+        from posttrain.distributed.fsdp import stream_full
+        from posttrain.models import BuiltinConfig, BuiltinLM
+
+        engine = BuiltinLM(BuiltinConfig(**cfg_kwargs))
+        start = time.perf_counter()
+        stream_full(model, engine)
+        sync_s = time.perf_counter() - start
     with open(f"{out}.{rank}", "w") as f:
-        json.dump({**got, "total": sum(got.values()), "parameters": n_params}, f)
+        json.dump({**got, "total": sum(got.values()), "parameters": n_params, "sync_s": sync_s}, f)
     if world > 1:
         dist.destroy_process_group()
 
@@ -95,17 +105,21 @@ def main(argv: list[str] | None = None) -> None:
     h = args.hidden
     cfg_kwargs = dict(vocab_size=args.vocab, hidden_size=h, intermediate_size=(8 * h // 3 + 63) // 64 * 64,
                       num_hidden_layers=args.layers, num_attention_heads=max(1, h // 64))
+    print("| W | worker | params MB | grads MB | optimizer MB | total MB | total / (one worker / W) | overhead MB "
+          "| weight sync s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    base = None
     with tempfile.TemporaryDirectory() as tmp:
-        results = {w: measure(w, cfg_kwargs, tmp) for w in args.workers}
-    base = results[min(results)][0]["total"] * min(results)  # the one-worker figure
-    print(f"model: {results[min(results)][0]['parameters'] * min(results):,} parameters (W={min(results)})")
-    print("| W | worker | params MB | grads MB | optimizer MB | total MB | total / (one worker / W) | overhead MB |")
-    print("|---|---|---|---|---|---|---|---|")
-    for w, ranks in results.items():
-        for r, x in enumerate(ranks):
-            mb = {k: x[k] / 2**20 for k in ("params", "grads", "optimizer", "total")}
-            print(f"| {w} | {r} | {mb['params']:.1f} | {mb['grads']:.1f} | {mb['optimizer']:.1f} | {mb['total']:.1f} | "
-                  f"{x['total'] / (base / w):.3f} | {(x['total'] - base / w) / 2**20:.3f} |")
+        for w in sorted(args.workers):
+            ranks = measure(w, cfg_kwargs, tmp)
+            if base is None:  # the one-worker figure (from the smallest W)
+                base = ranks[0]["total"] * w
+                print(f"model: {ranks[0]['parameters'] * w:,} parameters", flush=True)
+            for r, x in enumerate(ranks):
+                mb = {k: x[k] / 2**20 for k in ("params", "grads", "optimizer", "total")}
+                print(f"| {w} | {r} | {mb['params']:.1f} | {mb['grads']:.1f} | {mb['optimizer']:.1f} | "
+                      f"{mb['total']:.1f} | {x['total'] / (base / w):.3f} | {(x['total'] - base / w) / 2**20:.3f} | "
+                      f"{x['sync_s']:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

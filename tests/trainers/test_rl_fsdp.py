@@ -5,6 +5,7 @@ sharded base, adapter off), GRPO seq-mean with mini-batches, the KL in the loss 
 synced every 2 steps, PPO with its critic. The DCP shard each worker writes holds its share.
 One Ray session for the module (conftest.py)."""
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -73,3 +74,33 @@ def test_two_sharded_workers_give_the_local_update(ray_session, tmp_path, name):
     assert len(one) == 1 and len(two) == 2
     if wide:  # each worker's file holds its half of the weights and AdamW's moments
         assert max(two.values()) <= 0.6 * sum(one.values()), (one, two)
+
+
+def cut_after(run: Path, step: int, to: Path) -> Path:
+    """A copy of `run` whose last checkpoint is step `step` (a resume starts there)."""
+    shutil.copytree(run, to)
+    for later in (to / "checkpoints").glob("step-*"):
+        if int(later.name.split("-")[1]) > step:
+            shutil.rmtree(later)
+    shutil.rmtree(to / "final")
+    return to
+
+
+@pytest.mark.slow  # ~4 Ray runs on 2 cores
+def test_four_sharded_workers_and_a_resume_four_two_one_give_the_local_update(ray_session, tmp_path):
+    """4 sharded workers give the local run; their step-1 checkpoint resumes on 2 workers, whose
+    step-2 checkpoint resumes on the local backend (DCP reshards the shards, AdamW's included),
+    ending on the local run's parameters."""
+    name = "grpo seq-mean, reference synced"
+    model, over = tiny_model_f64(), {**CASES[name], **FSDP, "trainer.save_steps": 1}
+    ray = {"trainer.backend": "ray"}
+    local = train_grpo(model, grpo_config(tmp_path / "local", **over))
+    four = train_grpo(model, grpo_config(tmp_path / "w4", **over, **ray, **{"trainer.n_workers_per_node": 4}))
+    two = cut_after(tmp_path / "w4", 1, tmp_path / "w4-2")
+    train_grpo(model, grpo_config(two, **over, **ray, **{"trainer.n_workers_per_node": 2}))
+    one = cut_after(two, 2, tmp_path / "w4-2-1")
+    resumed = train_grpo(model, grpo_config(one, **over))
+    assert [m["step"] for m in lines(one)] == [1, 2, 3]
+    for got in (four, resumed):
+        for k, v in local["actor"].items():
+            assert float((v - got["actor"][k]).abs().max()) <= 1e-10, k
