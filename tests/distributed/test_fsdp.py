@@ -81,3 +81,29 @@ def test_peft_is_sharded_at_its_base_and_offloaded_adamw_steps_as_in_memory(grou
     got = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()}
     for k, v in plain.state_dict().items():
         torch.testing.assert_close(got[k], v, rtol=0, atol=1e-12, msg=k)
+
+
+def test_an_hf_llama_and_its_value_model_shard_and_compute_as_plain(group):
+    """A transformers Llama (untied head) and a value model on it: the critic's two calls,
+    `hidden_states` then `score` (a group of its own), give the plain model's values."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from posttrain.models.heads import ScalarHeadModel
+
+    torch.manual_seed(0)
+    lm = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False)).double()
+    value = ScalarHeadModel.from_causal_lm(lm, init_std=0.5)
+    ids = torch.randint(0, 16, (2, 5))
+    for plain in (lm, value):
+        model = copy.deepcopy(plain)
+        template = skeleton(model)
+        shard_model(model)
+        if plain is lm:
+            torch.testing.assert_close(model(ids).logits, plain(ids).logits, rtol=0, atol=1e-12)
+        else:
+            got = model.score(model.hidden_states(ids))
+            torch.testing.assert_close(got, plain.score(plain.hidden_states(ids)), rtol=0, atol=1e-12)
+        out = full_copy(model, template, keep=True)
+        for (name, a), b in zip(out.state_dict().items(), plain.state_dict().values(), strict=True):
+            assert torch.equal(a, b), name
