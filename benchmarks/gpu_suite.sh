@@ -9,8 +9,8 @@
 # process and under torchrun with trainer.strategy=fsdp2 (NCCL, sharded DCP checkpoint); the
 # native engine generates on CUDA as it does on the CPU; a colocated Ray GRPO run of 20 steps
 # (trainer.backend=ray, 2 workers sharing the GPU, generation split over them); FSDP2 inside the Ray workers
-# (trainer.strategy=fsdp2: one NCCL worker with bf16 compute over fp32 shards and trainer.fsdp.param_offload,
-# two gloo workers sharing the GPU with trainer.fsdp.optimizer_offload; tests/trainers/test_rl_fsdp_gpu.py);
+# (trainer.strategy=fsdp2: an NCCL worker with bf16 compute over fp32 shards, with trainer.fsdp.param_offload,
+# then with trainer.fsdp.optimizer_offload; tests/trainers/test_rl_fsdp_gpu.py);
 # the vllm engine's GPU tests
 # (tests/rollout/test_rollout_vllm.py: single-turn sampling, weight sync, sleep, and multi-turn
 # episodes over the calculator environment) when vLLM is importable. A missing vLLM is a SKIP, not a

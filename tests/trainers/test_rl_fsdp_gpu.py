@@ -1,7 +1,9 @@
 """FSDP2 inside Ray workers on CUDA (benchmarks/gpu_suite.sh runs these; skipped without CUDA):
-one NCCL worker on its GPU with bf16 compute over fp32 shards and trainer.fsdp.param_offload, and
-two gloo workers sharing the GPU with trainer.fsdp.optimizer_offload. Each GRPO run trains 3
-steps with finite gradients, and the final weights (gathered from the shards) are float32."""
+a Ray worker on its GPU (NCCL) with its models sharded (one worker: the suite's machine has one
+GPU; sharding over several is tested on CPUs, tests/trainers/test_rl_fsdp.py) and bf16 compute
+over fp32 shards, with trainer.fsdp.param_offload, then with trainer.fsdp.optimizer_offload.
+Each GRPO run trains 3 steps with finite gradients, and the final weights (gathered from the
+shards) are float32."""
 
 import math
 
@@ -17,8 +19,8 @@ pytestmark = [pytest.mark.gpu,
 RUNS = {
     "1 NCCL worker, param_offload": {"trainer.n_workers_per_node": 1, "placement.gpus_per_worker": 1,
                                      "trainer.fsdp.param_offload": "true"},
-    "2 workers sharing the GPU, optimizer_offload": {"trainer.n_workers_per_node": 2, "placement.gpus_per_worker": 0.5,
-                                                     "trainer.fsdp.optimizer_offload": "true"},
+    "1 NCCL worker, optimizer_offload": {"trainer.n_workers_per_node": 1, "placement.gpus_per_worker": 1,
+                                         "trainer.fsdp.optimizer_offload": "true"},
 }
 
 

@@ -104,7 +104,20 @@ def full_tensors(model: nn.Module, buffers: bool = True) -> Iterator[tuple[str, 
     Tied parameters come once (`named_parameters`)."""
     reshard(model)
     for name, t in [*model.named_parameters(), *(model.named_buffers() if buffers else ())]:
-        yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
+        yield name, gathered(t).detach()
+
+
+def gathered(t: torch.Tensor) -> torch.Tensor:
+    """`t` whole: a DTensor's `full_tensor()`, its local shard first moved to the mesh's device
+    when it is offloaded to the CPU (trainer.fsdp.param_offload: NCCL gathers CUDA tensors)."""
+    if not hasattr(t, "full_tensor"):
+        return t
+    local, mesh = t.to_local(), t.device_mesh
+    if local.device.type != mesh.device_type:
+        from torch.distributed.tensor import DTensor
+
+        t = DTensor.from_local(local.to(mesh.device_type), mesh, t.placements, shape=t.shape, stride=t.stride())
+    return t.full_tensor()
 
 
 @torch.no_grad()
