@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from posttrain.config import ConfigError
 from posttrain.models import BuiltinLM
 
 from .test_rl_ray import (
@@ -74,6 +75,21 @@ def test_two_sharded_workers_give_the_local_update(ray_session, tmp_path, name):
     assert len(one) == 1 and len(two) == 2
     if wide:  # each worker's file holds its half of the weights and AdamW's moments
         assert max(two.values()) <= 0.6 * sum(one.values()), (one, two)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_offload_without_cuda_none_over_workers_and_a_sharded_rollout_pool_are_refused_naming_the_key(tmp_path):
+    for key in ("param_offload", "optimizer_offload"):
+        with pytest.raises(ConfigError, match=rf"trainer.fsdp.{key}: moves GPU memory to the CPU.*no GPU"):
+            grpo_config(tmp_path, **FSDP, **{f"trainer.fsdp.{key}": "true"})
+        with pytest.raises(ConfigError, match=rf"trainer.fsdp.{key}: offloads FSDP2 shards: set trainer.strategy=fsdp2"):
+            grpo_config(tmp_path, **{f"trainer.fsdp.{key}": "true"})
+    ray = {"trainer.backend": "ray", "trainer.n_workers_per_node": 2}
+    with pytest.raises(ConfigError, match=r"trainer.strategy: none .* 2 workers: set trainer.strategy=ddp"):
+        grpo_config(tmp_path, **ray, **{"trainer.strategy": "none"})
+    with pytest.raises(ConfigError, match=r"placement.rollout.enable_resource_pool: .*trainer.strategy=fsdp2"):
+        grpo_config(tmp_path, **ray, **FSDP, **{"placement.rollout.enable_resource_pool": "true"})
+    assert grpo_config(tmp_path, **ray, **FSDP).trainer.strategy == "fsdp2"
 
 
 def cut_after(run: Path, step: int, to: Path) -> Path:
