@@ -462,9 +462,11 @@ def test_cli_grpo_on_ray_runs_end_to_end_like_local_and_leaves_no_process(tmp_pa
     ray_lines, local_lines = lines(tmp_path / "ray"), lines(tmp_path / "local")
     assert [m["step"] for m in ray_lines] == [m["step"] for m in local_lines] == [1, 2]
     assert [sorted(m) for m in ray_lines] == [sorted(m) for m in local_lines]
-    listing = {p.relative_to(tmp_path / "ray").as_posix() for p in (tmp_path / "ray").rglob("*")}
-    assert {"checkpoints/step-1/dcp/actor", "checkpoints/step-2/dcp/actor"} <= listing  # the workers' DCP shards
-    assert listing == {p.relative_to(tmp_path / "local").as_posix() for p in (tmp_path / "local").rglob("*")}
+    listing = {b: {p.relative_to(tmp_path / b).as_posix() for p in (tmp_path / b).rglob("*")} for b in ("ray", "local")}
+    per_rank = {b: {p for p in files if p.endswith(".distcp")} for b, files in listing.items()}  # one per worker
+    assert {len(v) for v in per_rank.values()} == {4, 2}  # 2 checkpoints × 2 Ray workers; × 1 local worker
+    assert {"checkpoints/step-1/dcp/actor/.metadata", "checkpoints/step-2/dcp/actor/.metadata"} <= listing["ray"]
+    assert listing["ray"] - per_rank["ray"] == listing["local"] - per_rank["local"]
     assert (tmp_path / "ray" / "final" / "config.json").is_file() and "eval/accuracy" in ray_lines[-1]
     assert sorted(p.name for p in (tmp_path / "ray" / "checkpoints").iterdir()) == ["step-1", "step-2"]
 

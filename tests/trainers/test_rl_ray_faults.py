@@ -1,5 +1,6 @@
 """trainer.backend=ray when things stop: a run resumes exactly (a PPO run's critic too) and at
-another worker count (2 → 1, 1 → 2: the workers' DCP shards reshard), and a killed worker
+another worker count and backend (local → 2 Ray workers, 2 → local: the workers' DCP shards
+reshard), and a killed worker
 stops the run in seconds or restarts it exactly, with no Ray process left. The runs and
 helpers are test_rl_ray.py's; the Ray session is conftest.py's, one per file.
 """
@@ -40,7 +41,7 @@ from .words import word_tokenizer
 
 @pytest.mark.parametrize("pools", [
     # slow: a resume through the same DCP path runs in the default suite at another worker count
-    # (test_a_ray_checkpoint_resumes_at_another_worker_count)
+    # (test_a_checkpoint_resumes_at_another_worker_count_and_backend)
     pytest.param({}, id="colocated", marks=pytest.mark.slow),
     pytest.param(POOLS, id="critic and rollout pools", marks=pytest.mark.slow),
 ])
@@ -89,21 +90,10 @@ def assert_same_params(a, b):
             assert float((a[role][k] - b[role][k]).abs().max()) <= 1e-10, (role, k)
 
 
-def test_a_ray_checkpoint_resumes_at_another_worker_count(ray_session, tmp_path):
-    """GRPO with a synced reference: the workers write each role's DCP shards; a resume at
-    another worker count (2 → 1, 1 → 2) reshards them and ends on the parameters of an
-    uninterrupted run at that count."""
-    model, name = tiny_model_f64(), "reference synced every 2 steps"
-    over = {"trainer.backend": "ray", "trainer.save_steps": 2}
-    full = {n: train_grpo(model, config(tmp_path / f"w{n}", name, **over, **{"trainer.n_workers_per_node": n}))
-            for n in (1, 2)}
-    assert_same_params(full[1], resume_at(model, name, tmp_path / "w2", 1, **over))
-    assert_same_params(full[2], resume_at(model, name, tmp_path / "w1", 2, **over))
-
-
-def test_a_checkpoint_resumes_across_backends(ray_session, tmp_path):
-    """One layout on both backends: a local run's checkpoint resumes on 2 Ray workers, and a
-    2-worker checkpoint on the local backend, each ending on the parameters of an
+def test_a_checkpoint_resumes_at_another_worker_count_and_backend(ray_session, tmp_path):
+    """GRPO with a synced reference; one layout on both backends: the local run's checkpoint
+    (its one in-process worker's DCP shards) resumes on 2 Ray workers (1 → 2), and the 2
+    workers' checkpoint on the local backend (2 → 1), each ending on the parameters of an
     uninterrupted run (the local run's and 2 workers' agree: `test_two_workers_give_the_local_update`)."""
     model, name = tiny_model_f64(), "reference synced every 2 steps"
     local = train_grpo(model, config(tmp_path / "local", name, **{"trainer.save_steps": 2}))
