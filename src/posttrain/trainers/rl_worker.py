@@ -332,6 +332,10 @@ class RLWorker:
         path = Path(checkpoint)
         if (path / SHARDS).is_dir():
             self._restore_shards(path)
+        elif self.sharded:
+            raise ValueError(f"trainer.strategy=fsdp2: {path} was written before the DCP layout (no {SHARDS}/), "
+                             "whose whole-model files sharded workers do not read; resume it once with "
+                             "trainer.strategy=ddp (its next checkpoint has the layout), then with fsdp2")
         else:
             self.restore_files(path, step)
         if self.rollout is not None and self.actor is not None:  # colocated: the engine reads the actor's weights
