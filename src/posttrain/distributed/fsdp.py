@@ -36,6 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from posttrain.models.loading import is_sharded  # noqa: F401  (re-exported: the roles read it from models)
+
 FORWARD_METHODS = ("hidden_states", "scores", "values")
 """Entry points besides `forward` that run a model's layers (registered with FSDP2)."""
 
@@ -80,12 +82,6 @@ def policies(precision: str, device: torch.device, param_offload: bool) -> tuple
     if device.type == "cuda" and resolve_precision(precision, device) == "bf16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return mp, (CPUOffloadPolicy() if param_offload else None)
-
-
-def is_sharded(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(shard_root(model), FSDPModule)
 
 
 def reshard(model: nn.Module) -> None:

@@ -56,7 +56,7 @@ from posttrain.algos import (
     token_logprobs,
 )
 from posttrain.config.rl import RLConfig
-from posttrain.distributed.fsdp import is_sharded
+from posttrain.models.loading import is_sharded
 from posttrain.training.core import (
     StepCollective,
     StepResult,

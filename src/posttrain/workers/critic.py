@@ -31,8 +31,8 @@ from torch import nn
 
 from posttrain.algos import aggregation_weight, masked_mean, value_loss
 from posttrain.config.rl import RLConfig
-from posttrain.distributed.fsdp import is_sharded
 from posttrain.models.heads import ScalarHeadModel
+from posttrain.models.loading import is_sharded
 from posttrain.training.core import (
     StepCollective,
     autocast,
