@@ -8,7 +8,6 @@ name in veRL's dispatch modes (`dispatch`).
     group.rank_zero_ref("policy_weights")     # RANK_ZERO, the result left in Ray's object store
     group.dp_compute("logprobs", batch)       # DP_COMPUTE: pad, balance, split, run, gather
     group.dp_split("generate", prompts, s)    # DP_SPLIT: contiguous slices, each with its first row
-    group.per_rank("update", [args_0, ...])   # worker r gets args_r
 
 `factory(rank, world_size, collective, *args)` runs in the worker's process and builds the
 object (the RL worker: `trainers/rl_worker.py`); `collective` is a `Collective` over the
@@ -61,11 +60,6 @@ class _Dispatch(ABC):
 
     def one_to_all(self, method: str, *args: Any) -> list[Any]:
         return self._run(method, [args] * self.world_size)
-
-    def per_rank(self, method: str, args_per_rank: Sequence[tuple]) -> list[Any]:
-        if len(args_per_rank) != self.world_size:
-            raise ValueError(f"{method}: {len(args_per_rank)} argument sets for {self.world_size} workers")
-        return self._run(method, args_per_rank)
 
     def rank_zero(self, method: str, *args: Any) -> Any:
         return self._run_one(0, method, args)

@@ -70,9 +70,11 @@ class Roles:
             self.sync_rollout()
 
     def close(self) -> None:
-        """Stop the workers (and a Ray this run started) and the reward worker processes
-        (reward.isolation=process)."""
+        """Stop the engines' outside resources (`RLWorker.close_engine`), the workers (and a Ray
+        this run started) and the reward worker processes (reward.isolation=process)."""
         self.reward.runner.close()
+        if self.pools.groups:  # not yet closed
+            self.rollout.close()
         self.pools.close()
 
 

@@ -217,6 +217,14 @@ class RLWorker:
         self.policy.load_state_dict(state)
         self.rollout.sync_weights(self.policy)
 
+    @register(Dispatch.ONE_TO_ALL, role="rollout", name="close")
+    def close_engine(self) -> None:
+        """At the end of the run: an engine that holds something outside this process (e.g. a
+        vLLM server's weight group) lets it go; the others have nothing to close."""
+        close = getattr(self.rollout.engine, "close", None)
+        if close is not None:
+            close()
+
     # ------------------------------------------------------------------ actor and reference
 
     @register(Dispatch.DP_COMPUTE, role="actor", name="compute_logprobs")

@@ -70,3 +70,6 @@ class RolloutRole(Protocol):
 
     def offload(self) -> None:
         """Every engine gives its memory to the update (vllm sleeps)."""
+
+    def close(self) -> None:
+        """At the end of the run: every engine lets go of what it holds outside its process."""
