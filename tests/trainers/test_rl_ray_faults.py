@@ -172,15 +172,15 @@ def test_a_worker_killed_mid_save_stops_the_run_in_seconds_naming_it_and_the_las
     trainer = PPOTrainer(copy.deepcopy(model), reward_funcs=[starts_with_a], args=cfg, train_dataset=PROMPTS,
                          processing_class=word_tokenizer())
     group, killed = trainer.roles.pools["global_pool"], {}
-    run_one = group._run_one
+    run = group._run
 
-    def kill_mid_save(rank, method, args):
-        if trainer.at_step == 2 and method == "critic_model" and not killed:  # `RLWorker.critic_model`
+    def kill_mid_save(method, args_per_rank):  # critic.model(): every worker called (ONE_TO_ALL)
+        if trainer.at_step == 2 and method == "critic_model" and not killed:
             killed["at"], killed["pid"] = time.perf_counter(), group.pids[0]
             os.kill(group.pids[0], signal.SIGKILL)
-        return run_one(rank, method, args)
+        return run(method, args_per_rank)
 
-    group._run_one = kill_mid_save
+    group._run = kill_mid_save
     pids = set(group.pids)
     with pytest.raises(WorkerFailure) as err:
         trainer.train()

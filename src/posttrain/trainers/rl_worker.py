@@ -25,10 +25,12 @@ on both backends:
                                                   whole mini-batch's
     ref.sync(alpha)                   ONE_TO_ALL  every reference moves towards its own actor
     rollout.offload / sync_weights    ONE_TO_ALL  every engine takes its own actor's weights (a
-                                                  rollout pool: actor worker 0's, `load_weights`)
-    actor.model(), critic.model(),    RANK_ZERO   worker 0's module (in process: the worker's
-    ref.saved_model()                             own; Ray: a copy): the checkpoints' HF
-                                                  folders, final/, eval
+                                                  rollout pool: actor worker 0's, `load_weights`;
+                                                  fsdp2: one gathered parameter at a time)
+    actor.model(), critic.model(),    ONE_TO_ALL  worker 0's module (in process: the worker's
+    ref.saved_model()                             own; Ray: a copy; fsdp2: every worker gathers
+                                                  each parameter in turn into worker 0's CPU
+                                                  copy): the checkpoints' HF folders, final/, eval
     save_shards / restore             ONE_TO_ALL  every worker writes / reads its roles' DCP
                                                   shards (model + AdamW; resharded on load)
 
@@ -56,12 +58,22 @@ from posttrain.checkpoint import RunModels, load_checkpoint
 from posttrain.config.rl import RLConfig
 from posttrain.distributed.checkpoint import SHARDS, load_sharded, save_sharded
 from posttrain.distributed.dispatch import shard_rows
+from posttrain.distributed.fsdp import (
+    full_copy,
+    offload_optimizer,
+    policies,
+    reshard,
+    shard_model,
+    skeleton,
+    stream_full,
+)
 from posttrain.distributed.register import Dispatch, register
 from posttrain.models.heads import ScalarHeadModel
 from posttrain.rollout import SamplingParams
 from posttrain.trainers.rl_build import build_reference, build_rollout
 from posttrain.workers import Actor, Critic, RLBatch, head_on_policy
 from posttrain.workers.actor import shuffled_mini_batches
+from posttrain.workers.forward import device_of
 
 ALL_ROLES = ("actor", "rollout", "critic")
 ROLE_STATE = "role_state.pt"
@@ -113,16 +125,36 @@ class RLWorker:
     def __init__(self, rank: int, world_size: int, collective: Any, cfg: RLConfig, tokenizer: Any,
                  policy: torch.nn.Module | None, value_model: ScalarHeadModel | None = None, env_factory: Any = None,
                  roles: tuple[str, ...] = ALL_ROLES):
+        self.cfg = cfg
         self.rank, self.world_size, self.policy = rank, world_size, policy
         self.in_process = collective is None  # the driver's own process (trainer.backend=local)
         self.ref = self.actor = self.critic = self.rollout = None
+        self.sharded = cfg.trainer.strategy == "fsdp2" and collective is not None
+        """trainer.strategy=fsdp2 on Ray workers: the models are sharded over their group
+        (`distributed.fsdp`; one worker too: its bf16 compute and offload apply)."""
+        if collective is not None:  # FSDP2's backward averages the gradients itself
+            collective.average_gradients = not self.sharded
+        self.collective = collective
+        self.templates: dict[str, torch.nn.Module] = {}
+        """Of each sharded model, its structure on the meta device (`fsdp.full_copy` reads into it)."""
         episodes = env_factory is not None
+        self.engine_model = policy
+        """The module the rollout engine samples from: the policy, or under fsdp2 a whole copy
+        of its own (`sync_weights`)."""
+        if self.sharded and "rollout" in roles and "actor" in roles:
+            self.engine_model = copy.deepcopy(policy)
         if "actor" in roles:
             self.ref = build_reference(cfg, policy)  # before training: a copy of the initial policy
+            if self.ref is not None:
+                if not self.ref.shares_policy:  # LoRA: the sharded policy with its adapter off
+                    self._shard("ref", self.ref.model)
+                self.ref.collective = collective if self.sharded else None
+            self._shard("actor", policy)
         if "critic" in roles and cfg.use_critic:
             if cfg.critic.share_backbone:
                 self.critic = Critic(head_on_policy(policy), cfg, cfg.trainer.max_steps, policy=policy)
             else:
+                self._shard("critic", value_model)
                 self.critic = Critic(value_model, cfg, cfg.trainer.max_steps, collective=collective)
         if "actor" in roles:
             shared = self.critic is not None and self.critic.shared
@@ -130,8 +162,28 @@ class RLWorker:
                                extra_params=self.critic.model.score if shared else None, episodes=episodes)
             if shared:
                 self.actor.joint = self.critic.joint_forward
+        if self.sharded and cfg.trainer.fsdp.optimizer_offload:
+            for r in (self.actor, self.critic):
+                if r is not None and r.optimizer is not None:
+                    offload_optimizer(r.optimizer)
         if "rollout" in roles:
-            self.rollout = build_rollout(cfg, policy, tokenizer, env_factory)  # the engine last
+            self.rollout = build_rollout(cfg, self.engine_model, tokenizer, env_factory)  # the engine last
+
+    def _shard(self, role: str, model: torch.nn.Module) -> None:
+        """Shard `model` over the workers under fsdp2 (bf16 compute on CUDA, offload as
+        trainer.fsdp says), keeping its meta-device structure for full copies; else nothing."""
+        if not self.sharded:
+            return
+        self.templates[role] = skeleton(model)
+        t = self.cfg.trainer
+        shard_model(model, *policies(t.precision, device_of(model), t.fsdp.param_offload))
+
+    def _full(self, role: str, model: torch.nn.Module | None) -> torch.nn.Module | None:
+        """`model` whole, for the driver: sharded, gathered parameter by parameter into a CPU
+        copy that worker 0 returns (every worker calls it); else worker 0's own."""
+        if model is None or not self.sharded:
+            return self._readable(model) if self.rank == 0 else None
+        return full_copy(model, self.templates[role], keep=self.rank == 0)
 
     # ------------------------------------------------------------------ rollout
 
@@ -148,8 +200,16 @@ class RLWorker:
 
     @register(Dispatch.ONE_TO_ALL, role="rollout", name="sync_weights")
     def sync_weights(self) -> None:
-        """The engine samples from this worker's actor's current weights."""
-        self.rollout.sync_weights(self.actor.model)
+        """The engine samples from this worker's actor's current weights: in place, or, under
+        fsdp2, copied into its own module one gathered parameter at a time (`fsdp.stream_full`)."""
+        self._engine_takes_actor()
+
+    def _engine_takes_actor(self) -> None:
+        if self.sharded:
+            stream_full(self.actor.model, self.engine_model)
+            self.rollout.sync_weights(self.engine_model)
+        else:
+            self.rollout.sync_weights(self.actor.model)
 
     @register(Dispatch.ONE_TO_ALL, role="rollout", name="load_weights")
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
@@ -169,7 +229,13 @@ class RLWorker:
 
     @register(Dispatch.DP_COMPUTE, role="actor", name="compute_logprobs")
     def actor_logprobs(self, batch: RLBatch) -> torch.Tensor:
-        return self.actor.compute_logprobs(batch)
+        return self._freed(self.actor.model, self.actor.compute_logprobs(batch))
+
+    def _freed(self, model: torch.nn.Module, out: Any) -> Any:
+        """`out`, after a sharded model's no-grad pass gave back its gathered root."""
+        if self.sharded:
+            reshard(model)
+        return out
 
     @register(Dispatch.DP_SHARES, role="actor", name="update")
     def actor_update(self, batch: RLBatch, mini_batch_rows: int, epochs: int, kl_coef: float,
@@ -187,9 +253,9 @@ class RLWorker:
         second copy on the worker's device)."""
         return model if self.in_process or model is None else cpu_copy(model)
 
-    @register(Dispatch.RANK_ZERO, role="actor", name="model")
-    def actor_model(self) -> torch.nn.Module:
-        return self._readable(self.actor.model)
+    @register(Dispatch.ONE_TO_ALL, role="actor", name="model")
+    def actor_model(self) -> torch.nn.Module | None:
+        return self._full("actor", self.actor.model)
 
     @register(Dispatch.RANK_ZERO_REF, role="actor", name="policy_weights")
     def policy_weights(self) -> dict[str, torch.Tensor]:
@@ -198,21 +264,25 @@ class RLWorker:
 
     @register(Dispatch.DP_COMPUTE, role="ref", name="compute_logprobs")
     def ref_logprobs(self, batch: RLBatch) -> torch.Tensor:
-        return self.ref.compute_logprobs(batch)
+        return self._freed(self.ref.model, self.ref.compute_logprobs(batch))
 
     @register(Dispatch.ONE_TO_ALL, role="ref", name="sync")
     def ref_sync(self, alpha: float) -> None:
+        """Sharded: each worker mixes its own shards (the two models are sharded alike)."""
+        if self.sharded:
+            reshard(self.actor.model)
+            reshard(self.ref.model)
         self.ref.sync(self.actor.model, alpha)
 
-    @register(Dispatch.RANK_ZERO, role="ref", name="saved_model")
+    @register(Dispatch.ONE_TO_ALL, role="ref", name="saved_model")
     def ref_saved_model(self) -> torch.nn.Module | None:
-        return self._readable(self.ref.saved_model())
+        return self._full("ref", self.ref.saved_model())
 
     # ------------------------------------------------------------------ critic
 
     @register(Dispatch.DP_COMPUTE, role="critic", name="compute_values")
     def critic_values(self, batch: RLBatch) -> torch.Tensor:
-        return self.critic.compute_values(batch)
+        return self._freed(self.critic.model, self.critic.compute_values(batch))
 
     @register(Dispatch.DP_SHARES, role="critic", name="update")
     def critic_update(self, batch: RLBatch, mini_batch_rows: int, epochs: int, seed: int) -> dict[str, float]:
@@ -222,9 +292,9 @@ class RLWorker:
         return self.critic.update_mini_batches(update_share(batch, mini_batch_rows, epochs, seed, self.rank,
                                                             self.world_size))
 
-    @register(Dispatch.RANK_ZERO, role="critic", name="model")
-    def critic_model(self) -> torch.nn.Module:
-        return self._readable(self.critic.model)
+    @register(Dispatch.ONE_TO_ALL, role="critic", name="model")
+    def critic_model(self) -> torch.nn.Module | None:
+        return self._full("critic", self.critic.model)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -270,10 +340,14 @@ class RLWorker:
         path = Path(checkpoint)
         if (path / SHARDS).is_dir():
             self._restore_shards(path)
+        elif self.sharded:
+            raise ValueError(f"trainer.strategy=fsdp2: {path} was written before the DCP layout (no {SHARDS}/), "
+                             "whose whole-model files sharded workers do not read; resume it once with "
+                             "trainer.strategy=ddp (its next checkpoint has the layout), then with fsdp2")
         else:
             self.restore_files(path, step)
         if self.rollout is not None and self.actor is not None:  # colocated: the engine reads the actor's weights
-            self.rollout.sync_weights(self.actor.model)
+            self._engine_takes_actor()
 
     def _restore_shards(self, path: Path) -> None:
         for role in ("actor", "critic", "ref"):
