@@ -8,7 +8,9 @@
 # built-in tiny model on CUDA under bf16 autocast keep fp32 master weights and a finite loss, in one
 # process and under torchrun with trainer.strategy=fsdp2 (NCCL, sharded DCP checkpoint); the
 # native engine generates on CUDA as it does on the CPU; a colocated Ray GRPO run of 20 steps
-# (trainer.backend=ray, 2 workers sharing the GPU, generation split over them); the vllm engine's tests
+# (trainer.backend=ray, 2 workers sharing the GPU, generation split over them); FSDP2 inside the Ray workers
+# (trainer.strategy=fsdp2: an NCCL worker with bf16 compute over fp32 shards, with trainer.fsdp.param_offload,
+# then with trainer.fsdp.optimizer_offload; tests/trainers/test_rl_fsdp_gpu.py); the vllm engine's tests
 # (marker `vllm`: tests/rollout/test_rollout_vllm.py: single-turn sampling, weight sync, sleep, LoRA,
 # multi-turn episodes over the calculator environment; tests/trainers/test_rl_vllm.py: GRPO, 2 Ray
 # workers) under vLLM's CUDA build when vLLM is importable: what `make test-vllm` runs on the CPU build,
@@ -117,6 +119,8 @@ sampled = make_engine("native", randomized(seed=3).cuda(), tok).generate(
     PROMPTS, SamplingParams(n=4, temperature=1.0, max_new_tokens=16, seed=0))
 assert torch.equal(sampled.response_mask.sum(-1).cpu(), sampled.lengths.cpu())
 print(f"greedy equals the CPU, logprob diff {diff:.1e}; {len(sampled.lengths)} sampled rows")'
+
+check ray_fsdp2_bf16_offload 300 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/trainers/test_rl_fsdp_gpu.py
 
 check ray_grpo_cuda 240 "$PY" -c '
 import json, math, sys

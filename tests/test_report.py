@@ -365,3 +365,15 @@ def test_report_of_a_real_sft_run_renders_in_chromium(tmp_path):
     assert pixels.shape[:2] == (3000, 1200) and len(np.unique(pixels.reshape(-1, 3), axis=0)) > 50
     blue = np.all(np.abs(pixels.astype(int) - (31, 119, 180)) < 30, axis=-1)  # matplotlib's C0: the train curves
     assert blue.sum() > 500
+
+
+def test_an_async_run_s_staleness_and_overlap_get_a_figure(tmp_path):
+    run_dir = tmp_path / "async"
+    run_dir.mkdir()
+    rows = [{"step": s, "reward/mean": 0.1 * s, "async/staleness/mean": min(s - 1, 1) * 0.9,
+             "async/staleness/max": float(min(s - 1, 1)), "perf/overlap": 0.2 * min(s, 3), "timing/wait_update": 0.1}
+            for s in (1, 2, 3)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    groups = _groups([load_run(run_dir, "async")])
+    assert groups["Asynchronous RL: staleness and overlap"] == ["async/staleness/mean", "async/staleness/max",
+                                                                "perf/overlap", "timing/wait_update"]

@@ -225,10 +225,11 @@ def test_micro_batching_does_not_change_the_run(tmp_path, variant):
     a = trainer_for(config(tmp_path / "a", **common, **{"actor.micro_batch_size": 32}))
     a.train()
     b = trainer_for(config(tmp_path / "b", **common, **split))
+    worker = in_process_worker(b)
     b.train()
     assert_same_weights(weights(a.model), weights(b.model))
     if variant == "memory-levers":  # the keys reached the roles
-        assert b.roles.actor.remove_padding and b.roles.ref.remove_padding
+        assert worker.actor.remove_padding and worker.ref.remove_padding
         assert b.model.model.layers[0].checkpoint_kwargs is not None
 
 

@@ -1,17 +1,15 @@
 """The RL driver holds no weights: each pool's worker 0 writes the HF folders of checkpoints and
 final/ (`RLWorker.save_hf`), byte for byte the files the driver wrote from worker 0's modules
-before, sharded (DTensor) parameters gathered one at a time (`distributed.gather`). The Ray
+before, sharded (fsdp2) parameters gathered one at a time (`fsdp.full_copy`). The Ray
 side (no parameter in the driver during and after a run; eval on the workers equal to the
 local run's) is in test_rl_ray.py."""
 
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 
 from posttrain.checkpoint import RunModels
-from posttrain.distributed.gather import full_module, is_sharded
 from posttrain.models.lora import is_peft, merged_for_export
 
 from .test_rl import config, in_process_worker, tiny_model, trainer_for
@@ -49,14 +47,11 @@ def test_worker_zero_writes_the_folders_the_driver_wrote(tmp_path, lora):
 
 
 @pytest.fixture
-def one_rank_group():
-    """A gloo process group of this process alone, on 127.0.0.1 (destroyed after)."""
+def one_rank_group(tmp_path):
+    """A gloo process group of this process alone (destroyed after)."""
     import torch.distributed as dist
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         yield
     finally:
@@ -64,24 +59,22 @@ def one_rank_group():
 
 
 def test_sharded_parameters_are_gathered_into_the_same_files(tmp_path, one_rank_group):
-    """Parameters as DTensors sharded on dim 0 (FSDP2's layout): `full_module` gives a CPU module
-    of plain tensors whose saved files equal the
-    unsharded model's; an unsharded model is returned as is (no copy)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+    """fsdp2 (`fully_shard` per layer, then the root): `RLWorker._whole` gathers the policy into
+    a plain CPU copy (`fsdp.full_copy`, one parameter at a time) whose files equal the
+    unsharded model's, byte for byte; unsharded, worker 0 writes its own module (no copy)."""
+    from posttrain.distributed.fsdp import shard_model, skeleton
+    from posttrain.trainers.rl_worker import RLWorker
 
     model = tiny_model()
-    assert full_module(model) is model
     model.save_pretrained(tmp_path / "plain")
-    mesh = init_device_mesh("cpu", (1,))
-
-    def shard(name, module, device_mesh):
-        for key, p in list(module.named_parameters(recurse=False)):
-            module.register_parameter(key, torch.nn.Parameter(distribute_tensor(p.data, device_mesh, [Shard(0)])))
-
-    sharded = distribute_module(tiny_model(), mesh, shard)
-    assert is_sharded(sharded)
-    full = full_module(sharded)
-    assert not is_sharded(full) and all(p.device.type == "cpu" for p in full.parameters())
+    sharded = tiny_model()
+    worker = RLWorker.__new__(RLWorker)  # only the gather's state: rank, sharding, templates
+    worker.rank, worker.sharded, worker.templates = 0, False, {}
+    assert worker._whole("actor", sharded) is sharded
+    worker.sharded, worker.templates["actor"] = True, skeleton(sharded)
+    shard_model(sharded)
+    assert any(hasattr(p, "full_tensor") for p in sharded.parameters())
+    full = worker._whole("actor", sharded)
+    assert all(not hasattr(p, "full_tensor") and p.device.type == "cpu" for p in full.parameters())
     full.save_pretrained(tmp_path / "gathered")
     assert files(tmp_path / "gathered") == files(tmp_path / "plain")

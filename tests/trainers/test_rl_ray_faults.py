@@ -174,8 +174,8 @@ def test_a_worker_killed_mid_save_stops_the_run_in_seconds_naming_it_and_the_las
     group, killed = trainer.roles.pools["global_pool"], {}
     run = group._run
 
-    def kill_mid_save(method, args_per_rank):
-        if trainer.at_step == 2 and method == "save_hf" and not killed:  # `RLWorker.save_hf`
+    def kill_mid_save(method, args_per_rank):  # `RLWorker.save_hf`: every worker called (ONE_TO_ALL)
+        if trainer.at_step == 2 and method == "save_hf" and not killed:
             killed["at"], killed["pid"] = time.perf_counter(), group.pids[0]
             os.kill(group.pids[0], signal.SIGKILL)
         return run(method, args_per_rank)

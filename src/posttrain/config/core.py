@@ -276,6 +276,11 @@ def _unknown_key(cls: type, key: str, value: Any, prefix: str, root: type) -> Co
     section slip."""
     if key in RETIRED_KEYS:  # `key` is dotted from the root
         return ConfigError(f"{key}: {RETIRED_KEYS[key]}")
+    if key == "trainer.async" or key.startswith("trainer.async."):
+        leaf = next(iter(_flatten(key, value)))[0]
+        ours = "trainer.async_training" + leaf.removeprefix("trainer.async")
+        return ConfigError(f"unknown key {key}: the section is trainer.async_training (async is a Python keyword, "
+                           f"and a config section is a dataclass field): set {ours}=...")
     alias_error = _alias_error(key, value, root)
     if alias_error is not None:
         return alias_error

@@ -108,6 +108,29 @@ class RayConfig:
               "whose nodes declare their own (ray start --num-cpus=N): drop ray.num_cpus or ray.address")
 
 
+@dataclass
+class FSDPConfig:
+    """FSDP2's memory levers in the RL workers (trainer.strategy=fsdp2; veRL's
+    `actor_rollout_ref.actor.fsdp_config`). Both need CUDA workers."""
+
+    param_offload: bool = field(default=False, metadata=aliases(verl("actor_rollout_ref.actor.fsdp_config.param_offload")))
+    """Keep each worker's parameter and gradient shards on the CPU (`CPUOffloadPolicy`): each
+    layer is copied to the GPU for its forward and backward, and AdamW steps on the CPU."""
+    optimizer_offload: bool = field(default=False, metadata=aliases(
+        verl("actor_rollout_ref.actor.fsdp_config.optimizer_offload")))
+    """Keep AdamW's moments on the CPU between optimizer steps (moved to the GPU for each step)."""
+
+    def check(self, strategy: str, cuda: bool) -> None:
+        """Offload needs sharded models (trainer.strategy=fsdp2) on CUDA workers."""
+        for key in ("param_offload", "optimizer_offload"):
+            if not getattr(self, key):
+                continue
+            check(strategy == "fsdp2", f"trainer.fsdp.{key}", f"offloads FSDP2 shards: set trainer.strategy=fsdp2 "
+                  f"(got {strategy}), or drop trainer.fsdp.{key}")
+            check(cuda, f"trainer.fsdp.{key}", "moves GPU memory to the CPU, and these workers have no GPU (CUDA "
+                  "unavailable, model.device=cpu or placement.gpus_per_worker=0): drop it, or run on CUDA workers")
+
+
 RAY_ONLY = ("trainer.nnodes", "trainer.n_workers_per_node", "trainer.collective_timeout_s",
             "trainer.on_worker_failure", "trainer.max_restarts", "placement", "ray")
 """The keys and sections only trainer.backend=ray reads: set on the local backend, they are refused."""

@@ -28,10 +28,12 @@ from posttrain.config.algorithm import (  # noqa: F401  (KLConfig, OverlongConfi
     PPOAlgorithmConfig,
 )
 from posttrain.config.aliases import aliases, openrlhf, trl, verl
+from posttrain.config.asyncrl import AsyncConfig
 from posttrain.config.core import check, iter_fields
 from posttrain.config.placement import (
     GLOBAL_POOL,
     RAY_ONLY,
+    FSDPConfig,
     PlacementConfig,
     RayConfig,
     ResourcePool,
@@ -255,6 +257,18 @@ class RLTrainerConfig(TrainerConfig):
     max_restarts: int = 1
     """How many times one run restarts its workers (trainer.on_worker_failure=restart) before
     it stops as `stop` would."""
+    async_training: AsyncConfig = field(default_factory=AsyncConfig)
+    """Asynchronous RL: generation overlapped with the update, bounded staleness (docs/async.md)."""
+    strategy: Literal["none", "ddp", "fsdp2"] = field(default="ddp", metadata=aliases(
+        verl("actor_rollout_ref.actor.strategy", same_value=False, note="veRL's fsdp/fsdp2 is trainer.strategy=fsdp2")))
+    """How the workers hold the actor, reference and critic (the key SFT/RM/DPO use). `ddp`:
+    a whole copy on each worker, gradients averaged over them after each backward. `fsdp2`:
+    sharded over the workers (`fully_shard` per decoder layer, then the root;
+    `distributed.fsdp`): each holds 1/W of every weight, gradient and AdamW moment; on CUDA
+    bf16 compute with fp32 master weights and reduction (trainer.precision). `none`: one
+    worker (trainer.backend=local, or one Ray worker). All three give the same update."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """Offload of the fsdp2 shards (CUDA workers)."""
 
     def validate(self) -> None:
         super().validate()
@@ -262,6 +276,9 @@ class RLTrainerConfig(TrainerConfig):
         check(self.n_workers_per_node >= 1, "trainer.n_workers_per_node", f"must be >= 1, got {self.n_workers_per_node}")
         check(self.collective_timeout_s > 0, "trainer.collective_timeout_s", "must be > 0 seconds")
         check(self.max_restarts >= 0, "trainer.max_restarts", f"must be >= 0, got {self.max_restarts}")
+        check(self.strategy != "none" or self.world_size == 1, "trainer.strategy",
+              f"none holds the models in one process, and this run has {self.world_size} workers: set "
+              "trainer.strategy=ddp (a copy on each) or fsdp2 (sharded over them)")
 
     @property
     def world_size(self) -> int:
@@ -348,9 +365,32 @@ class RLConfig:
               "rollout.calculate_log_probs",
               f"algorithm.rollout_correction.{'rollout_is' if corr.rollout_is else 'bypass_mode'} reads the engine's "
               "log-probs: set rollout.calculate_log_probs=true, or leave it null (true when the correction is on)")
+        self._validate_async()
+        self.trainer.fsdp.check(self.trainer.strategy, self.cuda_workers)
         if self.rollout.engine == "vllm" and self.eval.task is None:  # eval samples through the engine
             problem = check_vllm_temperature(self.eval.temperature)
             check(problem is None, "eval.temperature", problem or "")
+
+    def _validate_async(self) -> None:
+        """Async RL needs the behaviour log-probs and one generation round per step."""
+        k = self.trainer.async_training.max_staleness
+        if not k:
+            return
+        check(self.rollout.calculate_log_probs is not False, "rollout.calculate_log_probs",
+              f"trainer.async_training.max_staleness={k} records the behaviour policy's log-probs (the decoupled "
+              "PPO objective weighs by them): set rollout.calculate_log_probs=true or leave it null")
+        check(not self.algorithm.filter_groups, "algorithm.filter_groups",
+              f"dynamic sampling draws extra generation rounds inside a step, which the async pipeline "
+              f"(trainer.async_training.max_staleness={k}) does not schedule: set algorithm.filter_groups=false "
+              "or trainer.async_training.max_staleness=0")
+    @property
+    def cuda_workers(self) -> bool:
+        """The workers train on CUDA: it is here, model.device is not cpu, and on Ray each
+        worker has a GPU share (placement.gpus_per_worker)."""
+        import torch
+
+        gpus = self.trainer.backend == "local" or self.placement.gpus_per_worker > 0
+        return torch.cuda.is_available() and self.model.device != "cpu" and gpus
 
     def ray_keys_set(self) -> list[str]:
         """The keys of RAY_ONLY (and of its sections) set to something other than their default."""
@@ -406,6 +446,10 @@ class RLConfig:
         check(self.rollout.engine != "vllm" or not self.placement.rollout.enable_resource_pool,
               "placement.rollout.enable_resource_pool",
               "a rollout pool of its own runs the native or hf engine; the vllm engine runs colocated with the actor")
+        check(self.trainer.strategy != "fsdp2" or not self.placement.rollout.enable_resource_pool,
+              "placement.rollout.enable_resource_pool", "a rollout pool of its own loads actor worker 0's whole "
+              "state dict, which sharded workers (trainer.strategy=fsdp2) do not hold; set it false (the colocated "
+              "engines take the sharded weights one gathered parameter at a time) or trainer.strategy=ddp")
         check(self.use_critic or not self.placement.critic.enable_resource_pool, "placement.critic.enable_resource_pool",
               f"algorithm.adv_estimator={self.algorithm.adv_estimator} trains no critic; set it false")
         pools, mapping = self.resource_pools()
@@ -444,7 +488,8 @@ class RLConfig:
         """rollout.calculate_log_probs, null resolved: the engine returns log-probs when the
         rollout correction reads them."""
         wanted = self.rollout.calculate_log_probs
-        return self.algorithm.rollout_correction.needs_rollout_logprobs if wanted is None else wanted
+        needed = self.algorithm.rollout_correction.needs_rollout_logprobs or self.trainer.async_training.enabled
+        return needed if wanted is None else wanted
 
     @property
     def use_critic(self) -> bool:

@@ -28,9 +28,22 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     return torch.device(device)
 
 
+def is_sharded(model: nn.Module) -> bool:
+    """`model` (or a peft model's base) is FSDP2-sharded (`distributed.fsdp.shard_model`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    root = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return isinstance(root, FSDPModule)
+
+
 def device_of(model: nn.Module) -> torch.device:
-    """The device of `model`'s first parameter (where its inputs go)."""
-    return next(model.parameters()).device
+    """The device of `model`'s first parameter (where its inputs go); of an FSDP2 shard, its
+    mesh's device (a shard offloaded to the CPU still computes on the GPU)."""
+    p = next(model.parameters())
+    mesh = getattr(p, "device_mesh", None)
+    if mesh is not None and mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return p.device
 
 
 def resolve_dtype(

@@ -77,6 +77,9 @@ GROUPS: tuple[PlotGroup, ...] = (
     PlotGroup("Learning rate and gradient norm", ("lr", "grad_norm", "critic/lr", "critic/grad_norm")),
     PlotGroup("Time per stage (s)", TIMING_STAGES, stacked=True),
     PlotGroup("Throughput and step time", ("throughput/tokens_per_s", "timing/step", "timing/eval")),
+    PlotGroup("Asynchronous RL: staleness and overlap", ("async/staleness/mean", "async/staleness/max",
+                                                        "async/dropped_groups", "perf/overlap", "timing/wait_rollout",
+                                                        "timing/wait_update")),
 )
 
 

@@ -54,14 +54,15 @@ class EpochBatches:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(n, generator=g).tolist()
 
-    def next_indices(self) -> list[int]:
-        """The example indices of the next optimizer step."""
+    def next_indices(self, count: int | None = None) -> list[int]:
+        """The example indices of the next optimizer step (`count`: that many instead of batch_size)."""
+        want = self.batch_size if count is None else count
         picked: list[int] = []
-        while len(picked) < self.batch_size:
+        while len(picked) < want:
             if self.index == len(self._order):
                 self.epoch, self.index = self.epoch + 1, 0
                 self._order = self._permutation(self.epoch)
-            take = min(self.batch_size - len(picked), len(self._order) - self.index)
+            take = min(want - len(picked), len(self._order) - self.index)
             picked += self._order[self.index : self.index + take]
             self.index += take
         return picked

@@ -56,6 +56,11 @@ Departures from the papers, TRL and veRL, and why:
   correction on or off; with algorithm.rollout_correction.rollout_is the weights (TIS,
   IcePop, MIS) multiply the policy-gradient term of the actor's loss. A masked token keeps
   its place in the loss's denominator (TRL); veRL's rejection takes it out of the mask.
+- Asynchronous RL (trainer.async_training.max_staleness=K ≥ 1, `rl_async`, docs/async.md): the
+  rollout generates the next K steps' batches while the actor trains; each token records its
+  policy version; the old log-probs are always recomputed (π_prox) and the rollout correction's
+  weight π_prox / π_behaviour is always applied (AReaL's decoupled PPO; token TIS when
+  algorithm.rollout_correction.rollout_is is null). K = 0 is the synchronous loop, unchanged.
 - Rows whose advantage is 0 on every token (a GRPO group whose rewards are all equal) get
   no forward/backward when the loss is the clipped surrogate alone (no entropy bonus, no
   KL in the loss, no shared value head): their loss and gradient are exactly 0, and they
@@ -88,6 +93,8 @@ Departures from the papers, TRL and veRL, and why:
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import time
 from collections.abc import Sequence
@@ -104,10 +111,12 @@ from posttrain.config.rl import GRPOConfig, PPOConfig, RLConfig
 from posttrain.data.collate import pad_id_of
 from posttrain.data.prompts import load_prompts
 from posttrain.logging import get_logger
+from posttrain.logging.metrics import PROMPTS_FILE
 from posttrain.logging.timing import StageTimer
 from posttrain.trainers.batches import EpochBatches
 from posttrain.trainers.callbacks import Callbacks
 from posttrain.trainers.loop import SAMPLES_PER_EVAL, FitResult, RefSync, StepOutput, run
+from posttrain.trainers.rl_async import AsyncRollouts, Lane, collect_async, lane_metrics
 from posttrain.trainers.rl_build import (
     check_reward_source,
     episode_source,
@@ -205,6 +214,8 @@ class RLTrainer:
         self.kl_ctrl = (AdaptiveKLController(kl.coef, kl.target, kl.horizon) if kl.adaptive
                         else FixedKLController(kl.coef))
         self.next_uid = 0  # the prompts' group ids, counted over the run
+        self.pad_id = pad_id_of(self.tokenizer)
+        self.pipeline = self._pipeline() if args.trainer.async_training.enabled else None
         self.given = (model, value_model)  # the modules passed in (None: built), for `model` after a Ray run
         self.trained: tuple[torch.nn.Module, torch.nn.Module | None] | None = None  # (policy, critic) after train()
         self.final_dir: Path | None = None  # after a Ray run: final/, where `model` reads the trained weights
@@ -267,6 +278,8 @@ class RLTrainer:
                 self.final_dir = result.final_dir
             return result
         finally:
+            if self.pipeline is not None:
+                self.pipeline.lane.close()  # before the workers it calls stop
             self.roles.close()  # the workers (and a Ray the run started) stop
 
     def _run(self, config: RLConfig) -> FitResult:
@@ -297,6 +310,7 @@ class RLTrainer:
     def step(self, step: int) -> StepOutput:
         self.at_step = step
         metrics, self.last_batch = rl_step(self, step)
+        self._log_prompts(step, self.last_batch)
         if self.worker_restarts is not None:
             metrics["worker_restarts"] = float(self.worker_restarts)
         nonfinite = metrics.get("actor/nonfinite_steps", 0.0) + metrics.get("critic/nonfinite_steps", 0.0) > 0
@@ -307,13 +321,54 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ one step's stages
 
-    def next_prompts(self) -> RLBatch:
-        """The next prompts, each with its group id (`uid`, counted over the run here, so a
-        batch generated in slices by several workers keeps one numbering)."""
-        prompts = self.stream.next_step()[0]
+    def next_prompts(self, count: int | None = None) -> RLBatch:
+        """The next data.train_batch_size prompts (`count`: that many), each with its group id
+        (`uid`, counted over the run here, so a batch generated in slices by several workers
+        keeps one numbering) and its index in the training prompts (`prompt_index`)."""
+        prompts = self.prompts_of(self.stream.next_indices(count))
         uid = torch.arange(self.next_uid, self.next_uid + len(prompts))
         self.next_uid += len(prompts)
         return prompts.replace(uid=uid)
+
+    def prompts_of(self, indices: list[int]) -> RLBatch:
+        """The training prompts `indices`, collated, with their `prompt_index`."""
+        prompts = RLBatch.from_prompts([self.examples[i] for i in indices], pad_id=self.pad_id)
+        return prompts.replace(prompt_index=torch.tensor(indices, dtype=torch.long))
+
+    def _pipeline(self) -> AsyncRollouts:
+        """trainer.async_training (`rl_async`): the rollout's jobs run on a thread of their own
+        where the rollout has a pool of its own (they then overlap the update), else in turn."""
+        cfg, r = self.args, self.roles
+        a = cfg.trainer.async_training
+
+        def generate(prompts: RLBatch, step: int) -> RLBatch:
+            return r.rollout.generate(prompts, step_seed(cfg.trainer.seed, step, 0))
+
+        def sync() -> Any:
+            if not r.own_rollout_pool:
+                return r.rollout.sync_weights
+            weights = r.actor.policy_weights()  # Ray: a reference to the weights as they are now
+            if isinstance(weights, dict):  # in-process workers: a copy, the next update changes them in place
+                weights = {k: v.clone() for k, v in weights.items()}
+            return partial(r.rollout.load_weights, weights)
+
+        log.info("async RL: max_staleness=%d (%s, stale_policy=%s); the rollout %s", a.max_staleness, a.mode,
+                 a.stale_policy, "overlaps the update (a pool of its own)" if r.own_rollout_pool else
+                 "runs in turn with the update (no pool of its own: the same schedule, no overlap)")
+        return AsyncRollouts(a.max_staleness, a.stale_policy, cfg.rollout.n, Lane(threaded=r.own_rollout_pool),
+                             self.next_prompts, generate, sync)
+
+    def _log_prompts(self, step: int, batch: RLBatch) -> None:
+        """trained_prompts.jsonl: the step's prompts (one per group) and their policy versions."""
+        n = self.args.rollout.n
+        versions = batch.versions if batch.versions is not None else torch.full_like(batch.response_ids, step - 1)
+        oldest = torch.where(batch.response_mask.bool(), versions, versions.amax()).amin(-1)
+        record = {"step": step, "prompt_index": batch.prompt_index[::n].tolist(),
+                  "version": oldest.view(-1, n).amin(-1).tolist()}
+        run_dir = Path(self.args.trainer.output_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)  # `step` called outside the loop (tests) too
+        with open(run_dir / PROMPTS_FILE, "a") as f:
+            f.write(json.dumps(record) + "\n")
 
     @property
     def reference(self) -> Any:
@@ -331,7 +386,16 @@ class RLTrainer:
         num_iterations=1), so the old-log-prob pass is skipped."""
         cfg = self.args
         single = cfg.actor.ppo_epochs == 1 and cfg.mini_batch_prompts == cfg.data.train_batch_size
-        return single and not cfg.algorithm.kl.in_reward
+        return single and not cfg.algorithm.kl.in_reward and self.pipeline is None  # async: π_prox ≠ π_behaviour
+
+    @property
+    def correction(self) -> Any:
+        """algorithm.rollout_correction; in async RL its behaviour weight π_prox / π_behaviour is
+        always applied (decoupled PPO): rollout_is=token (TIS) when it is null."""
+        corr = self.args.algorithm.rollout_correction
+        if self.pipeline is not None and corr.rollout_is is None and not corr.bypass_mode:
+            return dataclasses.replace(corr, rollout_is="token")
+        return corr
 
     def old_logprobs(self, batch: RLBatch) -> tuple[RLBatch, dict[str, float]]:
         """The behaviour policy's log-probs: the engine's in bypass mode; none when the update
@@ -339,7 +403,7 @@ class RLTrainer:
         else recomputed by the actor, then compared with the engine's and corrected for
         (`rl_steps.correct_rollout`) when the engine returned them (rollout.calculate_log_probs)."""
         cfg = self.args
-        corr = cfg.algorithm.rollout_correction
+        corr = self.correction
         if corr.bypass_mode:
             batch.require("rollout_logp", role="algorithm.rollout_correction.bypass_mode",
                           why="old log-probs are the engine's (rollout.calculate_log_probs)")
@@ -350,7 +414,9 @@ class RLTrainer:
         return correct_rollout(batch, corr) if cfg.rollout_log_probs else (batch, {})
 
     def evaluate(self, step: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
-        """eval/* metrics and the first eval samples."""
+        """eval/* metrics and the first eval samples (after the rollout's jobs in flight)."""
+        if self.pipeline is not None:
+            self.pipeline.lane.drain()
         metrics, samples = evaluate_policy(self, step)
         return metrics, samples[:SAMPLES_PER_EVAL]
 
@@ -361,27 +427,42 @@ class RLTrainer:
     # ------------------------------------------------------------------ checkpoints
 
     def state(self) -> dict[str, Any]:
-        return {"prompts": self.stream.state_dict(), "kl_coef": self.kl_ctrl.value}
+        """Prompt stream position, KL coefficient, group ids; async: the prompts in flight."""
+        out = {"prompts": self.stream.state_dict(), "kl_coef": self.kl_ctrl.value, "next_uid": self.next_uid}
+        if self.pipeline is not None:
+            out["in_flight"] = self.pipeline.state()
+        return out
 
     def load_state(self, state: dict[str, Any]) -> None:
-        """The driver's state (`state()`): prompt stream position, KL coefficient."""
+        """The driver's state (`state()`): prompt stream position, KL coefficient, group ids, and
+        the prompts in flight (async; also the state a worker restart goes back to)."""
         self.stream.load_state_dict(state["prompts"])
         self.kl_ctrl.value = float(state["kl_coef"])
+        self.next_uid = int(state.get("next_uid", 0))
         self.last_batch = None
+        if self.pipeline is not None:  # its prompts in flight are generated again (version: `restore` sets it)
+            self.pipeline.load_state(state.get("in_flight", []), 0, self.prompts_of)
 
     def save(self, run_dir: Path, step: int, metrics: dict[str, float], keep: int, run: RunRecord) -> Path:
         """The HF folders written by each pool's worker 0 (`RLWorker.save_hf`); every worker's DCP
         shards of model + AdamW (`RLWorker.save_shards`: one layout on every backend and worker count)."""
         r = self.roles
-        return save_checkpoint(run_dir, step, HFFolders(r, final=False), self.tokenizer, None, None, self.state(), keep, metrics, run,
+        if self.pipeline is not None:  # the rollout pool's workers write shards too
+            self.pipeline.lane.drain()
+        return save_checkpoint(run_dir, step, HFFolders(r, final=False), self.tokenizer, None, None, self.state(),
+                               keep, metrics, run,
                                write_shards=r.save_shards)
 
     def restore(self, path: Path) -> int:
         """Load checkpoint `path` into every worker's roles (`RLWorker.restore`) and the driver's
         state (prompt stream, KL coefficient, RNG); returns its step."""
         state = load_checkpoint(path, None)
+        if self.pipeline is not None:
+            self.pipeline.lane.drain()
         self.roles.restore(path, state["step"])
         self.load_state(state["data_state"])
+        if self.pipeline is not None:  # the restored weights are version `step`
+            self.pipeline.version = state["step"]
         return state["step"]
 
     def save_final(self, run_dir: Path) -> Path:
@@ -428,11 +509,16 @@ def rl_step(trainer: RLTrainer, step: int) -> tuple[dict[str, float], RLBatch]:
     n, algo, kl = cfg.rollout.n, cfg.algorithm, cfg.algorithm.kl
     started = time.perf_counter()
 
-    # 1. prompts → n responses each → scores (DAPO: more rounds until groups differ)
-    batch, metrics = collect_rollouts(
-        trainer.next_prompts, lambda prompts, rnd: r.rollout.generate(prompts, step_seed(cfg.trainer.seed, step, rnd)),
-        r.reward, algo, cfg.data.train_batch_size, n, timer,
-    )
+    # 1. prompts → n responses each → scores (DAPO: more rounds until groups differ; async: the
+    #    batch generated ahead, within max_staleness updates, while the next ones are submitted)
+    if trainer.pipeline is not None:
+        batch, metrics = collect_async(trainer.pipeline, step, r.reward, n, timer)
+    else:
+        batch, metrics = collect_rollouts(
+            trainer.next_prompts, lambda prompts, rnd: r.rollout.generate(prompts, step_seed(cfg.trainer.seed, step, rnd)),
+            r.reward, algo, cfg.data.train_batch_size, n, timer,
+        )
+    busy_from = time.perf_counter()  # the actor's pool works from here to the update's end
     r.reward.check_step(step, metrics)  # a function that failed on every sample stops the run here
     if algo.mask_truncated_completions:
         batch = mask_truncated(batch)
@@ -467,7 +553,11 @@ def rl_step(trainer: RLTrainer, step: int) -> tuple[dict[str, float], RLBatch]:
         actor_metrics = {}
         if step > cfg.critic.warmup_steps:
             actor_metrics = r.actor.update(batch, rows, epochs, beta, seed)
-    r.sync_rollout()
+    busy = (busy_from, time.perf_counter())
+    if trainer.pipeline is not None:
+        trainer.pipeline.updated()  # the sync is queued behind the generations in flight
+    else:
+        r.sync_rollout()
 
     if step == 1 and not cfg.use_critic:
         log.info("policy_loss ≈ 0 on a fresh rollout is expected (ratio 1, advantages centred per group); "
@@ -476,6 +566,8 @@ def rl_step(trainer: RLTrainer, step: int) -> tuple[dict[str, float], RLBatch]:
            **actor_metrics}
     trainer.kl_ctrl.update(out["kl"], len(batch))
     elapsed = time.perf_counter() - started
+    if trainer.pipeline is not None:
+        out.update(lane_metrics(trainer.pipeline.lane, started, started + elapsed, busy))
     if kl.enabled:  # β only acts through a KL term (`config.algorithm.KLConfig`)
         out["kl_coef"] = beta
     out.update(timer.metrics(), **{

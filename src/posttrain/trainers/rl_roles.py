@@ -17,11 +17,14 @@ from posttrain.config.rl import RLConfig
 from posttrain.distributed.groups import LocalWorkerGroup
 from posttrain.distributed.pools import WorkerPools
 from posttrain.distributed.register import RoleView, role_view
+from posttrain.logging import get_logger
 from posttrain.rollout import MultiTurnLimits
 from posttrain.trainers.rl_build import initial_models, sampling_params
 from posttrain.trainers.rl_worker import RLWorker, pool_factories
 from posttrain.workers import Reward
 from posttrain.workers.roles import ActorRole, CriticRole, ReferenceRole, RolloutRole
+
+log = get_logger(__name__)
 
 
 @dataclass
@@ -85,7 +88,10 @@ class Roles:
         this run started) and the reward worker processes (reward.isolation=process)."""
         self.reward.runner.close()
         if self.pools.groups:  # not yet closed
-            self.rollout.close()
+            try:
+                self.rollout.close()
+            except Exception as e:  # a dead worker: the run's own error (WorkerFailure) is the one to tell
+                log.warning("closing the rollout engines failed (%s: %s); stopping the workers", type(e).__name__, e)
         self.pools.close()
 
 

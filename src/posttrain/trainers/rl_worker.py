@@ -25,15 +25,17 @@ on both backends:
                                                   whole mini-batch's
     ref.sync(alpha)                   ONE_TO_ALL  every reference moves towards its own actor
     rollout.offload / sync_weights    ONE_TO_ALL  every engine takes its own actor's weights (a
-                                                  rollout pool: actor worker 0's, `load_weights`)
-    actor.evaluate_task(rows, ...)    RANK_ZERO   eval.task on worker 0's policy
+                                                  rollout pool: actor worker 0's, `load_weights`;
+                                                  fsdp2: one gathered parameter at a time)
+    actor.evaluate_task(rows, ...)    RANK_ZERO   eval.task on worker 0's policy (fsdp2: its
+                                                  engine's whole copy)
     actor.describe()                  RANK_ZERO   class, counts, dtype, signature, engine kind
-    actor.model(), critic.model()     RANK_ZERO   worker 0's module, for the Python API only
-                                                  (in process: the worker's own; Ray: a CPU copy)
     save_hf(folder, final)            ONE_TO_ALL  each pool's worker 0 writes the HF folders of
-                                                  a checkpoint or final/ from its own modules,
-                                                  every worker gathering sharded parameters
-                                                  one at a time (`distributed.gather`)
+                                                  a checkpoint or final/ from its own modules
+                                                  (fsdp2: every worker gathers each parameter
+                                                  in turn into worker 0's CPU copy)
+    actor.model(), critic.model()     ONE_TO_ALL  worker 0's module, for the Python API only
+                                                  (in process: the worker's own; Ray: a CPU copy)
     save_shards / restore             ONE_TO_ALL  every worker writes / reads its roles' DCP
                                                   shards (model + AdamW; resharded on load)
 
@@ -61,7 +63,15 @@ from posttrain.checkpoint import RunModels, load_checkpoint
 from posttrain.config.rl import RLConfig
 from posttrain.distributed.checkpoint import SHARDS, load_sharded, save_sharded
 from posttrain.distributed.dispatch import shard_rows
-from posttrain.distributed.gather import full_module
+from posttrain.distributed.fsdp import (
+    full_copy,
+    offload_optimizer,
+    policies,
+    reshard,
+    shard_model,
+    skeleton,
+    stream_full,
+)
 from posttrain.distributed.register import Dispatch, register
 from posttrain.models.heads import ScalarHeadModel
 from posttrain.models.lora import is_peft, merged_for_export, parameter_counts
@@ -69,6 +79,7 @@ from posttrain.rollout import MultiTurnLimits, SamplingParams
 from posttrain.trainers.rl_build import build_initial_models, build_reference, build_rollout
 from posttrain.workers import Actor, Critic, RLBatch, head_on_policy
 from posttrain.workers.actor import shuffled_mini_batches
+from posttrain.workers.forward import device_of
 
 ALL_ROLES = ("actor", "rollout", "critic")
 ROLE_STATE = "role_state.pt"
@@ -124,18 +135,39 @@ class RLWorker:
         if (policy is None and needs_policy) or (value_model is None and "critic" in roles and cfg.use_critic
                                                   and not cfg.critic.share_backbone):
             policy, value_model = own_models(cfg, tokenizer, policy, value_model, critic="critic" in roles)
-        self.rank, self.world_size, self.policy = rank, world_size, policy if needs_policy else None
+            policy = policy if needs_policy else None
+        self.cfg = cfg
+        self.rank, self.world_size, self.policy = rank, world_size, policy
         self.in_process = collective is None  # the driver's own process (trainer.backend=local)
         self.tokenizer, self.env_factory = tokenizer, env_factory
         self.limits = MultiTurnLimits.from_config(cfg.rollout.multi_turn)
         self.ref = self.actor = self.critic = self.rollout = None
+        self.sharded = cfg.trainer.strategy == "fsdp2" and collective is not None
+        """trainer.strategy=fsdp2 on Ray workers: the models are sharded over their group
+        (`distributed.fsdp`; one worker too: its bf16 compute and offload apply)."""
+        if collective is not None:  # FSDP2's backward averages the gradients itself
+            collective.average_gradients = not self.sharded
+        self.collective = collective
+        self.templates: dict[str, torch.nn.Module] = {}
+        """Of each sharded model, its structure on the meta device (`fsdp.full_copy` reads into it)."""
         episodes = env_factory is not None
+        self.engine_model = policy
+        """The module the rollout engine samples from: the policy, or under fsdp2 a whole copy
+        of its own (`sync_weights`)."""
+        if self.sharded and "rollout" in roles and "actor" in roles:
+            self.engine_model = copy.deepcopy(policy)
         if "actor" in roles:
             self.ref = build_reference(cfg, policy)  # before training: a copy of the initial policy
+            if self.ref is not None:
+                if not self.ref.shares_policy:  # LoRA: the sharded policy with its adapter off
+                    self._shard("ref", self.ref.model)
+                self.ref.collective = collective if self.sharded else None
+            self._shard("actor", policy)
         if "critic" in roles and cfg.use_critic:
             if cfg.critic.share_backbone:
                 self.critic = Critic(head_on_policy(policy), cfg, cfg.trainer.max_steps, policy=policy)
             else:
+                self._shard("critic", value_model)
                 self.critic = Critic(value_model, cfg, cfg.trainer.max_steps, collective=collective)
         if "actor" in roles:
             shared = self.critic is not None and self.critic.shared
@@ -143,8 +175,28 @@ class RLWorker:
                                extra_params=self.critic.model.score if shared else None, episodes=episodes)
             if shared:
                 self.actor.joint = self.critic.joint_forward
+        if self.sharded and cfg.trainer.fsdp.optimizer_offload:
+            for r in (self.actor, self.critic):
+                if r is not None and r.optimizer is not None:
+                    offload_optimizer(r.optimizer)
         if "rollout" in roles:
-            self.rollout = build_rollout(cfg, policy, tokenizer, env_factory)  # the engine last
+            self.rollout = build_rollout(cfg, self.engine_model, tokenizer, env_factory)  # the engine last
+
+    def _shard(self, role: str, model: torch.nn.Module) -> None:
+        """Shard `model` over the workers under fsdp2 (bf16 compute on CUDA, offload as
+        trainer.fsdp says), keeping its meta-device structure for full copies; else nothing."""
+        if not self.sharded:
+            return
+        self.templates[role] = skeleton(model)
+        t = self.cfg.trainer
+        shard_model(model, *policies(t.precision, device_of(model), t.fsdp.param_offload))
+
+    def _full(self, role: str, model: torch.nn.Module | None) -> torch.nn.Module | None:
+        """`model` whole, for the driver: sharded, gathered parameter by parameter into a CPU
+        copy that worker 0 returns (every worker calls it); else worker 0's own."""
+        if model is None or not self.sharded:
+            return self._readable(model) if self.rank == 0 else None
+        return full_copy(model, self.templates[role], keep=self.rank == 0)
 
     # ------------------------------------------------------------------ rollout
 
@@ -161,8 +213,16 @@ class RLWorker:
 
     @register(Dispatch.ONE_TO_ALL, role="rollout", name="sync_weights")
     def sync_weights(self) -> None:
-        """The engine samples from this worker's actor's current weights."""
-        self.rollout.sync_weights(self.actor.model)
+        """The engine samples from this worker's actor's current weights: in place, or, under
+        fsdp2, copied into its own module one gathered parameter at a time (`fsdp.stream_full`)."""
+        self._engine_takes_actor()
+
+    def _engine_takes_actor(self) -> None:
+        if self.sharded:
+            stream_full(self.actor.model, self.engine_model)
+            self.rollout.sync_weights(self.engine_model)
+        else:
+            self.rollout.sync_weights(self.actor.model)
 
     @register(Dispatch.ONE_TO_ALL, role="rollout", name="load_weights")
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
@@ -182,7 +242,13 @@ class RLWorker:
 
     @register(Dispatch.DP_COMPUTE, role="actor", name="compute_logprobs")
     def actor_logprobs(self, batch: RLBatch) -> torch.Tensor:
-        return self.actor.compute_logprobs(batch)
+        return self._freed(self.actor.model, self.actor.compute_logprobs(batch))
+
+    def _freed(self, model: torch.nn.Module, out: Any) -> Any:
+        """`out`, after a sharded model's no-grad pass gave back its gathered root."""
+        if self.sharded:
+            reshard(model)
+        return out
 
     @register(Dispatch.DP_SHARES, role="actor", name="update")
     def actor_update(self, batch: RLBatch, mini_batch_rows: int, epochs: int, kl_coef: float,
@@ -202,7 +268,7 @@ class RLWorker:
         completions of `rows`, episodes when the run plays them): (metrics, samples)."""
         from posttrain.evaluation import evaluate_task
 
-        model = self.actor.model
+        model = self.engine_model if self.sharded else self.actor.model  # fsdp2: the engine's whole copy
         was_training = model.training
         model.eval()
         try:
@@ -231,9 +297,9 @@ class RLWorker:
         second copy on the worker's device)."""
         return model if self.in_process or model is None else cpu_copy(model)
 
-    @register(Dispatch.RANK_ZERO, role="actor", name="model")
-    def actor_model(self) -> torch.nn.Module:
-        return self._readable(self.actor.model)
+    @register(Dispatch.ONE_TO_ALL, role="actor", name="model")
+    def actor_model(self) -> torch.nn.Module | None:
+        return self._full("actor", self.actor.model)
 
     @register(Dispatch.RANK_ZERO_REF, role="actor", name="policy_weights")
     def policy_weights(self) -> dict[str, torch.Tensor]:
@@ -242,17 +308,21 @@ class RLWorker:
 
     @register(Dispatch.DP_COMPUTE, role="ref", name="compute_logprobs")
     def ref_logprobs(self, batch: RLBatch) -> torch.Tensor:
-        return self.ref.compute_logprobs(batch)
+        return self._freed(self.ref.model, self.ref.compute_logprobs(batch))
 
     @register(Dispatch.ONE_TO_ALL, role="ref", name="sync")
     def ref_sync(self, alpha: float) -> None:
+        """Sharded: each worker mixes its own shards (the two models are sharded alike)."""
+        if self.sharded:
+            reshard(self.actor.model)
+            reshard(self.ref.model)
         self.ref.sync(self.actor.model, alpha)
 
     # ------------------------------------------------------------------ critic
 
     @register(Dispatch.DP_COMPUTE, role="critic", name="compute_values")
     def critic_values(self, batch: RLBatch) -> torch.Tensor:
-        return self.critic.compute_values(batch)
+        return self._freed(self.critic.model, self.critic.compute_values(batch))
 
     @register(Dispatch.DP_SHARES, role="critic", name="update")
     def critic_update(self, batch: RLBatch, mini_batch_rows: int, epochs: int, seed: int) -> dict[str, float]:
@@ -262,9 +332,9 @@ class RLWorker:
         return self.critic.update_mini_batches(update_share(batch, mini_batch_rows, epochs, seed, self.rank,
                                                             self.world_size))
 
-    @register(Dispatch.RANK_ZERO, role="critic", name="model")
-    def critic_model(self) -> torch.nn.Module:
-        return self._readable(self.critic.model)
+    @register(Dispatch.ONE_TO_ALL, role="critic", name="model")
+    def critic_model(self) -> torch.nn.Module | None:
+        return self._full("critic", self.critic.model)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -305,30 +375,37 @@ class RLWorker:
     @register(Dispatch.ONE_TO_ALL)
     def save_hf(self, folder: str, final: bool) -> None:
         """The HF folders of what this worker's pool holds, written by its worker 0 into `folder`
-        (collective: every worker of the pool calls it, each gathering its shards of every
-        parameter one at a time, `distributed.gather.full_module`). A checkpoint
-        (final=False): the policy (a LoRA policy: its adapter), a synced reference in
-        `reference/`, the critic in `critic/`. `final/` (final=True): the policy merged for
-        export, its LoRA adapter in `adapter/`, the critic."""
+        (collective: every worker of the pool calls it; under fsdp2 each gathers its shards of
+        every parameter in turn into worker 0's CPU copy, `fsdp.full_copy`: the extra peak on a
+        worker's device is one parameter). A checkpoint (final=False): the policy (a LoRA
+        policy: its adapter), a synced reference in `reference/`, the critic in `critic/`.
+        `final/` (final=True): the policy merged for export, its LoRA adapter in `adapter/`,
+        the critic. Unsharded, worker 0 writes from its own modules: no copy, the files the
+        driver wrote before."""
         models = self._hf_models(final)
         if models is not None and self.rank == 0:
             models.save_pretrained(folder)
 
+    def _whole(self, role: str, model: torch.nn.Module | None) -> torch.nn.Module | None:
+        """`model` whole on worker 0: itself, or under fsdp2 its gathered CPU copy (every
+        worker calls it; None elsewhere)."""
+        if model is None or not self.sharded:
+            return model
+        return full_copy(model, self.templates[role], keep=self.rank == 0)
+
     def _hf_models(self, final: bool) -> RunModels | None:
-        """`RunModels` of this worker's roles, as the driver gathered them before (None: a
-        rollout pool's worker writes nothing)."""
-        critic = self.critic.model if self.critic is not None else None
-        if critic is not None:
-            critic = full_module(critic)
+        """`RunModels` of this worker's roles (None: a rollout pool's worker writes nothing)."""
+        critic = self._whole("critic", self.critic.model) if self.critic is not None else None
         if self.actor is None:
             return None if critic is None else RunModels(None, critic, with_optimizer=False)
-        policy = full_module(self.actor.model)
+        policy = self._whole("actor", self.actor.model)
         if final:
+            if policy is None:  # not worker 0
+                return None
             return RunModels(merged_for_export(policy), critic, adapter=policy if is_peft(policy) else None,
                              with_optimizer=False)
-        saved = self.ref.saved_model() if self.ref is not None else None
-        return RunModels(policy, critic, reference=full_module(saved) if saved is not None else None,
-                         with_optimizer=False)
+        ref = self._whole("ref", self.ref.saved_model()) if self.ref is not None else None
+        return RunModels(policy, critic, reference=ref, with_optimizer=False)
 
     @register(Dispatch.ONE_TO_ALL)
     def restore(self, checkpoint: str, step: int) -> None:
@@ -338,10 +415,14 @@ class RLWorker:
         path = Path(checkpoint)
         if (path / SHARDS).is_dir():
             self._restore_shards(path)
+        elif self.sharded:
+            raise ValueError(f"trainer.strategy=fsdp2: {path} was written before the DCP layout (no {SHARDS}/), "
+                             "whose whole-model files sharded workers do not read; resume it once with "
+                             "trainer.strategy=ddp (its next checkpoint has the layout), then with fsdp2")
         else:
             self.restore_files(path, step)
         if self.rollout is not None and self.actor is not None:  # colocated: the engine reads the actor's weights
-            self.rollout.sync_weights(self.actor.model)
+            self._engine_takes_actor()
 
     def _restore_shards(self, path: Path) -> None:
         for role in ("actor", "critic", "ref"):

@@ -56,7 +56,7 @@ from posttrain.algos import (
     token_logprobs,
 )
 from posttrain.config.rl import RLConfig
-from posttrain.models.loading import enable_gradient_checkpointing
+from posttrain.models.loading import enable_gradient_checkpointing, is_sharded
 from posttrain.training.core import (
     StepCollective,
     StepResult,
@@ -123,6 +123,10 @@ class Actor:
             check_packing_support(model)
         if cfg.model.gradient_checkpointing:
             enable_gradient_checkpointing(model)
+        self.skip_zero_rows = cfg.trainer.strategy != "fsdp2"
+        """Rows with zero advantages skip the forward (module doc), except under fsdp2, where
+        every worker's forward takes part in the all-gathers (the local run does as fsdp2's,
+        so their metrics agree too)."""
         owner = model if extra_params is None else nn.ModuleList([model, extra_params])
         self.optimizer = build_optimizer(owner, cfg.trainer)
         self.scheduler = build_scheduler(self.optimizer, cfg.trainer, total_steps)
@@ -150,7 +154,7 @@ class Actor:
     def update_parts(self, mini: RLBatch) -> list[RLBatch | ZeroAdvantageRows]:
         """The parts of one optimizer step over `mini`: micro-batches of the rows that move
         the policy, then the others as one `ZeroAdvantageRows` (when the loss allows it)."""
-        if not self.loss_is_surrogate_only:
+        if not (self.loss_is_surrogate_only and self.skip_zero_rows):
             return self.micro_batches(mini)
         moves = ((mini.advantages != 0) & mini.response_mask.bool()).any(-1)  # (B,)
         if bool(moves.all()) or (not bool(moves.any()) and mini.old_logp is not None):
@@ -170,7 +174,8 @@ class Actor:
         # Under the update's autocast: a first-step ratio of exactly 1 needs the same numerics.
         with autocast(self.cfg.trainer.precision, self.device):
             (out,) = per_token_pass(batch, logp, self.a.micro_batch_size, self.a.max_tokens_per_micro_batch, self.device,
-                                    packed=self.remove_padding)
+                                    packed=self.remove_padding,
+                                    collective=self.collective if is_sharded(self.model) else None)
         return out
 
     def loss(

@@ -52,6 +52,9 @@ class RLBatch(BatchOps):
     rollout_is_weights: torch.Tensor | None = field(default=None, metadata={"kind": "right"})
     """(B, Tr) float: the rollout correction's importance weights on the policy-gradient term
     (`algos.rollout_correction`, veRL's name), 0 on padding; None = no correction."""
+    versions: torch.Tensor | None = field(default=None, metadata={"kind": "right"})
+    """(B, Tr) long: the policy version that generated each token (the number of actor updates
+    behind the weights it was sampled with; trainer.async_training)."""
     ref_logp: torch.Tensor | None = field(default=None, metadata={"kind": "right"})
     """(B, Tr) float: log-probs under the frozen reference π_ref (only when KL is used)."""
     values: torch.Tensor | None = field(default=None, metadata={"kind": "right"})
@@ -68,6 +71,8 @@ class RLBatch(BatchOps):
     plus overlong and missing-EOS shaping)."""
     uid: torch.Tensor | None = field(default=None, metadata={"kind": "row"})
     """(B,) long: id of the prompt a row answers, unique within a run (rows of a group share it)."""
+    prompt_index: torch.Tensor | None = field(default=None, metadata={"kind": "row"})
+    """(B,) long: the prompt's index in the training prompts (the sample log's prompt id)."""
     truncated: torch.Tensor | None = field(default=None, metadata={"kind": "row"})
     """(B,) bool: generation hit max_new_tokens without a stop token; for an episode, a turn or
     token limit (`rollout.multi_turn`) ended it before the environment said done."""

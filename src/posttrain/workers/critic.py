@@ -32,7 +32,7 @@ from torch import nn
 from posttrain.algos import aggregation_weight, masked_mean, value_loss
 from posttrain.config.rl import RLConfig
 from posttrain.models.heads import ScalarHeadModel
-from posttrain.models.loading import enable_gradient_checkpointing
+from posttrain.models.loading import enable_gradient_checkpointing, is_sharded
 from posttrain.training.core import (
     StepCollective,
     autocast,
@@ -117,7 +117,8 @@ class Critic:
 
         with autocast(self.cfg.trainer.precision, self.device):
             (out,) = per_token_pass(batch, values, self.micro_batch_size, self.max_tokens, self.device,
-                                    packed=self.remove_padding)
+                                    packed=self.remove_padding,
+                                    collective=self.collective if is_sharded(self.model) else None)
         return out
 
     def _value_term(self, values: torch.Tensor, mb: RLBatch) -> tuple[torch.Tensor, dict[str, Any]]:

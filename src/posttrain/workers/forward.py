@@ -21,6 +21,7 @@ import inspect
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -197,12 +198,20 @@ def per_token_pass(
     max_tokens: int = 0,
     device: torch.device | str | None = None,
     packed: bool = False,
+    collective: Any = None,
 ) -> tuple[torch.Tensor, ...]:
     """Run `fn(micro_batch) -> (b, tr') tensors` over micro-batches and reassemble (B, Tr)
-    tensors, zero on padding, on the CPU, in float32 (float64 from a float64 model)."""
+    tensors, zero on padding, on the CPU, in float32 (float64 from a float64 model).
+    `collective` (a sharded model's workers): every worker runs the max over workers of its
+    micro-batch count, repeating its last one and dropping the result, since each forward
+    all-gathers with the other workers."""
     width = batch.response_ids.shape[1]
     outs: list[list[torch.Tensor]] = []
-    for part in micro_batches(batch, rows, max_tokens, device, packed=packed):
+    parts = micro_batches(batch, rows, max_tokens, device, packed=packed)
+    if collective is not None:
+        for _ in range(int(collective.all_max([len(parts)])[0]) - len(parts)):
+            fn(parts[-1])
+    for part in parts:
         got = fn(part)
         got = got if isinstance(got, tuple) else (got,)
         mask = part.response_mask.bool().to(got[0].device)

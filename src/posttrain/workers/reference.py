@@ -53,6 +53,8 @@ class Reference:
         self.precision = precision
         self.remove_padding = remove_padding
         self.synced = False
+        self.collective: Any = None
+        """Set when the model is sharded over workers (equal forward counts: `per_token_pass`)."""
         """True once `sync` moved it away from the initial policy (checkpoints then save it)."""
 
     @classmethod
@@ -90,7 +92,7 @@ class Reference:
         device = device_of(self.model)
         with self._base_weights(), autocast(self.precision, device):
             (out,) = per_token_pass(batch, logp, self.micro_batch_size, self.max_tokens, device,
-                                    packed=self.remove_padding)
+                                    packed=self.remove_padding, collective=self.collective)
         return out
 
     @torch.no_grad()
