@@ -34,8 +34,8 @@ on both backends:
                                                   a checkpoint or final/ from its own modules
                                                   (fsdp2: every worker gathers each parameter
                                                   in turn into worker 0's CPU copy)
-    actor.model(), critic.model()     ONE_TO_ALL  worker 0's module, for the Python API only
-                                                  (in process: the worker's own; Ray: a CPU copy)
+    actor.model(), critic.model(),    ONE_TO_ALL  worker 0's module, for the Python API only
+    ref.saved_model()                             (in process: the worker's own; Ray: a CPU copy)
     save_shards / restore             ONE_TO_ALL  every worker writes / reads its roles' DCP
                                                   shards (model + AdamW; resharded on load)
 
@@ -317,6 +317,11 @@ class RLWorker:
             reshard(self.actor.model)
             reshard(self.ref.model)
         self.ref.sync(self.actor.model, alpha)
+
+    @register(Dispatch.ONE_TO_ALL, role="ref", name="saved_model")
+    def ref_saved_model(self) -> torch.nn.Module | None:
+        """A synced reference's module (None before a sync), for the Python API as `actor.model()`."""
+        return self._full("ref", self.ref.saved_model())
 
     # ------------------------------------------------------------------ critic
 

@@ -62,6 +62,10 @@ class ReferenceRole(Protocol):
     def sync(self, alpha: float) -> None:
         """TR-DPO: ref ← α·policy + (1 − α)·ref on every worker, from its own actor."""
 
+    def saved_model(self) -> nn.Module | None:
+        """Worker 0's synced reference (None until synced), for the Python API; the checkpoints'
+        `reference/` is written by worker 0 itself (`RLWorker.save_hf`)."""
+
 
 class RolloutRole(Protocol):
     kind: str
