@@ -12,6 +12,7 @@ module fixture (conftest.py), whose finalizer shuts it down and checks that its 
 """
 
 import copy
+import gc
 import json
 import os
 import subprocess
@@ -128,7 +129,7 @@ def train(model, cfg, local_group=False, rows=PROMPTS, tokenizer=None, pools=Non
         _, mapping = placed.resource_pools()
         args = pool_factories(placed, trainer.tokenizer, trainer.model, value, r.rollout.env_factory, mapping)
         groups = WorkerPools({name: LocalWorkerGroup(RLWorker, *copy.deepcopy(a)) for name, a in args.items()})
-        trainer.roles = views(placed, groups, mapping, r.reward, trainer.model, r.rollout.env_factory)
+        trainer.roles = views(placed, groups, mapping, r.reward, r.rollout.env_factory)
     trainer.train()
     roles = {"actor": trainer.model, "critic": trainer.value_model}
     return {k: {n: v.detach().clone() for n, v in m.state_dict().items()} for k, m in roles.items() if m is not None}
@@ -486,6 +487,14 @@ def test_cli_grpo_on_ray_runs_end_to_end_like_local_and_leaves_no_process(tmp_pa
     assert listing["ray"] - per_rank["ray"] == listing["local"] - per_rank["local"]
     assert (tmp_path / "ray" / "final" / "config.json").is_file() and "eval/accuracy" in ray_lines[-1]
     assert sorted(p.name for p in (tmp_path / "ray" / "checkpoints").iterdir()) == ["step-1", "step-2"]
+    # eval.task (the recipe's) generated on actor worker 0, as in process: the local run's eval metrics
+    evals = [{k: v for k, v in m.items() if k.startswith("eval/")} for m in (ray_lines[-1], local_lines[-1])]
+    assert len(evals[0]) >= 3 and evals[0] == pytest.approx(evals[1], abs=1e-6)
+    from safetensors.torch import load_file  # final/, written by worker 0: the local run's weights
+
+    saved = [load_file(tmp_path / b / "final" / "model.safetensors") for b in ("ray", "local")]
+    assert saved[0].keys() == saved[1].keys()
+    assert all(torch.allclose(saved[0][k], saved[1][k], atol=1e-5) for k in saved[0])
 
 
 @pytest.mark.slow
@@ -540,3 +549,43 @@ def test_epochs_callbacks_and_reward_arguments_on_the_ray_roles(tmp_path):
     steps = lines(tmp_path)
     assert [m["step"] for m in steps] == [1, 2] and [m["epoch"] for m in steps] == [0.125, 0.25]
     assert [m["reward/shaped/first_is_a"] for m in steps] == [m["reward/shaped/mean"] for m in steps]
+
+
+def driver_tensors():
+    """(parameters, bytes of every tensor) this process holds, as the garbage collector sees them."""
+    gc.collect()
+    params = size = 0
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor):
+            size += o.numel() * o.element_size()
+            params += o.numel() if isinstance(o, torch.nn.Parameter) else 0
+    return params, size
+
+
+def test_the_driver_holds_no_weights_during_and_after_a_ray_run(ray_session, tmp_path):
+    """model.init=tiny on 2 Ray workers: each worker builds the policy (the driver never does);
+    during the run (the callbacks' model is None) and after it, the driver holds no parameter and
+    less than a tenth of the model's bytes in tensors (prompts, batches); `trainer.model` then
+    reads final/, which worker 0 wrote."""
+    seen = []
+
+    class Inspect:
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            seen.append((model, *driver_tensors()))
+
+    cfg = grpo_config(tmp_path, **{"model.init": "tiny", "trainer.max_steps": 2, "trainer.save_steps": 1,
+                                   **on("ray")})
+    params0, bytes0 = driver_tensors()
+    trainer = GRPOTrainer(args=cfg, train_dataset=PROMPTS, processing_class=word_tokenizer(),
+                          reward_funcs=[starts_with_a], callbacks=[Inspect()])
+    trainer.train()
+    params1, bytes1 = driver_tensors()
+    model = trainer.model  # on demand: a CPU copy of final/
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert model_bytes > 100_000 and len(seen) == 2
+    for m, params, size in [*seen, (None, params1, bytes1)]:
+        assert m is None and params <= params0 and size - bytes0 < model_bytes / 10, (params, size - bytes0)
+    from safetensors.torch import load_file
+
+    saved = load_file(tmp_path / "final" / "model.safetensors")
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items() if k in saved)

@@ -163,7 +163,7 @@ def test_a_killed_worker_restarts_from_the_last_checkpoint_and_ends_as_an_uninte
 
 def test_a_worker_killed_mid_save_stops_the_run_in_seconds_naming_it_and_the_last_checkpoint(ray_session, tmp_path):
     """on_worker_failure=stop (the default): worker 0 is SIGKILLed while the step-2 checkpoint
-    is being written (the driver reads the critic's model from it); the run stops within
+    is being written (worker 0 writes its HF folders, `RLWorker.save_hf`); the run stops within
     seconds although a collective may wait 300 s, names the worker and step-1, leaves no
     step-2 (sealed or not), and no worker process."""
     model = tiny_model_f64()
@@ -174,8 +174,8 @@ def test_a_worker_killed_mid_save_stops_the_run_in_seconds_naming_it_and_the_las
     group, killed = trainer.roles.pools["global_pool"], {}
     run = group._run
 
-    def kill_mid_save(method, args_per_rank):  # critic.model(): every worker called (ONE_TO_ALL)
-        if trainer.at_step == 2 and method == "critic_model" and not killed:
+    def kill_mid_save(method, args_per_rank):  # `RLWorker.save_hf`: every worker called (ONE_TO_ALL)
+        if trainer.at_step == 2 and method == "save_hf" and not killed:
             killed["at"], killed["pid"] = time.perf_counter(), group.pids[0]
             os.kill(group.pids[0], signal.SIGKILL)
         return run(method, args_per_rank)

@@ -318,14 +318,15 @@ class RunModels:
     CRITIC_STATE = "optimizer.pt"
     REFERENCE = "reference"
 
-    def __init__(self, policy: torch.nn.Module, critic: Any = None, adapter: torch.nn.Module | None = None,
+    def __init__(self, policy: torch.nn.Module | None, critic: Any = None, adapter: torch.nn.Module | None = None,
                  with_optimizer: bool = True, reference: torch.nn.Module | None = None):
         self.policy, self.critic, self.adapter = policy, critic, adapter
         self.with_optimizer, self.reference = with_optimizer, reference
 
     def save_pretrained(self, directory: str | Path) -> None:
         directory = Path(directory)
-        _save_model(self.policy, directory)
+        if self.policy is not None:  # None: a critic pool's worker writes critic/ alone
+            _save_model(self.policy, directory)
         if self.adapter is not None:
             _save_model(self.adapter, directory / self.ADAPTER)
         if self.reference is not None:

@@ -88,13 +88,13 @@ class RunRecord:
     settings: dict[str, Any]
 
     @classmethod
-    def of(cls, command: str, config: Mapping[str, Any], model: torch.nn.Module) -> RunRecord:
+    def of(cls, command: str, config: Mapping[str, Any], model: torch.nn.Module | str) -> RunRecord:
         """The record of a run of `command` configured by `config` (the nested `to_dict` of
-        its config tree) that trains `model`."""
+        its config tree) that trains `model` (or a model whose `model_signature` is `model`)."""
         flat = json.loads(json.dumps(_flatten(config)))  # as trainer_state.json will hold it
         settings = {k: v for k, v in flat.items() if _may_change(k) and k not in _HOW_IT_STARTS}
         fingerprint = {k: v for k, v in flat.items() if not _may_change(k)}
-        fingerprint[BUILT_MODEL] = model_signature(model)
+        fingerprint[BUILT_MODEL] = model if isinstance(model, str) else model_signature(model)
         return cls(command, fingerprint, settings)
 
     def as_json(self) -> dict[str, Any]:

@@ -127,7 +127,8 @@ class Callbacks:
         s.train_batch_size = config.data.train_batch_size
         s.num_train_epochs = t.num_train_epochs or t.max_steps / task.steps_per_epoch
         s.is_world_process_zero = s.is_local_process_zero = main
-        self.objects = {"model": task.model, "processing_class": getattr(task, "tokenizer", None),
+        model = task.callback_model if hasattr(type(task), "callback_model") else task.model  # RL on Ray: None
+        self.objects = {"model": model, "processing_class": getattr(task, "tokenizer", None),
                         "optimizer": getattr(task, "optimizer", None), "lr_scheduler": getattr(task, "scheduler", None)}
         self.control.should_training_stop = False
         self.fire("on_train_begin")

@@ -227,7 +227,8 @@ def _run(task: Task, config: Any, ref_sync: RefSync | None, callbacks: Callbacks
     main = getattr(task, "is_main", True)
     ref_sync.check(task.reference, getattr(task, "sharded", False))
     config_dict = recorded_config(to_dict(config), getattr(task, "inputs", None))  # what Python passed, too
-    record = RunRecord.of(config.command, config_dict, task.model)
+    signature = getattr(task, "model_signature", None)  # RL: from a worker (the driver holds no weights)
+    record = RunRecord.of(config.command, config_dict, signature() if signature is not None else task.model)
     step, last_ckpt = _start(task, config, config_dict, record, main, collective)
     stop.at(step, last_ckpt)
     sink = MetricsLogger(run_dir, cfg.report_to, config_dict) if main else _NoSink()

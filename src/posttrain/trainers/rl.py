@@ -105,7 +105,7 @@ from typing import Any
 import torch
 
 from posttrain.algos import AdaptiveKLController, FixedKLController
-from posttrain.checkpoint import RunModels, RunRecord, load_checkpoint, save_checkpoint, save_final
+from posttrain.checkpoint import RunRecord, load_checkpoint, save_checkpoint, save_final
 from posttrain.config.core import check
 from posttrain.config.rl import GRPOConfig, PPOConfig, RLConfig
 from posttrain.data.collate import pad_id_of
@@ -113,12 +113,16 @@ from posttrain.data.prompts import load_prompts
 from posttrain.logging import get_logger
 from posttrain.logging.metrics import PROMPTS_FILE
 from posttrain.logging.timing import StageTimer
-from posttrain.models.lora import is_peft, merged_for_export, parameter_counts
 from posttrain.trainers.batches import EpochBatches
 from posttrain.trainers.callbacks import Callbacks
 from posttrain.trainers.loop import SAMPLES_PER_EVAL, FitResult, RefSync, StepOutput, run
 from posttrain.trainers.rl_async import AsyncRollouts, Lane, collect_async, lane_metrics
-from posttrain.trainers.rl_build import check_reward_source, episode_source, evaluate_policy
+from posttrain.trainers.rl_build import (
+    check_reward_source,
+    episode_source,
+    evaluate_policy,
+    load_final_models,
+)
 from posttrain.trainers.rl_faults import run_restarting
 from posttrain.trainers.rl_roles import build_roles
 from posttrain.trainers.rl_samples import train_samples
@@ -212,26 +216,45 @@ class RLTrainer:
         self.next_uid = 0  # the prompts' group ids, counted over the run
         self.pad_id = pad_id_of(self.tokenizer)
         self.pipeline = self._pipeline() if args.trainer.async_training.enabled else None
+        self.given = (model, value_model)  # the modules passed in (None: built), for `model` after a Ray run
         self.trained: tuple[torch.nn.Module, torch.nn.Module | None] | None = None  # (policy, critic) after train()
+        self.final_dir: Path | None = None  # after a Ray run: final/, where `model` reads the trained weights
         self.last_batch: RLBatch | None = None  # the latest training batch (its rows go to samples.jsonl)
         self.desc, self.start_metrics = "rl", self.data_stats
         self.has_eval = self.eval_examples is not None
         self.at_step = 0  # the step running (a worker failure names it)
         self.worker_restarts: int | None = None  # trainer.on_worker_failure=restart: the metric worker_restarts
-        self.callbacks.init_end(self.model, self.tokenizer)
+        self.callbacks.init_end(self.callback_model, self.tokenizer)
 
     @property
     def model(self) -> torch.nn.Module:
-        """Worker 0's policy (locally the one in-process worker's own module; on Ray a copy);
-        after `train()`, the trained one (the workers are gone)."""
-        return self.trained[0] if self.trained is not None else self.roles.actor.model()
+        """Worker 0's policy: locally the one in-process worker's own module; on Ray a CPU copy
+        fetched on demand (during the run from worker 0; after `train()`, when the workers are
+        gone, loaded from final/: the driver holds no weights of its own)."""
+        return self._models()[0]
 
     @property
     def value_model(self) -> torch.nn.Module | None:
         """Worker 0's critic (None without one), as `model`."""
+        return self._models()[1]
+
+    def _models(self) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+        if self.trained is None and self.final_dir is not None:  # after a Ray run
+            self.trained = load_final_models(self.args, self.tokenizer, *self.given, self.final_dir)
         if self.trained is not None:
-            return self.trained[1]
-        return self.roles.critic.model() if self.roles.critic is not None else None
+            return self.trained
+        r = self.roles
+        return r.actor.model(), r.critic.model() if r.critic is not None else None
+
+    @property
+    def callback_model(self) -> torch.nn.Module | None:
+        """The callbacks' `model`: the in-process worker's policy; None on Ray (its weights stay
+        on the workers; `trainer.model` fetches a copy)."""
+        return self.model if self.roles.in_process else None
+
+    def model_signature(self) -> str:
+        """The policy's `checkpoint.model_signature` (the run's record), from actor worker 0."""
+        return self.facts["signature"]
 
     @property
     def epoch(self) -> float:
@@ -249,7 +272,10 @@ class RLTrainer:
         log.info("%s", self.accuracy_line())
         try:
             result = run_restarting(self, self._run)
-            self.trained = (self.roles.actor.model(), self.value_model)  # before the workers stop
+            if self.roles.in_process:  # the modules stay readable; a Ray run's are read from final/
+                self.trained = self._models()
+            else:
+                self.final_dir = result.final_dir
             return result
         finally:
             if self.pipeline is not None:
@@ -261,14 +287,17 @@ class RLTrainer:
         return run(self, config, RefSync(a.ref_sync_steps, a.ref_sync_alpha), self.callbacks)
 
     def setup_line(self) -> str:
-        """What is trained, on what, with what (as `posttrain sft` logs it)."""
-        a, model = self.args, self.model
-        base = model.get_base_model() if is_peft(model) else model
-        name = a.model.path or (f"built-in {a.model.init}" if a.model.init else type(base).__name__)
-        params = list(model.parameters())
-        return (f"RL ({a.algorithm.adv_estimator}): {name}, {parameter_counts(model)}; {len(self.examples)} prompts, "
+        """What is trained, on what, with what (as `posttrain sft` logs it), from actor worker 0."""
+        a, f = self.args, self.facts
+        name = a.model.path or (f"built-in {a.model.init}" if a.model.init else f["class"])
+        return (f"RL ({a.algorithm.adv_estimator}): {name}, {f['counts']}; {len(self.examples)} prompts, "
                 f"{a.trainer.max_steps} steps of {a.data.train_batch_size} x {a.rollout.n}; rollout engine "
-                f"{self.roles.rollout.kind}, on {params[0].device}, {params[0].dtype}")
+                f"{self.roles.rollout.kind}, on {f['device']}, {f['dtype']}")
+
+    @property
+    def facts(self) -> dict[str, Any]:
+        """What actor worker 0 says of its policy (`RLWorker.describe`)."""
+        return self.roles.actor.describe()
 
     def accuracy_line(self) -> str:
         """Where `accuracy` comes from (`workers.reward_worker`), or why there is none."""
@@ -415,15 +444,13 @@ class RLTrainer:
             self.pipeline.load_state(state.get("in_flight", []), 0, self.prompts_of)
 
     def save(self, run_dir: Path, step: int, metrics: dict[str, float], keep: int, run: RunRecord) -> Path:
-        """The HF folders from worker 0's models; every worker's DCP shards of model + AdamW
-        (`RLWorker.save_shards`: one layout on every backend and worker count)."""
+        """The HF folders written by each pool's worker 0 (`RLWorker.save_hf`); every worker's DCP
+        shards of model + AdamW (`RLWorker.save_shards`: one layout on every backend and worker count)."""
         r = self.roles
         if self.pipeline is not None:  # the rollout pool's workers write shards too
             self.pipeline.lane.drain()
-        ref = r.ref.saved_model() if r.ref is not None else None
-        critic = r.critic.model() if r.critic is not None else None
-        models = RunModels(r.actor.model(), critic, reference=ref, with_optimizer=False)
-        return save_checkpoint(run_dir, step, models, self.tokenizer, None, None, self.state(), keep, metrics, run,
+        return save_checkpoint(run_dir, step, HFFolders(r, final=False), self.tokenizer, None, None, self.state(),
+                               keep, metrics, run,
                                write_shards=r.save_shards)
 
     def restore(self, path: Path) -> int:
@@ -445,10 +472,18 @@ class RLTrainer:
         failed = any(t.errors or t.nan for t in runner.tallies.values())
         log.log(logging.WARNING if failed else logging.INFO,
                 "reward functions over the run (training and eval samples): %s", runner.summary())
-        policy = r.actor.model()
-        models = RunModels(merged_for_export(policy), r.critic.model() if r.critic is not None else None,
-                           adapter=policy if is_peft(policy) else None, with_optimizer=False)
-        return save_final(run_dir, models, self.tokenizer)
+        return save_final(run_dir, HFFolders(r, final=True), self.tokenizer)
+
+
+class HFFolders:
+    """`save_checkpoint`'s / `save_final`'s model: the HF folders of a checkpoint (final=False)
+    or of final/ (True), written by each pool's worker 0 (`RLWorker.save_hf`)."""
+
+    def __init__(self, roles: Any, final: bool):
+        self.roles, self.final = roles, final
+
+    def save_pretrained(self, folder: str | Path) -> None:
+        self.roles.save_hf(Path(folder), self.final)
 
 
 class GRPOTrainer(RLTrainer):

@@ -6,8 +6,10 @@ policy's *initial* weights, before a resume loads trained ones into the policy.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -229,17 +231,14 @@ def build_reference(cfg: RLConfig, policy: torch.nn.Module) -> Reference | None:
 
 
 def initial_models(cfg: RLConfig, tokenizer: Any, model: Any, reward_funcs: Any, value_model: Any,
-                   columns: Sequence[str] | None = None, data: str = "the data",
-                   env_factory: Any = None) -> tuple[torch.nn.Module, ScalarHeadModel | None, Reward]:
+                   columns: Sequence[str] | None = None, data: str = "the data", env_factory: Any = None,
+                   build: bool = True) -> tuple[torch.nn.Module | None, ScalarHeadModel | None, Reward]:
     """(policy, separate critic's value model or None, reward role): engine, reward and critic
     checks first (cheap, fail early: `check_engine_fits`, then `build_reward` checks the reward
-    against the data's `columns`, plus `env_reward` for episodes), then the policy (a module
-    passed in gets `model.lora` adapters, as a built one) and a separate critic's initial value
-    model, both with dropout off (`disable_dropout`). The workers build actor, reference,
-    critic and rollout from them (`rl_worker.RLWorker`); the reward stays in the driver."""
-    from posttrain.models.factory import build_model
-    from posttrain.models.loading import disable_dropout
-
+    against the data's `columns`, plus `env_reward` for episodes), then the models
+    (`build_initial_models`). With `build=False` (trainer.backend=ray) a policy that is not a
+    module passed in is not built here: (None, `value_model`, reward), and each worker builds
+    its own (`RLWorker`), so the driver never holds its weights. The reward stays in the driver."""
     check_engine_fits(cfg, model)
     if env_factory is not None and columns is not None:
         from posttrain.envs.registry import check_environment_columns
@@ -251,6 +250,19 @@ def initial_models(cfg: RLConfig, tokenizer: Any, model: Any, reward_funcs: Any,
         columns = [*columns, "env_reward"]
     reward = build_reward(cfg, reward_funcs, columns, data, episodes=env_factory is not None)
     check_critic_source(cfg)
+    if not build and not isinstance(model, torch.nn.Module):
+        return None, value_model, reward
+    return (*build_initial_models(cfg, tokenizer, model, value_model), reward)
+
+
+def build_initial_models(cfg: RLConfig, tokenizer: Any, model: Any = None, value_model: Any = None,
+                         critic: bool = True) -> tuple[torch.nn.Module, ScalarHeadModel | None]:
+    """(policy, separate critic's value model or None): the policy (a module passed in gets
+    `model.lora` adapters, as a built one) and, with `critic`, a separate critic's initial
+    value model, both with dropout off (`disable_dropout`)."""
+    from posttrain.models.factory import build_model
+    from posttrain.models.loading import disable_dropout
+
     if isinstance(model, torch.nn.Module):
         model = apply_lora(model, cfg.model.lora)  # as build_model does
     else:
@@ -258,33 +270,24 @@ def initial_models(cfg: RLConfig, tokenizer: Any, model: Any, reward_funcs: Any,
     disable_dropout(model, "policy")  # before the reference and a critic are copied from it
     if is_peft(model):
         log.info("LoRA policy: the reference is the base model with adapters disabled (no copy)")
-    separate = cfg.use_critic and not cfg.critic.share_backbone
-    return model, build_value_model(cfg, model, value_model) if separate else None, reward
+    separate = critic and cfg.use_critic and not cfg.critic.share_backbone
+    return model, build_value_model(cfg, model, value_model) if separate else None
 
 
 def evaluate_policy(trainer: Any, step: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """eval/* metrics and samples: the task's scorer on greedy completions when eval.task
-    is set (as `posttrain sft` reports it), else the reward functions on eval.temperature
-    samples; both play episodes when the rollout does (rollout.env / rollout.tools)."""
+    """eval/* metrics and samples, generated on the workers: the task's scorer on greedy
+    completions when eval.task is set (as `posttrain sft` reports it; actor worker 0,
+    `RLWorker.evaluate_task`), else the reward functions on eval.temperature samples (the
+    rollout's `generate`); both play episodes when the rollout does (rollout.env / rollout.tools)."""
     e, cfg = trainer.args.eval, trainer.args
     examples = trainer.eval_examples
     max_new = e.max_new_tokens or cfg.rollout.max_new_tokens
-    model = trainer.roles.actor.model()
-    was_training = model.training
-    model.eval()
-    try:
-        if e.task is not None:
-            from posttrain.evaluation import evaluate_task
-
-            rows = [{"prompt": x["prompt"], **x["columns"]} for x in examples]
-            check("answer" in rows[0], "eval.task", "the eval rows need an `answer` column")
-            rollout = trainer.roles.rollout  # episodes when the run plays them
-            metrics, samples = evaluate_task(model, trainer.tokenizer, rows, e.task, max_new, e.batch_size,
-                                             e.temperature, rollout.env_factory, rollout.limits)
-        else:
-            metrics, samples = _evaluate_with_rewards(trainer, examples, max_new, step)
-    finally:
-        model.train(was_training)
+    if e.task is not None:
+        rows = [{"prompt": x["prompt"], **x["columns"]} for x in examples]
+        check("answer" in rows[0], "eval.task", "the eval rows need an `answer` column")
+        metrics, samples = trainer.roles.actor.evaluate_task(rows, e.task, max_new, e.batch_size, e.temperature)
+    else:
+        metrics, samples = _evaluate_with_rewards(trainer, examples, max_new, step)
     return {f"eval/{k}": v for k, v in metrics.items()}, [{"split": "eval", **s} for s in samples]
 
 
@@ -308,3 +311,23 @@ def _evaluate_with_rewards(trainer: Any, examples: list[dict], max_new: int, ste
     samples = [{"prompt": p.prompts[j], "completion": p.completions[j], "score": float(p.rewards["total"][j])}
                for p in parts for j in range(len(p))]
     return metrics, samples
+
+
+def load_final_models(cfg: RLConfig, tokenizer: Any, model: Any, value_model: Any,
+                      final_dir: Path) -> tuple[torch.nn.Module, ScalarHeadModel | None]:
+    """(policy, critic or None) of a finished Ray run, on the CPU, read from its `final_dir`
+    (the workers are gone): the initial models rebuilt as the run built them
+    (`build_initial_models`, from copies of the modules passed in), then the trained weights
+    (a LoRA policy: its adapter, `adapter/`; the critic: `critic/`)."""
+    from posttrain.checkpoint import RunModels, load_weights
+
+    cpu = copy.copy(cfg)
+    cpu.model = dataclasses.replace(cfg.model, device="cpu")
+    given = copy.deepcopy(model) if isinstance(model, torch.nn.Module) else None
+    with torch.random.fork_rng(devices=[]):  # the run's seed (a fresh built-in model), the caller's RNG untouched
+        torch.manual_seed(cfg.trainer.seed)
+        policy, critic = build_initial_models(cpu, tokenizer, given, copy.deepcopy(value_model))
+    load_weights(final_dir / RunModels.ADAPTER if is_peft(policy) else final_dir, policy)
+    if critic is not None:
+        load_weights(final_dir / RunModels.CRITIC, critic)
+    return policy, critic

@@ -18,8 +18,7 @@ from posttrain.distributed.groups import LocalWorkerGroup
 from posttrain.distributed.pools import WorkerPools
 from posttrain.distributed.register import RoleView, role_view
 from posttrain.logging import get_logger
-from posttrain.models.lora import is_peft
-from posttrain.rollout import MultiTurnLimits, engine_kind_for
+from posttrain.rollout import MultiTurnLimits
 from posttrain.trainers.rl_build import initial_models, sampling_params
 from posttrain.trainers.rl_worker import RLWorker, pool_factories
 from posttrain.workers import Reward
@@ -59,6 +58,18 @@ class Roles:
         else:
             self.rollout.sync_weights()
 
+    @property
+    def in_process(self) -> bool:
+        """Every worker is an object of this process (trainer.backend=local, or tests' groups):
+        its modules are readable here without a copy."""
+        return all(isinstance(g, LocalWorkerGroup) for g in self.pools.groups.values())
+
+    def save_hf(self, folder: Path, final: bool = False) -> None:
+        """The HF folders of a checkpoint (or of `final/`) into `folder`, written by each pool's
+        worker 0 from its own modules (`RLWorker.save_hf`): the driver holds no weights."""
+        for w in self.workers:
+            w.save_hf(str(folder), final)
+
     def save_shards(self, folder: Path) -> None:
         """Every worker of every pool writes its roles' shards into the unsealed `folder`."""
         for w in self.workers:
@@ -90,8 +101,9 @@ def build_roles(cfg: RLConfig, tokenizer: Any, model: Any, reward_funcs: Any, va
     """Checks and initial models first (`rl_build.initial_models`), then the worker groups of
     every pool, each worker building its roles from those models (`RLWorker`), then the
     views. `make_group(RLWorker, *args)` replaces a pool's group (tests: W workers in process)."""
+    on_ray = make_group is None and cfg.trainer.backend == "ray"  # the workers build their own models
     policy, value, reward = initial_models(cfg, tokenizer, model, reward_funcs, value_model, columns, data,
-                                           env_factory)
+                                           env_factory, build=not on_ray)
     specs, mapping = cfg.resource_pools()
     args = pool_factories(cfg, tokenizer, policy, value, env_factory, mapping)
     if make_group is not None:
@@ -102,19 +114,20 @@ def build_roles(cfg: RLConfig, tokenizer: Any, model: Any, reward_funcs: Any, va
         pools = start_worker_pools(cfg, specs, mapping, args)
     else:
         pools = WorkerPools({name: LocalWorkerGroup(RLWorker, *a) for name, a in args.items()})
-    return views(cfg, pools, mapping, reward, policy, env_factory)
+    return views(cfg, pools, mapping, reward, env_factory)
 
 
-def views(cfg: RLConfig, pools: WorkerPools, mapping: dict[str, str], reward: Reward, policy: Any,
-          env_factory: Any) -> Roles:
-    """The driver's roles over `pools` (`mapping`: role → pool name)."""
+def views(cfg: RLConfig, pools: WorkerPools, mapping: dict[str, str], reward: Reward, env_factory: Any) -> Roles:
+    """The driver's roles over `pools` (`mapping`: role → pool name); what the policy is
+    (engine kind, LoRA) comes from actor worker 0 (`RLWorker.describe`)."""
     rc = cfg.rollout
-    kind = engine_kind_for(policy) if rc.engine == "auto" else rc.engine
     actor_group = pools[mapping["actor"]]
+    facts = role_view(actor_group, RLWorker, "actor").describe()
+    kind = facts["kind"] if rc.engine == "auto" else rc.engine
     rollout = role_view(pools[mapping["rollout"]], RLWorker, "rollout", {"split": rc.split}, kind=kind,
                         params=sampling_params(cfg), env_factory=env_factory,
                         limits=MultiTurnLimits.from_config(rc.multi_turn))
-    ref = role_view(actor_group, RLWorker, "ref", shares_policy=is_peft(policy)) if cfg.algorithm.kl.enabled else None
+    ref = role_view(actor_group, RLWorker, "ref", shares_policy=facts["peft"]) if cfg.algorithm.kl.enabled else None
     critic = role_view(pools[mapping["critic"]], RLWorker, "critic") if cfg.use_critic else None
     workers = [role_view(pools[name], RLWorker) for name in dict.fromkeys(mapping.values())]
     return Roles(role_view(actor_group, RLWorker, "actor"), rollout, reward, ref, critic, pools, workers,

@@ -27,10 +27,15 @@ on both backends:
     rollout.offload / sync_weights    ONE_TO_ALL  every engine takes its own actor's weights (a
                                                   rollout pool: actor worker 0's, `load_weights`;
                                                   fsdp2: one gathered parameter at a time)
-    actor.model(), critic.model(),    ONE_TO_ALL  worker 0's module (in process: the worker's
-    ref.saved_model()                             own; Ray: a copy; fsdp2: every worker gathers
-                                                  each parameter in turn into worker 0's CPU
-                                                  copy): the checkpoints' HF folders, final/, eval
+    actor.evaluate_task(rows, ...)    RANK_ZERO   eval.task on worker 0's policy (fsdp2: its
+                                                  engine's whole copy)
+    actor.describe()                  RANK_ZERO   class, counts, dtype, signature, engine kind
+    save_hf(folder, final)            ONE_TO_ALL  each pool's worker 0 writes the HF folders of
+                                                  a checkpoint or final/ from its own modules
+                                                  (fsdp2: every worker gathers each parameter
+                                                  in turn into worker 0's CPU copy)
+    actor.model(), critic.model(),    ONE_TO_ALL  worker 0's module, for the Python API only
+    ref.saved_model()                             (in process: the worker's own; Ray: a CPU copy)
     save_shards / restore             ONE_TO_ALL  every worker writes / reads its roles' DCP
                                                   shards (model + AdamW; resharded on load)
 
@@ -69,8 +74,9 @@ from posttrain.distributed.fsdp import (
 )
 from posttrain.distributed.register import Dispatch, register
 from posttrain.models.heads import ScalarHeadModel
-from posttrain.rollout import SamplingParams
-from posttrain.trainers.rl_build import build_reference, build_rollout
+from posttrain.models.lora import is_peft, merged_for_export, parameter_counts
+from posttrain.rollout import MultiTurnLimits, SamplingParams
+from posttrain.trainers.rl_build import build_initial_models, build_reference, build_rollout
 from posttrain.workers import Actor, Critic, RLBatch, head_on_policy
 from posttrain.workers.actor import shuffled_mini_batches
 from posttrain.workers.forward import device_of
@@ -125,9 +131,16 @@ class RLWorker:
     def __init__(self, rank: int, world_size: int, collective: Any, cfg: RLConfig, tokenizer: Any,
                  policy: torch.nn.Module | None, value_model: ScalarHeadModel | None = None, env_factory: Any = None,
                  roles: tuple[str, ...] = ALL_ROLES):
+        needs_policy = "actor" in roles or "rollout" in roles
+        if (policy is None and needs_policy) or (value_model is None and "critic" in roles and cfg.use_critic
+                                                  and not cfg.critic.share_backbone):
+            policy, value_model = own_models(cfg, tokenizer, policy, value_model, critic="critic" in roles)
+            policy = policy if needs_policy else None
         self.cfg = cfg
         self.rank, self.world_size, self.policy = rank, world_size, policy
         self.in_process = collective is None  # the driver's own process (trainer.backend=local)
+        self.tokenizer, self.env_factory = tokenizer, env_factory
+        self.limits = MultiTurnLimits.from_config(cfg.rollout.multi_turn)
         self.ref = self.actor = self.critic = self.rollout = None
         self.sharded = cfg.trainer.strategy == "fsdp2" and collective is not None
         """trainer.strategy=fsdp2 on Ray workers: the models are sharded over their group
@@ -248,6 +261,37 @@ class RLWorker:
     def actor_lr(self) -> float:
         return self.actor.lr
 
+    @register(Dispatch.RANK_ZERO, role="actor", name="evaluate_task")
+    def evaluate_task(self, rows: list[dict[str, Any]], task: str, max_new_tokens: int, batch_size: int,
+                      temperature: float) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """eval.task on worker 0's policy (`evaluation.evaluate_task`: the task's scorer on
+        completions of `rows`, episodes when the run plays them): (metrics, samples)."""
+        from posttrain.evaluation import evaluate_task
+
+        model = self.engine_model if self.sharded else self.actor.model  # fsdp2: the engine's whole copy
+        was_training = model.training
+        model.eval()
+        try:
+            return evaluate_task(model, self.tokenizer, rows, task, max_new_tokens, batch_size, temperature,
+                                 self.env_factory, self.limits)
+        finally:
+            model.train(was_training)
+
+    @register(Dispatch.RANK_ZERO, role="actor", name="describe")
+    def describe(self) -> dict[str, str]:
+        """What the driver says of the policy without holding it: its class, parameter counts,
+        device and dtype (the setup line), `model_signature` (the run's record) and the
+        engine kind `rollout.engine=auto` picks."""
+        from posttrain.checkpoint import model_signature
+        from posttrain.rollout import engine_kind_for
+
+        model = self.actor.model
+        base = model.get_base_model() if is_peft(model) else model
+        first = next(model.parameters())
+        return {"class": type(base).__name__, "counts": parameter_counts(model), "device": str(first.device),
+                "dtype": str(first.dtype), "signature": model_signature(model), "kind": engine_kind_for(model),
+                "peft": is_peft(model)}
+
     def _readable(self, model: torch.nn.Module | None) -> torch.nn.Module | None:
         """`model` for the driver: itself in process, else a copy on the CPU (made without a
         second copy on the worker's device)."""
@@ -276,6 +320,7 @@ class RLWorker:
 
     @register(Dispatch.ONE_TO_ALL, role="ref", name="saved_model")
     def ref_saved_model(self) -> torch.nn.Module | None:
+        """A synced reference's module (None before a sync), for the Python API as `actor.model()`."""
         return self._full("ref", self.ref.saved_model())
 
     # ------------------------------------------------------------------ critic
@@ -333,6 +378,41 @@ class RLWorker:
                 torch.save({"scheduler": r.scheduler.state_dict(), "steps": r.steps}, folder / ROLE_STATE)
 
     @register(Dispatch.ONE_TO_ALL)
+    def save_hf(self, folder: str, final: bool) -> None:
+        """The HF folders of what this worker's pool holds, written by its worker 0 into `folder`
+        (collective: every worker of the pool calls it; under fsdp2 each gathers its shards of
+        every parameter in turn into worker 0's CPU copy, `fsdp.full_copy`: the extra peak on a
+        worker's device is one parameter). A checkpoint (final=False): the policy (a LoRA
+        policy: its adapter), a synced reference in `reference/`, the critic in `critic/`.
+        `final/` (final=True): the policy merged for export, its LoRA adapter in `adapter/`,
+        the critic. Unsharded, worker 0 writes from its own modules: no copy, the files the
+        driver wrote before."""
+        models = self._hf_models(final)
+        if models is not None and self.rank == 0:
+            models.save_pretrained(folder)
+
+    def _whole(self, role: str, model: torch.nn.Module | None) -> torch.nn.Module | None:
+        """`model` whole on worker 0: itself, or under fsdp2 its gathered CPU copy (every
+        worker calls it; None elsewhere)."""
+        if model is None or not self.sharded:
+            return model
+        return full_copy(model, self.templates[role], keep=self.rank == 0)
+
+    def _hf_models(self, final: bool) -> RunModels | None:
+        """`RunModels` of this worker's roles (None: a rollout pool's worker writes nothing)."""
+        critic = self._whole("critic", self.critic.model) if self.critic is not None else None
+        if self.actor is None:
+            return None if critic is None else RunModels(None, critic, with_optimizer=False)
+        policy = self._whole("actor", self.actor.model)
+        if final:
+            if policy is None:  # not worker 0
+                return None
+            return RunModels(merged_for_export(policy), critic, adapter=policy if is_peft(policy) else None,
+                             with_optimizer=False)
+        ref = self._whole("ref", self.ref.saved_model()) if self.ref is not None else None
+        return RunModels(policy, critic, reference=ref, with_optimizer=False)
+
+    @register(Dispatch.ONE_TO_ALL)
     def restore(self, checkpoint: str, step: int) -> None:
         """Load checkpoint `checkpoint` (of step `step`) into this worker's roles: the DCP shards
         `save_shards` wrote (by any number of workers: DCP reshards), or a checkpoint of the
@@ -377,6 +457,18 @@ class RLWorker:
             RunModels.load_critic(path, self.critic)
         if self.ref is not None:
             RunModels.load_reference(path, self.ref)
+
+
+def own_models(cfg: RLConfig, tokenizer: Any, policy: torch.nn.Module | None, value_model: Any,
+               critic: bool) -> tuple[torch.nn.Module, Any]:
+    """A Ray worker's initial models when the driver built none (`rl_build.initial_models`
+    with build=False): built here, from the same seed as the driver would (trainer.seed, as
+    `setup.prepare_run` seeds it before building), so every worker starts from the same weights."""
+    from posttrain.training.core import set_seed
+
+    set_seed(cfg.trainer.seed)
+    built, value = build_initial_models(cfg, tokenizer, policy, value_model, critic=critic)
+    return built, value_model if value_model is not None else value
 
 
 def pool_factories(cfg: RLConfig, tokenizer: Any, policy: torch.nn.Module, value_model: ScalarHeadModel | None,
