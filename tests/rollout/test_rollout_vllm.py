@@ -50,7 +50,7 @@ def test_the_env_keeps_the_engine_in_process_unless_the_caller_or_tensor_paralle
 
 
 def test_temperatures_vllm_would_change_or_refuse_are_reported():
-    from posttrain.rollout.vllm import check_temperature
+    from posttrain.config.rollout import check_vllm_temperature as check_temperature
 
     assert all(check_temperature(t) is None for t in (0, 0.01, 0.7, 1.0, 2.0))
     for t in (0.005, 1e-6, 2.01, -1.0):

@@ -77,3 +77,36 @@ def test_vllm_engines_on_two_ray_workers_sample_like_the_local_engine_and_take_t
     assert [m["step"] for m in remote] == [1, 2, 3]
     start = model.state_dict()
     assert max(float((v - start[k]).abs().max()) for k, v in runs["ray"]["actor"].items()) > 1e-4
+
+
+GAP = ("rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/log_ppl_abs_diff", "rollout_corr/ppl_ratio",
+       "rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_max", "rollout_corr/rollout_is_min",
+       "rollout_corr/rollout_is_eff_sample_size")
+
+
+def test_a_bf16_vllm_rollout_of_an_fp32_policy_shows_the_gap_and_token_tis_reweights_the_update(tmp_path):
+    """Issue 33's end-to-end check on vLLM's CPU build: the engine serves the fp32 policy in bf16
+    (rollout.vllm.dtype=bfloat16), so its log-probs are bf16's (~1e-3 off per token; the fp32
+    native engine's are the actor's to ~1e-7: test_rl.py::test_the_engine_gap_is_logged_with_the_correction_off).
+    With the correction off the gap is logged; with token TIS (same seed, so the same first
+    batch) the weights, spread around 1, change the update."""
+    bf16 = {**VLLM, "rollout.vllm.dtype": "bfloat16", "trainer.max_steps": 2}
+    runs = {}
+    for name, extra in (("logged", {"rollout.calculate_log_probs": "true"}),
+                        ("tis", {"algorithm.rollout_correction.rollout_is": "token"})):
+        trainer = GRPOTrainer(wide_tiny(), args=grpo_config(tmp_path / name, **bf16, **extra),
+                              train_dataset=[{"prompt": w} for w in WORDS], processing_class=word_tokenizer(),
+                              reward_funcs=[starts_with_a])
+        trainer.train()
+        runs[name] = {k: v.detach().cpu().clone() for k, v in trainer.model.state_dict().items()}
+    logged, tis = lines(tmp_path / "logged"), lines(tmp_path / "tis")
+    for m in logged + tis:
+        print({k: m[k] for k in GAP})  # the figures docs/rollout_correction.md quotes
+        assert m["rollout_corr/k3_kl"] > 1e-6 and m["rollout_corr/log_ppl_abs_diff"] > 1e-5, m
+        assert abs(m["rollout_corr/kl"]) > 1e-6 and abs(m["rollout_corr/ppl_ratio"] - 1) > 1e-6, m
+        assert m["rollout_corr/rollout_is_max"] > 1 + 1e-4 and m["rollout_corr/rollout_is_min"] < 1 - 1e-4, m
+        assert m["rollout_corr/rollout_is_eff_sample_size"] < 1 - 1e-8, m
+    for key in ("response_length/mean", "reward/mean"):  # one seed, one engine dtype: the same first batch
+        assert logged[0][key] == tis[0][key], key
+    moved = max(float((runs["tis"][k] - v).abs().max()) for k, v in runs["logged"].items())
+    assert moved > 1e-6, "token TIS's weights (not all 1) left the update as it was without them"

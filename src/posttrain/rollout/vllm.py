@@ -51,7 +51,7 @@ Notation: B prompts, n samples per prompt, N = B·n rows. Written against vLLM 0
   are replayed step by step after the call (no earlier than the answer itself).
 - Temperature: vLLM rejects T > 2 and raises 0 < T < 0.01 to 0.01 (T < 1e-5 is greedy,
   whose logprobs are at T = 1, as ours), so the logprobs would not be those of
-  softmax(logits / T): `check_temperature` refuses such T (`rollout.temperature` too).
+  softmax(logits / T): `vllm_rows.check_sampling` refuses such T (`rollout.temperature` too).
 - Episodes (`generate_episodes`): `episodes.run_turn_episodes`, one `LLM.generate` per
   model turn over every running row, each a token-id prompt (prompt + trajectory so far)
   with stop = the tool-call end (kept in the output), max_tokens = the row's `turn_budget`
@@ -76,11 +76,9 @@ import logging
 import os
 import tempfile
 import time
-import warnings
 
 from torch import nn
 
-from posttrain.config.rollout import check_vllm_temperature as check_temperature
 from posttrain.data.collate import pad_id_of
 from posttrain.rollout.base import (
     Completions,
@@ -116,6 +114,7 @@ from posttrain.rollout.vllm_platform import (
     weight_shapes,
 )
 from posttrain.rollout.vllm_rows import (
+    check_sampling,
     completions_from_rows,
     model_turn,
     request_sampling,
@@ -321,20 +320,9 @@ class VLLMEngine:
         return out
 
     def _check(self, params: SamplingParams) -> None:
-        """Refuse temperatures vLLM would change (and a broken engine), warn about filtered
-        log-probs, wake up."""
+        """`check_sampling`, and refuse a broken engine; wake up."""
         self._check_usable()
-        problem = check_temperature(params.temperature)
-        if problem:
-            raise ValueError(problem)
-        filtered = params.top_k > 0 or params.top_p < 1 or params.min_p > 0
-        if params.logprobs and filtered and not params.greedy:
-            warnings.warn(
-                "vllm engine: with top_k/top_p/min_p on, vLLM's logprobs are renormalised over "
-                "the kept tokens and differ from log softmax(logits / T); recompute old_logp "
-                "with the actor's forward.",
-                stacklevel=3,
-            )
+        check_sampling(params)
         self.resume()
 
     @staticmethod

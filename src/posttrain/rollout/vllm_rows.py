@@ -14,11 +14,13 @@ Notation: N rows (requests), T_r the tokens row r sampled.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
+from posttrain.config.rollout import check_vllm_temperature
 from posttrain.rollout.base import Completions, SamplingParams, build_completions, row_uniforms
 from posttrain.rollout.episodes import ModelTurn
 
@@ -35,6 +37,19 @@ def request_seed(seed: int | None, row: int, turn: int = 0, rows: int = 0, mode:
     if mode == "batch":
         return seed + row + turn * rows
     return int(row_uniforms(seed, torch.tensor([row]), turn)[0] * 2**53)
+
+
+def check_sampling(params: SamplingParams) -> None:
+    """Refuse a temperature vLLM would change (ValueError: it rejects T > 2 and raises 0 < T <
+    0.01 to 0.01, so its log-probs would not be those of softmax(logits / T)); warn that with a
+    top_k/top_p/min_p filter on, vLLM's log-probs are renormalised over the kept tokens."""
+    problem = check_vllm_temperature(params.temperature)
+    if problem:
+        raise ValueError(problem)
+    if params.logprobs and not params.greedy and (params.top_k > 0 or params.top_p < 1 or params.min_p > 0):
+        warnings.warn("vllm engine: with top_k/top_p/min_p on, vLLM's logprobs are renormalised over the kept "
+                      "tokens and differ from log softmax(logits / T); recompute old_logp with the actor's "
+                      "forward.", stacklevel=3)
 
 
 def request_sampling(params: SamplingParams, stop_ids: Sequence[int]) -> dict[str, Any]:

@@ -31,7 +31,7 @@ Notation: B prompts, n samples per prompt, N = B·n rows.
   broken) stops the run with `ServerDied`: one line naming the URL and how to go on, as a
   dead Ray worker does (`trainers/rl_faults.py`). An error the server reports (HTTP 4xx/5xx)
   is raised with its message.
-- `offload`/`resume` do nothing: the server's memory is its own.
+- `offload`/`resume` do nothing (`HoldsNoDeviceMemory`): the server's memory is its own.
 """
 
 from __future__ import annotations
@@ -46,18 +46,17 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
 from posttrain.config.core import ConfigError, RunStopped
-from posttrain.config.rollout import check_vllm_temperature
 from posttrain.data.collate import pad_id_of
 from posttrain.logging import get_logger
 from posttrain.rollout.base import (
     Completions,
+    HoldsNoDeviceMemory,
     Prompts,
     SamplingParams,
     TokenCallback,
@@ -75,6 +74,7 @@ from posttrain.rollout.episodes import (
 )
 from posttrain.rollout.vllm_platform import merged_adapters, named_weights
 from posttrain.rollout.vllm_rows import (
+    check_sampling,
     completions_from_rows,
     model_turn,
     request_sampling,
@@ -201,7 +201,7 @@ class _Background(threading.Thread):
             self.error = err
 
 
-class VLLMServerEngine:
+class VLLMServerEngine(HoldsNoDeviceMemory):
     """Sampling through a `posttrain vllm-serve` server (module docstring)."""
 
     kind = "vllm"
@@ -307,12 +307,6 @@ class VLLMServerEngine:
                 pass
             self._drop_group()
 
-    def offload(self) -> None:
-        """Nothing: the server's memory is its own."""
-
-    def resume(self) -> None:
-        """Nothing: the server's memory is its own."""
-
     # ------------------------------------------------------------ generation
 
     def _rows(self, prompts: list[list[int]], seeds: list[int], budgets: list[int], params: SamplingParams,
@@ -329,22 +323,13 @@ class VLLMServerEngine:
             raise ServerError(f"the vLLM server at {self.url}: /generate/ answered {len(rows)} rows for {len(prompts)}")
         return rows
 
-    def _check(self, params: SamplingParams) -> None:
-        problem = check_vllm_temperature(params.temperature)
-        if problem:
-            raise ValueError(problem)
-        if params.logprobs and not params.greedy and (params.top_k > 0 or params.top_p < 1 or params.min_p > 0):
-            warnings.warn("vllm engine: with top_k/top_p/min_p on, vLLM's logprobs are renormalised over the kept "
-                          "tokens and differ from log softmax(logits / T); recompute old_logp with the actor's "
-                          "forward.", stacklevel=3)
-
     @staticmethod
     def _seed(params: SamplingParams, seed: int, row: int, turn: int = 0, rows: int = 0) -> int:
         return request_seed(seed, params.first_row + row, turn, rows, params.seed_mode)
 
     def generate(self, prompts: Prompts, params: SamplingParams, on_tokens: TokenCallback | None = None
                  ) -> Completions:
-        self._check(params)
+        check_sampling(params)
         prompt_ids = encode_prompts(self.tokenizer, prompts)
         pad_id = pad_id_of(self.tokenizer)
         stop_ids = list(params.resolved_stop_token_ids(self.tokenizer))
@@ -366,7 +351,7 @@ class VLLMServerEngine:
         running rows (the colocated engine's turn loop; the server's prefix cache keeps each
         row's history between turns)."""
         turn_params = dataclasses.replace(params, logprobs=True, include_stop_str_in_output=True)
-        self._check(turn_params)
+        check_sampling(turn_params)
         prompt_ids = encode_prompts(self.tokenizer, prompts)
         pad_id = pad_id_of(self.tokenizer)
         stop_ids = list(params.resolved_stop_token_ids(self.tokenizer))
