@@ -179,6 +179,27 @@ def test_a_vllm_completion_without_a_logprob_per_token_is_refused():
         sampled_logprobs([7, 8], [{7: Logprob(-0.5)}])
 
 
+def test_both_vllm_engines_build_a_row_s_request_and_read_its_answer_alike(tok):
+    """The colocated engine and server mode share these: a row's SamplingParams arguments (the
+    server gets the JSON in between) and the Completions built from the rows vLLM returns."""
+    from posttrain.rollout.vllm_rows import completions_from_rows, request_sampling, row_result, sampling_kwargs
+
+    params = SamplingParams(n=2, temperature=0.7, top_k=5, max_new_tokens=3, stop=("</s>",))
+    kw = sampling_kwargs(request_sampling(params, [2]), 3, seed=11)
+    assert kw == {"n": 1, "temperature": 0.7, "top_p": 1.0, "top_k": 5, "min_p": 0.0, "max_tokens": 3,
+                  "stop": ["</s>"], "stop_token_ids": [2], "ignore_eos": True, "include_stop_str_in_output": False,
+                  "seed": 11, "logprobs": 0}
+    no_logp = sampling_kwargs(request_sampling(SamplingParams(logprobs=False, stop_token_ids=()), []), 4, None)
+    assert no_logp["logprobs"] is None and no_logp["stop"] is None and no_logp["stop_token_ids"] == []
+    rows = [row_result(CompletionOutput([7, 9, 2], [{7: Logprob(-0.5)}, {9: Logprob(-1.5)}, {2: Logprob(-0.25)}],
+                                        "stop", stop_reason=2)),
+            row_result(CompletionOutput([8], [{8: Logprob(-2.0)}], "length"))]
+    out = completions_from_rows(rows, [[1, 5], [1, 5]], params, tok, 0, meta={"engine": "vllm"})
+    assert out.response_ids.tolist() == [[7, 9, 2], [8, 0, 0]] and out.lengths.tolist() == [3, 1]
+    assert out.logprobs.tolist() == [[-0.5, -1.5, -0.25], [-2.0, 0.0, 0.0]]
+    assert out.finish_reason == ["stop", "length"] and out.num_tokens == 4 and len(out) == 2
+
+
 def test_request_seeds_are_distinct_over_an_episodes_rows_and_turns():
     from posttrain.rollout.vllm_rows import request_seed
 
