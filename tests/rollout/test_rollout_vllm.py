@@ -182,7 +182,12 @@ def test_a_vllm_completion_without_a_logprob_per_token_is_refused():
 def test_both_vllm_engines_build_a_row_s_request_and_read_its_answer_alike(tok):
     """The colocated engine and server mode share these: a row's SamplingParams arguments (the
     server gets the JSON in between) and the Completions built from the rows vLLM returns."""
-    from posttrain.rollout.vllm_rows import completions_from_rows, request_sampling, row_result, sampling_kwargs
+    from posttrain.rollout.vllm_rows import (
+        completions_from_rows,
+        request_sampling,
+        row_result,
+        sampling_kwargs,
+    )
 
     params = SamplingParams(n=2, temperature=0.7, top_k=5, max_new_tokens=3, stop=("</s>",))
     kw = sampling_kwargs(request_sampling(params, [2]), 3, seed=11)
