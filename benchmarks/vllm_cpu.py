@@ -3,7 +3,8 @@ time and weight-sync time per step, on the `small` preset and a ~100M-parameter 
 (built here from a config, random init: nothing is downloaded).
 
     PYTHONPATH=src VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python benchmarks/vllm_cpu.py \
-        [--models small llama100m] [--rows 64] [--tokens 128] [--repeats 2] [--dtypes float32 bfloat16]
+        [--models small llama100m] [--rows 64] [--tokens 128] [--repeats 1] [--dtypes float32 bfloat16]
+        [--engines native hf vllm]
 
 Workload (every engine, same weights and prompts): 8 arithmetic-task prompts × 8 samples = 64
 rows, 128 new tokens per row with early stopping off (`stop_token_ids=[]`), temperature 1,
@@ -91,28 +92,34 @@ def bench_model(name: str, args, tok, root: Path) -> list[dict]:
     params = SamplingParams(n=8, temperature=1.0, max_new_tokens=args.tokens, stop_token_ids=[], seed=0)
     rows = []
 
-    native, start = timed(lambda: make_engine("native", policy, tok))
-    rows.append({"engine": "native", "dtype": "float32", "start_s": start,
-                 "tokens_per_s": tokens_per_s(native, prompts, params, args.repeats), "sync_s": 0.0})
-    hf_model, start = timed(lambda: LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval())
-    hf = make_engine("hf", hf_model, tok)
-    rows.append({"engine": "hf generate", "dtype": "float32", "start_s": start,
-                 "tokens_per_s": tokens_per_s(hf, prompts, params, args.repeats), "sync_s": 0.0})
-    del hf, hf_model
-    for dtype in args.dtypes:
-        engine, start = timed(lambda dtype=dtype: make_engine(
-            "vllm", policy, tok, dtype=dtype, enforce_eager=True, max_model_len=512))
-        rate = tokens_per_s(engine, prompts, params, args.repeats)
-        syncs = []
-        for _ in range(3):
-            perturb(policy)
-            syncs.append(timed(lambda engine=engine: engine.sync_weights(policy))[1])
-        rows.append({"engine": "vllm-cpu (eager)", "dtype": dtype, "start_s": start, "tokens_per_s": rate,
-                     "sync_s": statistics.median(syncs)})
-        del engine
-    for r in rows:
-        r.update(model=name, parameters=n_params)
-        print(json.dumps(r), flush=True)
+    def record(row: dict) -> None:  # printed as each engine finishes: a run stopped early keeps its rows
+        row.update(model=name, parameters=n_params)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+
+    for kind in args.engines:
+        if kind == "native":
+            native, start = timed(lambda: make_engine("native", policy, tok))
+            record({"engine": "native", "dtype": "float32", "start_s": start,
+                    "tokens_per_s": tokens_per_s(native, prompts, params, args.repeats), "sync_s": 0.0})
+        elif kind == "hf":
+            hf_model, start = timed(lambda: LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval())
+            hf = make_engine("hf", hf_model, tok)
+            record({"engine": "hf generate", "dtype": "float32", "start_s": start,
+                    "tokens_per_s": tokens_per_s(hf, prompts, params, args.repeats), "sync_s": 0.0})
+            del hf, hf_model
+        else:
+            for dtype in args.dtypes:
+                engine, start = timed(lambda dtype=dtype: make_engine(
+                    "vllm", policy, tok, dtype=dtype, enforce_eager=True, max_model_len=512))
+                rate = tokens_per_s(engine, prompts, params, args.repeats)
+                syncs = []
+                for _ in range(3):
+                    perturb(policy)
+                    syncs.append(timed(lambda engine=engine: engine.sync_weights(policy))[1])
+                record({"engine": "vllm-cpu (eager)", "dtype": dtype, "start_s": start, "tokens_per_s": rate,
+                        "sync_s": statistics.median(syncs)})
+                del engine
     return rows
 
 
@@ -123,6 +130,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--engines", nargs="+", choices=["native", "hf", "vllm"], default=["native", "hf", "vllm"],
+                    help="which engines, in this order (the first vLLM engine's start includes importing vLLM)")
     args = ap.parse_args()
     tok = build_tokenizer()
     with tempfile.TemporaryDirectory(prefix="posttrain-bench-vllm-") as root:

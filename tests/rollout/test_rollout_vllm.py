@@ -16,6 +16,7 @@ from posttrain.envs import ArithmeticTools, play_episodes
 from posttrain.models import BuiltinConfig, BuiltinLM, forward_logits
 from posttrain.models.builtin import next_token_loss
 from posttrain.rollout import MultiTurnLimits, SamplingParams, make_engine
+from posttrain.rollout.vllm_platform import Platform
 
 from .conftest import PROMPTS, randomized
 
@@ -49,7 +50,7 @@ def test_the_env_keeps_the_engine_in_process_unless_the_caller_or_tensor_paralle
 
 
 def test_temperatures_vllm_would_change_or_refuse_are_reported():
-    from posttrain.rollout.vllm import check_temperature
+    from posttrain.config.rollout import check_vllm_temperature as check_temperature
 
     assert all(check_temperature(t) is None for t in (0, 0.01, 0.7, 1.0, 2.0))
     for t in (0.005, 1e-6, 2.01, -1.0):
@@ -69,7 +70,7 @@ def test_the_memory_checks_name_the_setting_and_what_would_fit():
 
 
 def test_the_engine_sleeps_between_rollouts_only_where_the_platform_has_sleep_mode():
-    from posttrain.rollout.vllm import engine_kwargs
+    from posttrain.rollout.vllm_platform import engine_kwargs
 
     kw = engine_kwargs("/ckpt", "bfloat16", 0.3, 5, tensor_parallel_size=2, enforce_eager=True)
     assert kw == {"model": "/ckpt", "tokenizer": "/ckpt", "dtype": "bfloat16", "gpu_memory_utilization": 0.3,
@@ -78,24 +79,31 @@ def test_the_engine_sleeps_between_rollouts_only_where_the_platform_has_sleep_mo
     assert engine_kwargs("/ckpt", "float32", 0.3, 5, sleep_mode=False)["enable_sleep_mode"] is False  # vLLM-CPU
 
 
-def test_the_cpu_kv_cache_size_is_set_from_the_option_and_a_replaced_value_is_logged(caplog):
-    import logging
+CPU = Platform(device="cpu", sleep_mode=False, bf16=True)
+CUDA = Platform(device="cuda", sleep_mode=True, bf16=True)
 
-    from posttrain.rollout.vllm_platform import set_cpu_kvcache_space
 
-    log = logging.getLogger("test")
-    env = {}
-    set_cpu_kvcache_space(env, 2, log)
-    assert env == {"VLLM_CPU_KVCACHE_SPACE": "2"}
-    with caplog.at_level(logging.INFO, "test"):
-        set_cpu_kvcache_space(env, 3, log)
-    assert env["VLLM_CPU_KVCACHE_SPACE"] == "3" and "VLLM_CPU_KVCACHE_SPACE=2 replaced" in caplog.text
+def test_the_kv_cache_is_sized_per_engine_and_a_disagreeing_env_variable_is_refused():
+    """One mechanism for both engines: vLLM's kv_cache_memory_bytes, no environment mutation."""
+    from posttrain.rollout.vllm_platform import kv_cache_kwargs
+
+    opt = "rollout.vllm.cpu_kvcache_space_gb"
+    assert kv_cache_kwargs(2, CPU, {}, opt) == {"kv_cache_memory_bytes": 2 * 2**30}
+    assert kv_cache_kwargs(0.25, CPU, {}, "--kv-cache-gb") == {"kv_cache_memory_bytes": 2**28}
+    assert kv_cache_kwargs(None, CPU, {"VLLM_CPU_KVCACHE_SPACE": "3"}, opt) == {}  # unset: vLLM's own sizing
+    assert kv_cache_kwargs(2, CPU, {"VLLM_CPU_KVCACHE_SPACE": "2"}, opt) == {"kv_cache_memory_bytes": 2 * 2**30}
+    assert kv_cache_kwargs(2, CUDA, {"VLLM_CPU_KVCACHE_SPACE": "5"}, opt) == {"kv_cache_memory_bytes": 2 * 2**30}
+    # vLLM's CPU build would let the variable replace the option: refused, naming both
+    with pytest.raises(ValueError, match=r"VLLM_CPU_KVCACHE_SPACE=3 is set .* instead of "
+                                         r"rollout.vllm.cpu_kvcache_space_gb=2: unset it"):
+        kv_cache_kwargs(2, CPU, {"VLLM_CPU_KVCACHE_SPACE": "3"}, opt)
 
 
 def test_the_weights_sent_include_a_tied_head_and_drop_peft_infixes(model):
     from posttrain.rollout.vllm_platform import named_weights
 
     names = dict(named_weights(model))
+    assert set(names) == set(model.state_dict())  # reload_weights keeps serving an old head it is not sent
     assert names["lm_head.weight"].data_ptr() == names["model.embed_tokens.weight"].data_ptr()  # tied: one tensor
     assert model.config.tie_word_embeddings
 
@@ -118,13 +126,18 @@ def test_a_sync_that_does_not_match_the_engine_is_refused_before_anything_loads(
         check_sync_weights(halves, expected)
 
 
-def test_auto_dtype_serves_a_float32_policy_in_16_bits():
+def test_auto_dtype_serves_a_float32_policy_in_16_bits_where_the_platform_computes_in_bf16():
     from posttrain.rollout.vllm_platform import serving_dtype
 
-    assert serving_dtype(torch.float32, bf16_supported=True) == "bfloat16"
-    assert serving_dtype(torch.float32, bf16_supported=False) == "float16"
-    assert serving_dtype(torch.bfloat16, bf16_supported=True) == "bfloat16"
-    assert serving_dtype(torch.float16, bf16_supported=True) == "float16"
+    no_bf16_cpu, no_bf16_gpu = Platform("cpu", False, bf16=False), Platform("cuda", True, bf16=False)
+    assert serving_dtype("auto", torch.float32, CPU) == "bfloat16"
+    assert serving_dtype("auto", torch.float32, CUDA) == "bfloat16"
+    assert serving_dtype("auto", torch.float32, no_bf16_gpu) == "float16"
+    assert serving_dtype("auto", torch.float32, no_bf16_cpu) == "float32"  # a CPU's float16 is slow and narrow
+    assert serving_dtype("auto", None, CPU) == "bfloat16"  # a checkpoint that does not say
+    assert serving_dtype("auto", torch.bfloat16, no_bf16_cpu) == "bfloat16"  # 16-bit weights keep theirs
+    assert serving_dtype("auto", torch.float16, CUDA) == "float16"
+    assert serving_dtype("float32", torch.bfloat16, CPU) == "float32"  # asked for: as asked
 
 
 @dataclass
@@ -144,30 +157,56 @@ class CompletionOutput:  # the fields of vllm.outputs.CompletionOutput a model t
 
 
 def test_a_vllm_completion_becomes_a_model_turn_with_the_sampled_tokens_logprobs():
-    from posttrain.rollout.vllm import model_turn
+    from posttrain.rollout.vllm_rows import model_turn, row_result
 
     # with logprobs=1 (or a sampled token that is not the top one) a step holds more entries
     steps = [{7: Logprob(-0.5, 1)}, {9: Logprob(-2.25, 3), 4: Logprob(-0.1, 1)}, {60: Logprob(-1.0, 1)}]
-    called = model_turn(CompletionOutput([7, 9, 60], steps, "stop", stop_reason="</call>"))
+    called = model_turn(row_result(CompletionOutput([7, 9, 60], steps, "stop", stop_reason="</call>")))
     assert called.token_ids == [7, 9, 60] and called.logprobs == [-0.5, -2.25, -1.0]
     assert called.called and not called.cut_short
-    eos = model_turn(CompletionOutput([7, 2], steps[:1] + [{2: Logprob(-3.0)}], "stop", stop_reason=2))
+    eos = model_turn(row_result(CompletionOutput([7, 2], steps[:1] + [{2: Logprob(-3.0)}], "stop", stop_reason=2)))
     assert not eos.called and not eos.cut_short and eos.logprobs == [-0.5, -3.0]
-    long = model_turn(CompletionOutput([7], steps[:1], "length"))
+    long = model_turn(row_result(CompletionOutput([7], steps[:1], "length")))
     assert long.cut_short and not long.called  # the turn loop tells budget from max_model_len
 
 
 def test_a_vllm_completion_without_a_logprob_per_token_is_refused():
-    from posttrain.rollout.vllm import model_turn, sampled_logprobs
+    from posttrain.rollout.vllm_rows import model_turn, row_result, sampled_logprobs
 
     with pytest.raises(ValueError, match="no log-probs"):
-        model_turn(CompletionOutput([7], None, "length"))
+        model_turn(row_result(CompletionOutput([7], None, "length")))
     with pytest.raises(ValueError, match="1 log-prob steps for 2 tokens"):
         sampled_logprobs([7, 8], [{7: Logprob(-0.5)}])
 
 
+def test_both_vllm_engines_build_a_row_s_request_and_read_its_answer_alike(tok):
+    """The colocated engine and server mode share these: a row's SamplingParams arguments (the
+    server gets the JSON in between) and the Completions built from the rows vLLM returns."""
+    from posttrain.rollout.vllm_rows import (
+        completions_from_rows,
+        request_sampling,
+        row_result,
+        sampling_kwargs,
+    )
+
+    params = SamplingParams(n=2, temperature=0.7, top_k=5, max_new_tokens=3, stop=("</s>",))
+    kw = sampling_kwargs(request_sampling(params, [2]), 3, seed=11)
+    assert kw == {"n": 1, "temperature": 0.7, "top_p": 1.0, "top_k": 5, "min_p": 0.0, "max_tokens": 3,
+                  "stop": ["</s>"], "stop_token_ids": [2], "ignore_eos": True, "include_stop_str_in_output": False,
+                  "seed": 11, "logprobs": 0}
+    no_logp = sampling_kwargs(request_sampling(SamplingParams(logprobs=False, stop_token_ids=()), []), 4, None)
+    assert no_logp["logprobs"] is None and no_logp["stop"] is None and no_logp["stop_token_ids"] == []
+    rows = [row_result(CompletionOutput([7, 9, 2], [{7: Logprob(-0.5)}, {9: Logprob(-1.5)}, {2: Logprob(-0.25)}],
+                                        "stop", stop_reason=2)),
+            row_result(CompletionOutput([8], [{8: Logprob(-2.0)}], "length"))]
+    out = completions_from_rows(rows, [[1, 5], [1, 5]], params, tok, 0, meta={"engine": "vllm"})
+    assert out.response_ids.tolist() == [[7, 9, 2], [8, 0, 0]] and out.lengths.tolist() == [3, 1]
+    assert out.logprobs.tolist() == [[-0.5, -1.5, -0.25], [-2.0, 0.0, 0.0]]
+    assert out.finish_reason == ["stop", "length"] and out.num_tokens == 4 and len(out) == 2
+
+
 def test_request_seeds_are_distinct_over_an_episodes_rows_and_turns():
-    from posttrain.rollout.vllm import request_seed
+    from posttrain.rollout.vllm_rows import request_seed
 
     assert request_seed(None, 3, turn=2, rows=8) is None  # vLLM's own RNG
     assert [request_seed(10, r) for r in range(3)] == [10, 11, 12]  # single-turn: seed + row

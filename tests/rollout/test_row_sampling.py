@@ -12,7 +12,7 @@ from posttrain.envs import GuessNumber
 from posttrain.rollout import SamplingParams, make_engine
 from posttrain.rollout.base import inverse_cdf, row_uniforms, sample_next
 from posttrain.rollout.episodes import MultiTurnLimits
-from posttrain.rollout.vllm import request_seed
+from posttrain.rollout.vllm_rows import request_seed
 from posttrain.workers import RLBatch, Rollout
 
 from .conftest import PROMPTS

@@ -2,6 +2,7 @@
 build; they skip where vLLM is absent). Each sync is checked by the engine's log-probs: after the
 trainer loads the new weights, the engine's log-probs of its samples are the policy's."""
 
+import gc
 import importlib.util
 
 import pytest
@@ -47,7 +48,7 @@ def test_grpo_on_the_vllm_engine_trains_and_each_sync_serves_the_updated_policy(
     log-probs equal the actor's within 1e-4 (fp32), so each sync loaded the updated weights
     (a missed sync would leave the previous step's policy in the engine)."""
     EngineChecked.gaps = []
-    cfg = grpo_config(tmp_path, **VLLM, **{"actor.ppo_mini_batch_size": 2})
+    cfg = grpo_config(tmp_path, **VLLM, **{"actor.ppo_mini_batch_size": 2, "rollout.calculate_log_probs": "true"})
     trainer = EngineChecked(wide_tiny(), args=cfg, train_dataset=[{"prompt": w} for w in WORDS],
                             processing_class=word_tokenizer(), reward_funcs=[starts_with_a])
     start = {k: v.clone() for k, v in trainer.model.state_dict().items()}
@@ -77,3 +78,44 @@ def test_vllm_engines_on_two_ray_workers_sample_like_the_local_engine_and_take_t
     assert [m["step"] for m in remote] == [1, 2, 3]
     start = model.state_dict()
     assert max(float((v - start[k]).abs().max()) for k, v in runs["ray"]["actor"].items()) > 1e-4
+
+
+def trained_weights(cfg) -> dict[str, torch.Tensor]:
+    """The policy's weights after a GRPO run; its vLLM engine is gone when this returns (an engine
+    collected while the next one runs would take vLLM's process-wide parallel state with it)."""
+    trainer = GRPOTrainer(wide_tiny(), args=cfg, train_dataset=[{"prompt": w} for w in WORDS],
+                          processing_class=word_tokenizer(), reward_funcs=[starts_with_a])
+    trainer.train()
+    weights = {k: v.detach().cpu().clone() for k, v in trainer.model.state_dict().items()}
+    del trainer
+    gc.collect()
+    return weights
+
+
+GAP = ("rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/log_ppl_abs_diff", "rollout_corr/ppl_ratio",
+       "rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_max", "rollout_corr/rollout_is_min",
+       "rollout_corr/rollout_is_eff_sample_size")
+
+
+def test_a_bf16_vllm_rollout_of_an_fp32_policy_shows_the_gap_and_token_tis_reweights_the_update(tmp_path):
+    """Issue 33's end-to-end check on vLLM's CPU build: the engine serves the fp32 policy in bf16
+    (rollout.vllm.dtype=bfloat16), so its log-probs are bf16's (~1e-3 off per token; the fp32
+    native engine's are the actor's to ~1e-7: test_rl.py::test_the_engine_gap_is_logged_with_the_correction_off).
+    With the correction off the gap is logged; with token TIS (same seed, so the same first
+    batch) the weights, spread around 1, change the update."""
+    bf16 = {**VLLM, "rollout.vllm.dtype": "bfloat16", "trainer.max_steps": 2}
+    runs = {name: trained_weights(grpo_config(tmp_path / name, **bf16, **extra))
+            for name, extra in (("logged", {"rollout.calculate_log_probs": "true"}),
+                                ("tis", {"algorithm.rollout_correction.rollout_is": "token"}))}
+    logged, tis = lines(tmp_path / "logged"), lines(tmp_path / "tis")
+    for m in logged + tis:
+        print({k: m[k] for k in GAP})  # the figures docs/rollout_correction.md quotes
+        # the fp32 native engine's: |kl|, log_ppl_abs_diff < 1e-6, k3 ~1e-13, weights 1 ± 1e-5
+        assert abs(m["rollout_corr/kl"]) > 1e-5 and m["rollout_corr/log_ppl_abs_diff"] > 1e-4, m
+        assert m["rollout_corr/k3_kl"] > 1e-8 and m["rollout_corr/ppl_ratio"] != 1, m  # k3 ≈ mean δ²/2
+        assert m["rollout_corr/rollout_is_max"] > 1 + 1e-3 and m["rollout_corr/rollout_is_min"] < 1 - 1e-3, m
+        assert m["rollout_corr/rollout_is_eff_sample_size"] < 1 - 1e-7, m
+    for key in ("response_length/mean", "reward/mean"):  # one seed, one engine dtype: the same first batch
+        assert logged[0][key] == tis[0][key], key
+    moved = max(float((runs["tis"][k] - v).abs().max()) for k, v in runs["logged"].items())
+    assert moved > 1e-6, "token TIS's weights (not all 1) left the update as it was without them"

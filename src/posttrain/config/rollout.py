@@ -63,7 +63,7 @@ class VLLMConfig:
         verl("actor_rollout_ref.rollout.dtype")))
     """The engine's weight dtype. `auto`: a 16-bit policy keeps its dtype; a float32 policy is
     served in bfloat16 where vLLM's platform has it (its `supported_dtypes`: GPUs from Ampere on,
-    x86 and Arm CPUs), else float16. float32 serves the trainer's numbers (log-probs within ~1e-6)."""
+    x86 and Arm CPUs), else float16 on a GPU and float32 on a CPU. float32 serves the trainer's numbers (log-probs within ~1e-6)."""
     enforce_eager: bool = field(default=False, metadata=aliases(
         verl("actor_rollout_ref.rollout.enforce_eager"), openrlhf("enforce_eager")))
     """Run the model eagerly: no torch.compile and no CUDA graphs. Starts in seconds instead of
@@ -74,7 +74,8 @@ class VLLMConfig:
     Smaller leaves more KV-cache blocks for rows."""
     cpu_kvcache_space_gb: int = 1
     """vLLM's CPU build: GiB of host memory for the KV cache, the CPU counterpart of
-    rollout.gpu_memory_utilization (the engine sets VLLM_CPU_KVCACHE_SPACE from it). Unused on a GPU."""
+    rollout.gpu_memory_utilization (vLLM's `kv_cache_memory_bytes`, set per engine; a different
+    VLLM_CPU_KVCACHE_SPACE in the environment is refused). Unused on a GPU."""
 
     lora_sync: Literal["adapter", "merged"] = "adapter"
     """A LoRA policy's weight sync. `adapter`: only the adapter goes to the engine each step,

@@ -133,8 +133,22 @@ class SamplingParams:
         return () if eos is None else (int(eos),)
 
 
+class SampledRows:
+    """What Completions and Episodes both answer from their `prompt_ids` (N rows) and `lengths`
+    ((N,) sampled tokens per row): the row count and the sampled-token count."""
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the model sampled over all rows (what throughput counts; an episode's
+        environment tokens are not among them)."""
+        return int(self.lengths.sum())
+
+
 @dataclass
-class Completions:
+class Completions(SampledRows):
     """One call's output, N = B·n rows grouped by prompt (rows i·n .. i·n+n-1 answer prompt i).
 
     Tensors are on the CPU. Padding positions hold `pad_token_id` in `response_ids`
@@ -167,13 +181,6 @@ class Completions:
     meta: dict = field(default_factory=dict)
     """Engine facts for logging, e.g. {"engine": "native", "decode_steps": 37}."""
 
-    def __len__(self) -> int:
-        return len(self.prompt_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        """Generated tokens over all rows (what throughput counts)."""
-        return int(self.lengths.sum())
 
 
 @runtime_checkable
@@ -201,6 +208,17 @@ class RolloutEngine(Protocol):
     def resume(self) -> None:
         """Take back what `offload` gave (vllm: wake up; others: nothing)."""
         ...
+
+
+class HoldsNoDeviceMemory:
+    """`offload`/`resume` of an engine with no device memory of its own between calls (native,
+    hf: the policy's weights are shared) or none in this process (a vLLM server's)."""
+
+    def offload(self) -> None:
+        """Nothing to free."""
+
+    def resume(self) -> None:
+        """Nothing to take back."""
 
 
 def encode_prompts(tokenizer, prompts: Prompts) -> list[list[int]]:

@@ -53,7 +53,7 @@ from typing import Any, Protocol
 
 import torch
 
-from posttrain.rollout.base import Draws, SamplingParams, StopStrings
+from posttrain.rollout.base import Draws, SampledRows, SamplingParams, StopStrings
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ class EpisodeModel(Protocol):
 
 
 @dataclass
-class Episodes:
+class Episodes(SampledRows):
     """One call's episodes, N = B·n rows grouped by prompt. Tensors on the CPU; padding holds
     `pad_token_id` in `response_ids` and 0 in every mask and in `logprobs`."""
 
@@ -167,13 +167,6 @@ class Episodes:
     pad_token_id: int = 0
     meta: dict = field(default_factory=dict)
 
-    def __len__(self) -> int:
-        return len(self.prompt_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        """Model tokens over all rows (what throughput counts; environment tokens are not)."""
-        return int(self.lengths.sum())
 
 
 @dataclass

@@ -49,6 +49,7 @@ from posttrain.data.collate import left_pad, pad_id_of
 from posttrain.models import forward_logits
 from posttrain.rollout.base import (
     Completions,
+    HoldsNoDeviceMemory,
     Prompts,
     SamplingParams,
     StopStrings,
@@ -66,7 +67,7 @@ from posttrain.rollout.episodes import Episodes, MultiTurnLimits, TurnHandler, r
 _LOGPROB_CHUNK_ELEMENTS = 1 << 26
 
 
-class HFEngine:
+class HFEngine(HoldsNoDeviceMemory):
     """Sampling through `model.generate` (module docstring)."""
 
     kind = "hf"
@@ -87,12 +88,6 @@ class HFEngine:
                 "on the command line)"
             )
         self.model = model
-
-    def offload(self) -> None:
-        """Nothing to free: the engine holds no memory of its own between calls."""
-
-    def resume(self) -> None:
-        """Nothing to take back (see `offload`)."""
 
     def generate(
         self, prompts: Prompts, params: SamplingParams, on_tokens: TokenCallback | None = None

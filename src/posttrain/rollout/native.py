@@ -58,6 +58,7 @@ from posttrain.models import llama_checkpoint as ckpt
 from posttrain.rollout.base import (
     Completions,
     Draws,
+    HoldsNoDeviceMemory,
     Prompts,
     SamplingParams,
     StopStrings,
@@ -117,7 +118,7 @@ def as_builtin(model: nn.Module) -> BuiltinLM:
     return view.eval()
 
 
-class NativeEngine:
+class NativeEngine(HoldsNoDeviceMemory):
     """Batched KV-cache sampling from a BuiltinLM (module docstring)."""
 
     kind = "native"
@@ -153,12 +154,6 @@ class NativeEngine:
     def sync_weights(self, model: nn.Module) -> None:
         """Point the engine at `model` (weights are shared, so nothing is copied)."""
         self.model = as_builtin(model)
-
-    def offload(self) -> None:
-        """Nothing to free: the engine holds no memory of its own between calls."""
-
-    def resume(self) -> None:
-        """Nothing to take back (see `offload`)."""
 
     def generate(
         self, prompts: Prompts, params: SamplingParams, on_tokens: TokenCallback | None = None

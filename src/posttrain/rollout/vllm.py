@@ -17,8 +17,8 @@ Notation: B prompts, n samples per prompt, N = B·n rows. Written against vLLM 0
   `collective_rpc` pickle our worker function (TRL sets it too).
 - Memory: on a GPU the engine takes `gpu_memory_utilization` × its memory, which
   `check_memory` compares with what vLLM's `MemorySnapshot` finds free before vLLM starts;
-  on the CPU build its KV cache is `cpu_kvcache_space_gb` GiB (VLLM_CPU_KVCACHE_SPACE, set here),
-  checked against vLLM's figure of available host memory.
+  on the CPU build its KV cache is `cpu_kvcache_space_gb` GiB (vLLM's `kv_cache_memory_bytes`,
+  per engine: `kv_cache_kwargs`), checked against vLLM's figure of available host memory.
 - Colocation (TRL's colocate mode, veRL's hybrid engine): the engine is built last, after
   the policy, reference and critic are on the device, with `enable_sleep_mode` where the
   platform has it (CUDA). `offload()` puts it to sleep (level 1: weights to host memory, KV
@@ -51,7 +51,7 @@ Notation: B prompts, n samples per prompt, N = B·n rows. Written against vLLM 0
   are replayed step by step after the call (no earlier than the answer itself).
 - Temperature: vLLM rejects T > 2 and raises 0 < T < 0.01 to 0.01 (T < 1e-5 is greedy,
   whose logprobs are at T = 1, as ours), so the logprobs would not be those of
-  softmax(logits / T): `check_temperature` refuses such T (`rollout.temperature` too).
+  softmax(logits / T): `vllm_rows.check_sampling` refuses such T (`rollout.temperature` too).
 - Episodes (`generate_episodes`): `episodes.run_turn_episodes`, one `LLM.generate` per
   model turn over every running row, each a token-id prompt (prompt + trajectory so far)
   with stop = the tool-call end (kept in the output), max_tokens = the row's `turn_budget`
@@ -71,30 +71,22 @@ Notation: B prompts, n samples per prompt, N = B·n rows. Written against vLLM 0
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
 import tempfile
 import time
-import warnings
-from collections.abc import Sequence
-from typing import Any
 
-import torch
 from torch import nn
 
-from posttrain.config.rollout import check_vllm_temperature as check_temperature
 from posttrain.data.collate import pad_id_of
 from posttrain.rollout.base import (
     Completions,
     Prompts,
     SamplingParams,
     TokenCallback,
-    build_completions,
     encode_prompts,
     replay_tokens,
-    row_uniforms,
 )
 from posttrain.rollout.episodes import (
     Episodes,
@@ -111,66 +103,27 @@ from posttrain.rollout.vllm_platform import (
     check_sync_weights,
     detect_platform,
     engine_env,
+    engine_kwargs,
+    kv_cache_kwargs,
+    load_weights_on_worker,
     lora_engine_kwargs,
+    merged_adapters,
     named_weights,
     runs_in_process,
     serving_dtype,
-    set_cpu_kvcache_space,
     weight_shapes,
+)
+from posttrain.rollout.vllm_rows import (
+    check_sampling,
+    completions_from_rows,
+    model_turn,
+    request_sampling,
+    request_seed,
+    row_result,
+    sampling_kwargs,
 )
 
 log = logging.getLogger(__name__)
-
-
-def engine_kwargs(model_path: str, dtype: str, gpu_memory_utilization: float, seed: int,
-                  sleep_mode: bool = True, **extra: Any) -> dict[str, Any]:
-    """The arguments of `vllm.LLM`: sleep mode for colocation where the platform has it,
-    processed logprobs, the prefix cache that episodes' turns re-use (module docstring; vLLM's
-    default, set so that it stays on); `extra` (tensor_parallel_size, max_model_len,
-    enforce_eager, ...) on top."""
-    return {"model": model_path, "tokenizer": model_path, "dtype": dtype,
-            "gpu_memory_utilization": gpu_memory_utilization, "seed": seed,
-            "enable_sleep_mode": sleep_mode, "logprobs_mode": "processed_logprobs",
-            "enable_prefix_caching": True, **extra}
-
-
-def request_seed(seed: int | None, row: int, turn: int = 0, rows: int = 0, mode: str = "batch") -> int | None:
-    """The seed of one vLLM request. mode "batch": seed + row for a single-turn call; for turn
-    k of an episode over `rows` rows, seed + row + k·rows, so that no two requests of a call
-    share a random stream (a row's turns reusing one would draw the same noise). mode "row"
-    (`SamplingParams.seed_mode`; `row` is then the row's index in the whole batch): a 53-bit
-    hash of (seed, row, turn), which needs no row count, so a batch sampled in slices draws
-    the whole batch's streams. None = vLLM's RNG."""
-    if seed is None:
-        return None
-    if mode == "batch":
-        return seed + row + turn * rows
-    return int(row_uniforms(seed, torch.tensor([row]), turn)[0] * 2**53)
-
-
-def sampled_logprobs(token_ids: Sequence[int], step_logprobs) -> list[float]:
-    """The sampled tokens' log-probs out of a vLLM CompletionOutput's `logprobs`: one
-    {token id: Logprob} per step (the sampled token is always in it, whatever the number of
-    top log-probs asked for), in `token_ids` order."""
-    if len(step_logprobs) != len(token_ids):
-        raise ValueError(f"vLLM returned {len(step_logprobs)} log-prob steps for {len(token_ids)} tokens")
-    return [float(step[tok].logprob) for tok, step in zip(token_ids, step_logprobs)]
-
-
-def model_turn(completion) -> ModelTurn:
-    """An episode's model turn out of a vLLM CompletionOutput (token_ids, logprobs asked for,
-    finish_reason "stop" | "length", stop_reason: the stop string or token that ended it).
-    A "length" finish is vLLM's max_tokens, which is the turn's budget, or its max_model_len:
-    `cut_short` lets the turn loop treat the second as a truncation."""
-    ids = [int(t) for t in completion.token_ids]
-    if completion.logprobs is None:
-        raise ValueError("vLLM returned no log-probs: episodes ask for them (SamplingParams.logprobs=0)")
-    return ModelTurn(
-        token_ids=ids,
-        logprobs=sampled_logprobs(ids, completion.logprobs),
-        called=isinstance(completion.stop_reason, str),
-        cut_short=completion.finish_reason == "length",
-    )
 
 
 def require_vllm():
@@ -180,30 +133,6 @@ def require_vllm():
     except ImportError as err:
         raise ImportError(f"the vllm rollout engine needs vLLM: {INSTALL_HINT}") from err
     return vllm
-
-
-def _load_weights_on_worker(worker, weights: list[tuple[str, torch.Tensor]], reload: bool) -> None:
-    """Runs inside each vLLM worker (collective_rpc passes the worker first): vLLM's in-place
-    `reload_weights` (re-runs each layer's processing: the CPU build's repacking), or the
-    model's `load_weights` (CUDA, unquantized: the weights are used as loaded)."""
-    if reload:
-        worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
-    else:
-        worker.model_runner.model.load_weights(weights=weights)
-
-
-@contextlib.contextmanager
-def merged_adapters(model: nn.Module):
-    """A peft model's LoRA update folded into its base weights for the duration (W + α/r·BA),
-    unmerged after; any other model as it is."""
-    if not hasattr(model, "merge_adapter"):
-        yield
-        return
-    model.merge_adapter()
-    try:
-        yield
-    finally:
-        model.unmerge_adapter()
 
 
 class VLLMEngine:
@@ -266,11 +195,10 @@ class VLLMEngine:
             model_path = self._tmp.name
             model.save_pretrained(model_path)
             tokenizer.save_pretrained(model_path)
-        if dtype == "auto":
-            dtype = serving_dtype(next(model.parameters()).dtype, self.platform.bf16)
-        self.dtype = dtype
-        if self.platform.cpu:
-            set_cpu_kvcache_space(os.environ, cpu_kvcache_space_gb, log)
+        self.dtype = dtype = serving_dtype(dtype, next(model.parameters()).dtype, self.platform)
+        if self.platform.cpu:  # on a GPU, gpu_memory_utilization sizes the KV cache
+            llm_kwargs = {**kv_cache_kwargs(cpu_kvcache_space_gb, self.platform, os.environ,
+                                            "rollout.vllm.cpu_kvcache_space_gb"), **llm_kwargs}
         check_memory(self.platform, gpu_memory_utilization, cpu_kvcache_space_gb)
         if not self.platform.sleep_mode:
             log.info("vllm engine on %s: no sleep mode there; the engine keeps its weights and KV cache "
@@ -310,7 +238,7 @@ class VLLMEngine:
             if not self.in_process:  # crossing a process boundary: send host copies
                 weights = [(k, v.detach().cpu()) for k, v in weights]
             try:
-                self.llm.collective_rpc(_load_weights_on_worker, args=(weights, self.platform.reloads_weights))
+                self.llm.collective_rpc(load_weights_on_worker, args=(weights, self.platform.reloads_weights))
             except Exception as err:
                 self.broken = f"{type(err).__name__}: {err}"
                 raise RuntimeError(
@@ -358,31 +286,11 @@ class VLLMEngine:
         start = time.perf_counter()
         outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self._lora)
         seconds = time.perf_counter() - start
-        width = max(len(o.outputs[0].token_ids) for o in outputs)
-        response_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-        logprobs = torch.zeros((len(rows), width), dtype=torch.float32)
-        lengths = torch.zeros(len(rows), dtype=torch.long)
-        stopped = torch.zeros(len(rows), dtype=torch.bool)
-        for r, out in enumerate(outputs):
-            sample = out.outputs[0]
-            ids = list(sample.token_ids)
-            response_ids[r, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            lengths[r], stopped[r] = len(ids), sample.finish_reason == "stop"
-            if params.logprobs and sample.logprobs is not None:
-                logprobs[r, : len(ids)] = torch.tensor(sampled_logprobs(ids, sample.logprobs))
+        out = completions_from_rows([row_result(o.outputs[0]) for o in outputs], rows, params, self.tokenizer,
+                                    pad_id, meta={"engine": "vllm", "seconds": seconds})
         if on_tokens is not None:
-            replay_tokens(on_tokens, response_ids, lengths)
-        return build_completions(
-            prompt_ids=rows,
-            response_ids=response_ids,
-            lengths=lengths,
-            stopped=stopped,
-            logprobs=logprobs,
-            params=params,
-            tokenizer=self.tokenizer,
-            pad_id=pad_id,
-            meta={"engine": "vllm", "seconds": seconds},
-        )
+            replay_tokens(on_tokens, out.response_ids, out.lengths)
+        return out
 
     def generate_episodes(
         self, prompts: Prompts, params: SamplingParams, limits: MultiTurnLimits, handler: TurnHandler
@@ -405,27 +313,16 @@ class VLLMEngine:
             ]
             outputs = self.llm.generate([{"prompt_token_ids": q.ids} for q in requests], sampling, use_tqdm=False,
                                         lora_request=self._lora)
-            return [model_turn(o.outputs[0]) for o in outputs]
+            return [model_turn(row_result(o.outputs[0])) for o in outputs]
 
         out = run_turn_episodes(sample, prompt_ids, params, limits, handler, self.tokenizer, pad_id)
         out.meta["engine"] = "vllm"
         return out
 
     def _check(self, params: SamplingParams) -> None:
-        """Refuse temperatures vLLM would change (and a broken engine), warn about filtered
-        log-probs, wake up."""
+        """`check_sampling`, and refuse a broken engine; wake up."""
         self._check_usable()
-        problem = check_temperature(params.temperature)
-        if problem:
-            raise ValueError(problem)
-        filtered = params.top_k > 0 or params.top_p < 1 or params.min_p > 0
-        if params.logprobs and filtered and not params.greedy:
-            warnings.warn(
-                "vllm engine: with top_k/top_p/min_p on, vLLM's logprobs are renormalised over "
-                "the kept tokens and differ from log softmax(logits / T); recompute old_logp "
-                "with the actor's forward.",
-                stacklevel=3,
-            )
+        check_sampling(params)
         self.resume()
 
     @staticmethod
@@ -436,17 +333,5 @@ class VLLMEngine:
     def _sampling_params(self, params: SamplingParams, stop_ids: list[int], seed: int | None,
                          max_tokens: int | None = None):
         """vLLM's SamplingParams of one request; `max_tokens` defaults to params.max_new_tokens."""
-        return self._vllm.SamplingParams(
-            n=1,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            min_p=params.min_p,
-            max_tokens=params.max_new_tokens if max_tokens is None else max_tokens,
-            stop=list(params.stop) or None,
-            stop_token_ids=stop_ids,
-            ignore_eos=True,
-            include_stop_str_in_output=params.include_stop_str_in_output,
-            seed=seed,
-            logprobs=0 if params.logprobs else None,
-        )
+        budget = params.max_new_tokens if max_tokens is None else max_tokens
+        return self._vllm.SamplingParams(**sampling_kwargs(request_sampling(params, stop_ids), budget, seed))

