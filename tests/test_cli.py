@@ -73,7 +73,7 @@ def test_a_run_that_stops_itself_is_one_line_and_exit_1(tmp_path, capsys):
                  "trainer.micro_batch_size=4"])
     err = capsys.readouterr().err
     assert code == 1
-    assert "posttrain sft: stopped: loss or gradient norm was NaN/inf for 2 consecutive steps" in err
+    assert "posttrain sft: stopped: the loss or gradient norm was NaN/inf for 2 consecutive steps" in err
     assert "Traceback" not in err
 
 

@@ -136,9 +136,13 @@ class RLWorker:
                                                   and not cfg.critic.share_backbone):
             policy, value_model = own_models(cfg, tokenizer, policy, value_model, critic="critic" in roles)
             policy = policy if needs_policy else None
+        self.in_process = collective is None  # the driver's own process (trainer.backend=local)
+        if self.in_process and policy is not None and "rollout" in roles and "actor" not in roles:
+            # a rollout pool of its own samples from its own copy, as a Ray worker does: loading the
+            # actor's weights into it must not write into the module the actor is training
+            policy = copy.deepcopy(policy)
         self.cfg = cfg
         self.rank, self.world_size, self.policy = rank, world_size, policy
-        self.in_process = collective is None  # the driver's own process (trainer.backend=local)
         self.tokenizer, self.env_factory = tokenizer, env_factory
         self.limits = MultiTurnLimits.from_config(cfg.rollout.multi_turn)
         self.ref = self.actor = self.critic = self.rollout = None

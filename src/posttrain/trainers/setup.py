@@ -60,11 +60,10 @@ def prepare_run(
     eval_source = eval_dataset if eval_dataset is not None else (args.data.eval_files or None)
     task = getattr(getattr(args, "eval", None), "task", None)
     check(eval_source is not None or task is None, "eval.task", "needs held-out data: set data.eval_files")
-    strategy = getattr(args.trainer, "strategy", None)  # sft, rm and dpo have one
-    if strategy is not None:
-        init_from_env(strategy)  # under torchrun, before any model is built
-    else:  # RL: its data parallelism is Ray's
+    if hasattr(args, "rollout"):  # RL: its data parallelism is Ray's (trainer.strategy shards inside its workers)
         refuse_launch_of_several(getattr(args, "command", "rl"), RL_SCALE_OUT)
+    else:  # sft, rm and dpo: torchrun's process group, before any model is built
+        init_from_env(args.trainer.strategy)
     if current() is None or current().is_main:  # another run in the folder: refused before loading
         run_lock.check_free(args.trainer.output_dir)
     set_seed(args.trainer.seed)
