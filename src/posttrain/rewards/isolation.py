@@ -54,6 +54,14 @@ class WorkerDied(Exception):
     remote_frames: tuple = ()  # `user_code.raised`: no line of the user's code to point at
 
 
+class WorkerTimedOut(TimeoutError):
+    """The call did not finish within `timeout_s`; the worker process was killed. The runner
+    counts it as the timeout it is (no per-sample retry), whichever of its own deadline and
+    this one fires first."""
+
+    remote_frames: tuple = ()
+
+
 class _Worker:
     """One worker process and its two pipe ends."""
 
@@ -67,14 +75,12 @@ class _Worker:
         self.calls.send_bytes(pickle.dumps(list(sys.path)))
 
     def call(self, message: bytes, timeout_s: float) -> tuple:
-        """The worker's answer to `message` (`_worker_main`); raises WorkerDied or TimeoutError."""
+        """The worker's answer to `message` (`_worker_main`); raises WorkerDied or WorkerTimedOut."""
         try:
             self.calls.send_bytes(message)
             ready = self.answers.poll(timeout_s)
             if not ready:
-                late = TimeoutError(f"not finished within {timeout_s} s; its worker process was killed")
-                late.remote_frames = ()  # no line of the user's code to point at
-                raise late
+                raise WorkerTimedOut(f"not finished within {timeout_s} s; its worker process was killed")
             return pickle.loads(self.answers.recv_bytes())
         except (EOFError, BrokenPipeError, ConnectionResetError):
             raise WorkerDied(f"the reward worker process died ({_ending(self.proc.wait())})") from None

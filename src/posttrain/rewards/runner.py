@@ -88,7 +88,7 @@ from typing import Any
 import torch
 
 from posttrain.rewards.base import RUN_KWARGS, map_in_daemon_threads
-from posttrain.rewards.isolation import WorkerPool, in_worker
+from posttrain.rewards.isolation import WorkerPool, WorkerTimedOut, in_worker
 from posttrain.user_code import raised
 
 logger = logging.getLogger(__name__)
@@ -299,8 +299,9 @@ class RewardRunner:
         counts: dict[str, tuple[int, int]] = {}  # name -> (errors, NaNs)
         retry: list[tuple[str, RewardFn]] = []
         for (name, fn), call in zip(self.functions, calls):
-            if not call.done.is_set():
-                self._hung.append(call.thread)
+            if not call.done.is_set() or isinstance(call.error, WorkerTimedOut):  # the worker's deadline may fire first
+                if not call.done.is_set():
+                    self._hung.append(call.thread)
                 left = ("its worker process is killed" if fn is not self._original[name]
                         else "the call is abandoned in a daemon thread")
                 self._fail(name, f"timed out after {self.timeout_s} s on a batch of {n}; {left}", None)
