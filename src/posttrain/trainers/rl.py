@@ -117,7 +117,6 @@ from posttrain.trainers.batches import EpochBatches
 from posttrain.trainers.callbacks import Callbacks
 from posttrain.trainers.loop import SAMPLES_PER_EVAL, FitResult, RefSync, StepOutput, run
 from posttrain.trainers.rl_async import AsyncRollouts, Lane, collect_async, lane_metrics
-from posttrain.trainers.rl_partial import PartialRollout
 from posttrain.trainers.rl_build import (
     check_reward_source,
     episode_source,
@@ -125,6 +124,7 @@ from posttrain.trainers.rl_build import (
     load_final_models,
 )
 from posttrain.trainers.rl_faults import run_restarting
+from posttrain.trainers.rl_partial import PartialRollout
 from posttrain.trainers.rl_roles import build_roles
 from posttrain.trainers.rl_samples import train_samples
 from posttrain.trainers.rl_steps import (
@@ -356,14 +356,7 @@ class RLTrainer:
         log.info("async RL: max_staleness=%d (%s, stale_policy=%s); the rollout %s", a.max_staleness, a.mode,
                  a.stale_policy, "overlaps the update (a pool of its own)" if r.own_rollout_pool else
                  "runs in turn with the update (no pool of its own: the same schedule, no overlap)")
-        partial_rollout = None
-        if a.partial_rollout:
-            check(r.rollout.env_factory is None, "trainer.async_training.partial_rollout",
-                  "partial rollouts resume single-turn responses; the environment_factory / tools passed to the "
-                  "trainer play multi-turn episodes, which are not split into segments: set it false")
-            partial_rollout = PartialRollout(r.rollout.generate, r.rollout.params, a.partial_rollout_tokens,
-                                             lambda step: step_seed(cfg.trainer.seed, step, 0), self.tokenizer,
-                                             self.pad_id)
+        partial_rollout = PartialRollout.of(cfg, r.rollout, self.tokenizer, self.pad_id) if a.partial_rollout else None
         return AsyncRollouts(a.max_staleness, a.stale_policy, cfg.rollout.n, Lane(threaded=r.own_rollout_pool),
                              self.next_prompts, generate, sync, partial_rollout)
 
