@@ -126,6 +126,40 @@ def test_a_segmented_generation_without_a_weight_change_is_the_unsegmented_one(t
     assert out.versions.unique().tolist() == [0]
 
 
+def test_batch_mode_segments_are_samples_of_the_policy(tmp_path):
+    """seed_mode=batch: each segment draws from a stream of its own (not the unsegmented call's
+    tokens), and each token's recorded log-prob is the policy's."""
+    trainer = trainer_for(small(tmp_path, **PARTIAL, **{"rollout.seed_mode": "batch"}), model=tiny_model().double())
+    segments = trainer.pipeline.partial
+    part = segments.start(trainer.prompts_of([0, 1, 2, 3]).replace(uid=torch.arange(4)), 1, version=0)
+    while not part.finished:
+        part = segments.resume(part, version=0)
+    out = segments.complete(part)
+    assert int(out.lengths.max()) > 2
+    weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    diff = (teacher_forced(weights, out) - out.rollout_logp.double()).abs()
+    assert float(diff[out.generated_mask.bool()].max()) < FLOAT32_LOGP
+
+
+def test_drop_counts_the_oldest_token_of_a_partial_sample_and_refills_with_current_weights(tmp_path):
+    """A batch started at version 0 and finished at version 2 is 2 updates old at its oldest token:
+    over K = 1, every group is dropped; the fresh ones are generated after the syncs, all version 2."""
+    trainer = trainer_for(small(tmp_path, **PARTIAL, **{"trainer.async_training.stale_policy": "drop"}),
+                          model=tiny_model().double())
+    pipe = trainer.pipeline
+    pipe.fill(1)  # steps 1 and 2: their first segments, version 0
+    pipe.updated()
+    pipe.updated()  # two syncs (of unchanged weights): the engine holds version 2
+    batch = pipe.take(1)  # its other segments now, version 2
+    gen = batch.generated_mask.bool()
+    assert batch.versions[gen].unique().tolist() == [0, 2]
+    drawn = set(batch.prompt_index.tolist()) | set(pipe.jobs[0].prompts.prompt_index.tolist())
+    batch, dropped = pipe.enforce_bound(batch, 1)
+    assert dropped == 4 and len(batch) == 16 and not set(batch.prompt_index.tolist()) & drawn  # 4 fresh prompts
+    assert batch.versions[batch.generated_mask.bool()].unique().tolist() == [2]
+    assert bool(((batch.lengths == 6) | ~batch.truncated).all())  # finished rows only
+
+
 def test_row_mode_draws_follow_a_resumed_call_s_rows_and_positions():
     params = SamplingParams(seed_mode="row", first_row=1, row_index=(3, 5, 8), first_position=4)
     assert params.draw_rows(torch.tensor([0, 1])).tolist() == [5, 8]

@@ -208,8 +208,12 @@ class AsyncRollouts:
         if not dropped:
             return batch, 0
         kept = batch.select((~stale).repeat_interleave(self.n))
-        fresh = self.generate(self.draw(dropped), step)
-        fresh = fresh.replace(versions=torch.full_like(fresh.response_ids, self.version))
+        if self.partial is None:
+            fresh = self.generate(self.draw(dropped), step)
+            fresh = fresh.replace(versions=torch.full_like(fresh.response_ids, self.version))
+        else:  # on the lane, after the syncs waiting: each token's version is the weights' it had
+            prompts = self.draw(dropped)
+            fresh = self.partial.complete(self.lane.submit(lambda: self._finish(self._segments(prompts, step))).result())
         log.info("step %d: %d prompt groups over trainer.async_training.max_staleness=%d dropped and refilled",
                  step, dropped, self.k)
         return RLBatch.concat([kept, fresh]), dropped

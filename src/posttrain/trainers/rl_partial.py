@@ -93,7 +93,9 @@ class PartialRollout:
         held = int(batch.lengths[rows[0]])
         assert bool((batch.lengths[rows] == held).all()), "unfinished rows hold different token counts"
         params = dataclasses.replace(self.params, n=1, max_new_tokens=min(self.tokens, self.params.max_new_tokens - held),
-                                     first_position=held, row_index=tuple(rows.tolist()))
+                                     first_position=held)
+        if params.seed_mode == "row":  # the rows' own draws (batch mode: a fresh stream, `stream_seed`)
+            params = dataclasses.replace(params, row_index=tuple(rows.tolist()))
         out = self.generate(self._continued(batch, rows, held), self.seed_of(part.step), params)
         merged = write_segment(batch, rows, held, out, version, self.pad_id)
         done = part.done.clone()
