@@ -22,7 +22,7 @@ from posttrain.trainers.rl_async import stale_groups, staleness_metrics
 from posttrain.workers.forward import response_logits
 
 from .test_rl import metric_lines, tiny_model, trainer_for
-from .test_rl_async import prompt_log, small
+from .test_rl_async import max_diff, prompt_log, run, small
 
 PARTIAL = {"trainer.async_training.max_staleness": 1, "trainer.async_training.partial_rollout": "true",
            "trainer.async_training.partial_rollout_tokens": 2, "rollout.max_new_tokens": 6}
@@ -182,6 +182,17 @@ def test_on_a_pool_of_its_own_the_sync_goes_ahead_of_the_remaining_segments(tmp_
         gen = batch.generated_mask.bool()
         v = torch.where(gen, batch.versions, torch.full_like(batch.versions, 10**6))
         assert bool((v[:, 1:] >= v[:, :-1]).all())
+
+
+def test_one_segment_is_the_pipeline_without_partial_rollouts(tmp_path):
+    """partial_rollout_tokens >= rollout.max_new_tokens: one segment per batch, generated when it
+    is submitted, as without partial rollouts: the same weights and metrics."""
+    plain = run(small(tmp_path / "plain", **{**PARTIAL, "trainer.async_training.partial_rollout": "false"}))
+    one = run(small(tmp_path / "one", **{**PARTIAL, "trainer.async_training.partial_rollout_tokens": 6}))
+    assert max_diff(plain.model, one.model) == 0.0
+    for a, b in zip(metric_lines(tmp_path / "plain"), metric_lines(tmp_path / "one"), strict=True):
+        assert {k: v for k, v in a.items() if not k.startswith(("timing/", "throughput/", "perf/")) and not k.endswith("time_s")} == \
+               {k: v for k, v in b.items() if not k.startswith(("timing/", "throughput/", "perf/")) and not k.endswith("time_s")}
 
 
 def test_partial_rollout_options_are_checked(tmp_path):

@@ -95,8 +95,9 @@ class InFlight:
     prompts: RLBatch
     """Its prompts, with `uid` and `prompt_index`."""
     version: int
-    """Updates behind the weights that generate it."""
+    """Updates behind the weights that generate it (partial rollouts: that start it)."""
     future: Future
+    """Its RLBatch; partial rollouts: its `rl_partial.Segments` (in turn: the first segment only)."""
 
 
 def overlap(busy: list[tuple[float, float]], start: float, end: float, other: tuple[float, float]) -> float:
@@ -187,7 +188,8 @@ class AsyncRollouts:
             nxt += 1
 
     def take(self, step: int) -> RLBatch:
-        """Step `step`'s batch (waiting for it), each token's version in `versions`."""
+        """Step `step`'s batch (waiting for it; partial rollouts in turn: generating the rest of
+        it), each token's version in `versions`."""
         job = self.jobs.popleft()
         assert job.step == step, f"the pipeline holds step {job.step}'s batch at step {step}"
         batch = job.future.result()
@@ -220,13 +222,15 @@ class AsyncRollouts:
 
     def updated(self) -> None:
         """After the step's update: one version more, and the weight sync queued behind the
-        generations in flight."""
+        generations in flight (partial rollouts: ahead of their remaining segments; a newer sync
+        replaces one still waiting)."""
         self.version += 1
         if self.partial is None:
             self.lane.submit(self.sync())
             return
+        sync = self.sync()  # outside the lock: on Ray it asks the actor for its weights
         with self.lane.lock:  # partial rollouts: a generation in flight applies it at its next boundary
-            self.pending = (self.sync(), self.version)
+            self.pending = (sync, self.version)
         self.lane.submit(self._apply_pending)
 
     # ------------------------------------------------------------------ checkpoints
