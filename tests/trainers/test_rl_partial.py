@@ -8,6 +8,7 @@ log-prob equals a float64 teacher-forced one to float32 rounding (2e-6 at these 
 """
 
 import dataclasses
+import threading
 from functools import partial
 
 import pytest
@@ -167,7 +168,7 @@ def test_row_mode_draws_follow_a_resumed_call_s_rows_and_positions():
         SamplingParams(row_index=(0,))
 
 
-def test_on_a_pool_of_its_own_the_sync_goes_ahead_of_the_remaining_segments(tmp_path, monkeypatch):
+def test_a_run_on_a_pool_of_its_own_records_each_token_s_version(tmp_path, monkeypatch):
     """The rollout's thread runs every segment of a batch, applying the newest sync waiting before
     each: where it lands depends on timing, but every token's log-prob is its recorded version's,
     and no token is older than the batch's submission."""
@@ -187,12 +188,50 @@ def test_on_a_pool_of_its_own_the_sync_goes_ahead_of_the_remaining_segments(tmp_
 def test_one_segment_is_the_pipeline_without_partial_rollouts(tmp_path):
     """partial_rollout_tokens >= rollout.max_new_tokens: one segment per batch, generated when it
     is submitted, as without partial rollouts: the same weights and metrics."""
-    plain = run(small(tmp_path / "plain", **{**PARTIAL, "trainer.async_training.partial_rollout": "false"}))
-    one = run(small(tmp_path / "one", **{**PARTIAL, "trainer.async_training.partial_rollout_tokens": 6}))
+    two_steps = {**PARTIAL, "trainer.max_steps": 2}
+    plain = run(small(tmp_path / "plain", **{**two_steps, "trainer.async_training.partial_rollout": "false"}))
+    one = run(small(tmp_path / "one", **{**two_steps, "trainer.async_training.partial_rollout_tokens": 6}))
     assert max_diff(plain.model, one.model) == 0.0
     for a, b in zip(metric_lines(tmp_path / "plain"), metric_lines(tmp_path / "one"), strict=True):
         assert {k: v for k, v in a.items() if not k.startswith(("timing/", "throughput/", "perf/")) and not k.endswith("time_s")} == \
                {k: v for k, v in b.items() if not k.startswith(("timing/", "throughput/", "perf/")) and not k.endswith("time_s")}
+
+
+def test_on_a_pool_of_its_own_an_update_during_a_segment_reaches_the_next_one(tmp_path, monkeypatch):
+    """Deterministic: the rollout's thread is held after step 1's first segment while the driver
+    changes the actor's weights and calls `updated`; the sync goes ahead of the remaining
+    segments of that batch and of the whole batch queued behind it."""
+    monkeypatch.setattr(rl_module, "build_roles", partial(rl_module.build_roles, make_group=LocalWorkerGroup))
+    trainer = trainer_for(small(tmp_path, **PARTIAL, **{"trainer.backend": "ray",
+                                                        "placement.rollout.enable_resource_pool": "true"}),
+                          model=tiny_model().double())
+    pipe, real = trainer.pipeline, trainer.pipeline.partial.generate
+    first_done, updated = threading.Event(), threading.Event()
+
+    def held_after_the_first_segment(prompts, seed, params):
+        out = real(prompts, seed, params)
+        if not first_done.is_set():
+            first_done.set()
+            assert updated.wait(60)
+        return out
+
+    pipe.partial.generate = held_after_the_first_segment
+    versions = Versions()
+    versions.weights[0] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    pipe.fill(1)  # steps 1 and 2 on the rollout's thread
+    assert first_done.wait(60)
+    with torch.no_grad():  # an update of the actor's weights (the rollout's copy is untouched)
+        for p in trainer.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    versions.weights[1] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    pipe.updated()
+    updated.set()
+    one, two = pipe.take(1), pipe.take(2)
+    gen = one.generated_mask.bool()
+    assert (one.versions[:, :2][gen[:, :2]] == 0).all() and (one.versions[:, 2:][gen[:, 2:]] == 1).all()
+    assert check_each_token_s_version(versions, one) == [0, 1]
+    assert check_each_token_s_version(versions, two) == [1]
+    pipe.lane.close()
 
 
 def test_partial_rollout_options_are_checked(tmp_path):
