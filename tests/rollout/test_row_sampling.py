@@ -91,12 +91,13 @@ def test_native_and_hf_sample_the_same_rows_and_chunks_change_nothing(model, hf_
     assert_same_rows(rows_of([chunked.generate(PROMPTS, ROW)]), native)
 
 
-@pytest.mark.parametrize("engine", ["native", "hf"])
+@pytest.mark.parametrize("engine", ["native", "native in chunks", "hf"])
 def test_a_generation_resumed_in_segments_is_the_unsegmented_one(engine, model, hf_model, tok):
     """Partial rollouts (`trainers.rl_partial`): segments of 3 tokens, each generated in two
     slices as Ray's split rollout does (resumed rows numbered by `row_index`, drawn at their
     positions `first_position` on), sample the tokens and log-probs of one 8-token call."""
-    e = make_engine("native", model, tok) if engine == "native" else make_engine("hf", hf_model, tok)
+    e = {"native": lambda: make_engine("native", model, tok), "hf": lambda: make_engine("hf", hf_model, tok),
+         "native in chunks": lambda: make_engine("native", model, tok, max_batch_size=3)}[engine]()
     params = dataclasses.replace(ROW, stop_token_ids=tuple(range(2, 40)))  # some rows stop early
     rollout = Rollout(e, params)
     rows = [{"ids": tok(p)["input_ids"], "prompt": p, "columns": {}} for p in PROMPTS]
