@@ -19,6 +19,7 @@ from posttrain.algos.logprobs import token_logprobs
 from posttrain.config import ConfigError
 from posttrain.distributed.groups import LocalWorkerGroup
 from posttrain.rollout import SamplingParams
+from posttrain.rollout.base import stream_seed
 from posttrain.trainers.rl_async import stale_groups, staleness_metrics
 from posttrain.workers.forward import response_logits
 
@@ -166,6 +167,8 @@ def test_row_mode_draws_follow_a_resumed_call_s_rows_and_positions():
     assert params.draw_rows(torch.tensor([0, 1])).tolist() == [5, 8]
     with pytest.raises(ValueError, match="row_index"):
         SamplingParams(row_index=(0,))
+    # batch mode: the first segment's stream is the unsegmented call's, each later one its own
+    assert stream_seed(5, 0) == 5 and len({stream_seed(5, g) for g in (0, 2, 4, 6)}) == 4
 
 
 def test_a_run_on_a_pool_of_its_own_records_each_token_s_version(tmp_path, monkeypatch):

@@ -267,8 +267,7 @@ def stream_seed(seed: int, first_position: int) -> int:
     of a resumed generation draw fresh noise."""
     if first_position == 0:
         return seed
-    h = _fmix32(_fmix32(seed % 2**64 & _M32) ^ (seed % 2**64 >> 32))
-    return int(_fmix32(h ^ (first_position & _M32))) << 31 | (seed & (2**31 - 1))
+    return (_fmix32(_fmix32(seed & _M32) ^ (first_position & _M32)) << 31) | (seed & (2**31 - 1))
 
 
 # ---------------------------------------------------------------- sampling
@@ -382,10 +381,10 @@ class Draws:
 
     batch: one torch.Generator seeded with the call's seed on `device`; every step draws
     Exp(1) noise for all `width` rows of the group being decoded (so a row's draw does not
-    depend on which rows are still running), each row reading its own. row: one uniform per
-    row and step from `row_uniforms(seed, params.draw_rows(first + row), params.first_position +
-    step)`, nothing
-    drawn for finished rows. Greedy draws nothing."""
+    depend on which rows are still running), each row reading its own; a resumed call's
+    generator is seeded with `stream_seed(seed, first_position)`. row: one uniform per row and
+    step, `row_uniforms(seed, params.draw_rows(first + row), params.first_position + step)`,
+    nothing drawn for finished rows. Greedy draws nothing."""
 
     def __init__(self, params: SamplingParams, device: torch.device | str = "cpu"):
         self.params, self.seed = params, resolve_seed(params.seed)
