@@ -13,6 +13,7 @@ from posttrain.rollout import SamplingParams, make_engine
 from posttrain.rollout.base import inverse_cdf, row_uniforms, sample_next
 from posttrain.rollout.episodes import MultiTurnLimits
 from posttrain.rollout.vllm_rows import request_seed
+from posttrain.trainers.rl_partial import PartialRollout
 from posttrain.workers import RLBatch, Rollout
 
 from .conftest import PROMPTS
@@ -88,6 +89,37 @@ def test_native_and_hf_sample_the_same_rows_and_chunks_change_nothing(model, hf_
     assert_same_rows(rows_of([make_engine("hf", hf_model, tok).generate(PROMPTS, ROW)]), native, atol=1e-4)
     chunked = make_engine("native", model, tok, max_batch_size=2, compact_fraction=None)
     assert_same_rows(rows_of([chunked.generate(PROMPTS, ROW)]), native)
+
+
+@pytest.mark.parametrize("engine", ["native", "native in chunks", "hf"])
+def test_a_generation_resumed_in_segments_is_the_unsegmented_one(engine, model, hf_model, tok):
+    """Partial rollouts (`trainers.rl_partial`): segments of 3 tokens, each generated in two
+    slices as Ray's split rollout does (resumed rows numbered by `row_index`, drawn at their
+    positions `first_position` on), sample the tokens and log-probs of one 8-token call."""
+    e = {"native": lambda: make_engine("native", model, tok), "hf": lambda: make_engine("hf", hf_model, tok),
+         "native in chunks": lambda: make_engine("native", model, tok, max_batch_size=3)}[engine]()
+    params = dataclasses.replace(ROW, stop_token_ids=tuple(range(2, 40)))  # some rows stop early
+    rollout = Rollout(e, params)
+    rows = [{"ids": tok(p)["input_ids"], "prompt": p, "columns": {}} for p in PROMPTS]
+    prompts = RLBatch.from_prompts(rows, 0).replace(uid=torch.arange(4))
+
+    def split(batch, seed, params):
+        half = len(batch) // 2
+        return RLBatch.concat([rollout.generate(batch.select(torch.arange(a, b)), seed, params, first=a)
+                               for a, b in ((0, half), (half, len(batch)))])
+
+    segments = PartialRollout(split, params, 3, lambda step: 5, tok, 0)
+    part = segments.start(prompts, 1, version=0)
+    while not part.finished:
+        part = segments.resume(part, version=1)
+    out, whole = segments.complete(part), rollout.generate(prompts, 5)
+    assert bool((whole.lengths < 8).any()) and bool((whole.lengths > 3).any())
+    assert torch.equal(out.response_ids, whole.response_ids) and torch.equal(out.lengths, whole.lengths)
+    assert torch.equal(out.truncated, whole.truncated) and out.completions == whole.completions
+    torch.testing.assert_close(out.rollout_logp, whole.rollout_logp, atol=1e-5, rtol=0)
+    gen = whole.response_mask.bool()
+    assert out.versions[:, :3][gen[:, :3]].unique().tolist() == [0]
+    assert out.versions[:, 3:][gen[:, 3:]].unique().tolist() == [1]
 
 
 def trajectories(outs):

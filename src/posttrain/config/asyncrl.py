@@ -38,8 +38,7 @@ class AsyncConfig:
     `fully_async`: the rollout keeps up to max_staleness batches in flight, each started with
     the newest weights synced (SkyRL's admission control); with max_staleness=1 this is the
     one-step-off schedule. veRL's fully async also syncs every trigger_parameter_sync_step
-    updates and continues unfinished rollouts under new weights (partial rollouts): neither is
-    here."""
+    updates: not here (partial_rollout is)."""
     stale_policy: Literal["wait", "drop"] = field(default="wait", metadata=aliases(
         verl("trainer.v1.sampler.max_off_policy_strategy")))
     """What happens to a prompt group over the bound at the step that would train on it
@@ -49,12 +48,32 @@ class AsyncConfig:
     batch within the bound, so on an uninterrupted run `drop` finds nothing to drop; it guards
     the groups of a batch whose weights lag behind the schedule."""
 
+    partial_rollout: bool = field(default=False, metadata=aliases(verl("async_training.partial_rollout")))
+    """Partial rollouts (veRL's fully async, AReaL): the rollout generates a batch in segments of
+    partial_rollout_tokens new tokens, and a weight sync reaches it at the next segment boundary:
+    the unfinished responses keep their tokens, behaviour log-probs and each token's version, and
+    go on under the new weights (one response can hold tokens of several versions; the bound and
+    async/staleness/* count a response's oldest token). On a rollout pool of its own the sync
+    lands at the first boundary after the update ends; in turn, at a fixed point: every batch's
+    first segment is generated when it is submitted, the rest when its step takes it. Needs
+    max_staleness >= 1 and the native or hf engine (vllm cannot resume a row's random stream),
+    single-turn responses and no rollout.stop strings (a string split over two segments would be
+    missed: use rollout.stop_token_ids). Each segment prefills prompt + tokens so far again."""
+    partial_rollout_tokens: int = 64
+    """With partial_rollout: the new tokens per row of one segment (the granularity at which a
+    weight sync reaches a generation). rollout.max_new_tokens in segments of this many."""
+
     def validate(self) -> None:
         k = self.max_staleness
         check(k >= 0, "trainer.async_training.max_staleness", f"must be >= 0, got {k}")
         check(self.mode != "one_step_off" or k == 1, "trainer.async_training.mode",
               f"one_step_off overlaps the next step's generation with this step's update: it needs "
               f"trainer.async_training.max_staleness=1, got {k} (or mode=fully_async for K={k})")
+        check(self.partial_rollout_tokens >= 1, "trainer.async_training.partial_rollout_tokens",
+              f"must be >= 1, got {self.partial_rollout_tokens}")
+        check(not self.partial_rollout or k >= 1, "trainer.async_training.partial_rollout",
+              "partial rollouts let a weight update reach a generation in flight, and the synchronous loop "
+              "(max_staleness=0) has none: set trainer.async_training.max_staleness >= 1")
 
     @property
     def enabled(self) -> bool:

@@ -85,6 +85,15 @@ class SamplingParams:
     first_row: int = 0
     """seed_mode "row": the index, in the whole batch, of this call's first output row (a slice
     of rows [k, k + N) passes k). Must be 0 with seed_mode "batch"."""
+    row_index: tuple[int, ...] | None = None
+    """seed_mode "row": each output row's index in the whole batch, when the rows are not
+    consecutive (a generation resumed for its unfinished rows only); the call's rows are then
+    row_index[first_row + i]. None: first_row + i."""
+    first_position: int = 0
+    """The index of each row's first generated token in its response: a generation resumed
+    after that many tokens (`trainers.rl_partial`). Row mode draws token t with position
+    first_position + t, as the unsegmented call would; batch mode seeds its stream with
+    (seed, first_position), so a segment does not reuse the draws of the first."""
 
     def __post_init__(self) -> None:
         # Accept lists from configs and callers; store tuples so params stay hashable.
@@ -100,10 +109,14 @@ class SamplingParams:
             "max_new_tokens": self.max_new_tokens >= 1,
             "seed_mode": self.seed_mode in SEED_MODES,
             "first_row": self.first_row >= 0 and (self.seed_mode == "row" or self.first_row == 0),
+            "row_index": self.row_index is None or self.seed_mode == "row",
+            "first_position": self.first_position >= 0,
         }
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is out of range")
+        if self.row_index is not None:
+            object.__setattr__(self, "row_index", tuple(int(r) for r in self.row_index))
         if any(not s for s in self.stop):
             raise ValueError("SamplingParams.stop must not contain an empty string")
 
@@ -125,6 +138,13 @@ class SamplingParams:
     def logprob_temperature(self) -> float:
         """The temperature of the distribution whose logprobs are returned (1 when greedy)."""
         return self.temperature if self.temperature > 0 else 1.0
+
+    def draw_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """(R,) long: the whole batch's row index of the call's output rows `rows` (row mode)."""
+        idx = rows.long() + self.first_row
+        if self.row_index is None:
+            return idx
+        return torch.tensor(self.row_index, dtype=torch.long, device=idx.device)[idx]
 
     def resolved_stop_token_ids(self, tokenizer) -> tuple[int, ...]:
         if self.stop_token_ids is not None:
@@ -241,6 +261,15 @@ def resolve_seed(seed: int | None) -> int:
     return int(torch.randint(0, 2**62, (1,)).item())
 
 
+def stream_seed(seed: int, first_position: int) -> int:
+    """The seed of a batch-mode random stream (a torch.Generator) that starts at token
+    `first_position` of the responses: `seed` itself at 0, else a hash of both, so the segments
+    of a resumed generation draw fresh noise."""
+    if first_position == 0:
+        return seed
+    return (_fmix32(_fmix32(seed & _M32) ^ (first_position & _M32)) << 31) | (seed & (2**31 - 1))
+
+
 # ---------------------------------------------------------------- sampling
 
 
@@ -352,15 +381,16 @@ class Draws:
 
     batch: one torch.Generator seeded with the call's seed on `device`; every step draws
     Exp(1) noise for all `width` rows of the group being decoded (so a row's draw does not
-    depend on which rows are still running), each row reading its own. row: one uniform per
-    row and step from `row_uniforms(seed, params.first_row + first + row, step)`, nothing
-    drawn for finished rows. Greedy draws nothing."""
+    depend on which rows are still running), each row reading its own; a resumed call's
+    generator is seeded with `stream_seed(seed, first_position)`. row: one uniform per row and
+    step, `row_uniforms(seed, params.draw_rows(first + row), params.first_position + step)`,
+    nothing drawn for finished rows. Greedy draws nothing."""
 
     def __init__(self, params: SamplingParams, device: torch.device | str = "cpu"):
         self.params, self.seed = params, resolve_seed(params.seed)
         self.gen = None
         if params.seed_mode == "batch" and not params.greedy:
-            self.gen = torch.Generator(device).manual_seed(self.seed)
+            self.gen = torch.Generator(device).manual_seed(stream_seed(self.seed, params.first_position))
 
     def sample(
         self, logits: torch.Tensor, rows: torch.Tensor | list[int], width: int, step: int, first: int = 0
@@ -372,8 +402,8 @@ class Draws:
         if p.greedy:
             return sample_next(logits, p)
         if self.gen is None:
-            idx = torch.as_tensor(rows, dtype=torch.long) + (p.first_row + first)
-            return sample_next(logits, p, uniform=row_uniforms(self.seed, idx, step))
+            idx = p.draw_rows(torch.as_tensor(rows, dtype=torch.long) + first)
+            return sample_next(logits, p, uniform=row_uniforms(self.seed, idx, p.first_position + step))
         noise = torch.empty(width, logits.shape[-1], device=self.gen.device).exponential_(generator=self.gen)
         noise = noise if len(rows) == width else noise[rows]
         return sample_next(logits, p, noise=noise.to(logits.device))

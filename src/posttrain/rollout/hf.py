@@ -24,7 +24,8 @@ W generated width, V vocab.
   state is restored afterwards.
 - `seed_mode="row"` (`SamplingParams`): `generate` runs greedy over the scores of
   `_RowSampler`, a logits processor that picks each row's token as the other engines'
-  row mode does (`base.sample_next` on `row_uniforms(seed, first_row + row, step)`) and
+  row mode does (`base.sample_next` on `row_uniforms(seed, first_row + row, step)`; a resumed
+  generation's rows and positions as `SamplingParams.draw_rows` and `first_position` say) and
   leaves it the only finite score, so the tokens are the native engine's for the same
   logits, and a batch generated in slices is the whole batch's.
 """
@@ -60,6 +61,7 @@ from posttrain.rollout.base import (
     resolve_seed,
     row_uniforms,
     sample_next,
+    stream_seed,
 )
 from posttrain.rollout.episodes import Episodes, MultiTurnLimits, TurnHandler, run_episodes
 
@@ -106,7 +108,7 @@ class HFEngine(HoldsNoDeviceMemory):
         self.model.eval()
         start = time.perf_counter()
         try:
-            with torch.inference_mode(), _seeded(seed, device):
+            with torch.inference_mode(), _seeded(stream_seed(seed, params.first_position), device):
                 out = self.model.generate(
                     input_ids=ids,
                     attention_mask=mask,
@@ -250,8 +252,9 @@ class _RowSampler(LogitsProcessor):
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         step = input_ids.shape[1] - self.prompt_width  # index of the token being sampled
-        rows = torch.arange(len(scores), device=scores.device) + self.params.first_row
-        tokens, _ = sample_next(scores, self.params, uniform=row_uniforms(self.seed, rows, step))
+        rows = self.params.draw_rows(torch.arange(len(scores), device=scores.device))
+        position = self.params.first_position + step
+        tokens, _ = sample_next(scores, self.params, uniform=row_uniforms(self.seed, rows, position))
         return torch.full_like(scores, float("-inf")).scatter_(1, tokens[:, None], 0.0)
 
 

@@ -39,13 +39,24 @@ def request_seed(seed: int | None, row: int, turn: int = 0, rows: int = 0, mode:
     return int(row_uniforms(seed, torch.tensor([row]), turn)[0] * 2**53)
 
 
+RESUME_REFUSAL = (
+    "the vllm engine cannot resume a generation (trainer.async_training.partial_rollout): vLLM seeds each "
+    "request's random stream at the request's first token and numbers the rows of a call itself, so a "
+    "resumed segment would redraw the first segment's randomness instead of continuing the row's; set "
+    "rollout.engine=native or hf, or trainer.async_training.partial_rollout=false")
+"""Why the vllm engines refuse `SamplingParams.first_position` / `row_index`."""
+
+
 def check_sampling(params: SamplingParams) -> None:
     """Refuse a temperature vLLM would change (ValueError: it rejects T > 2 and raises 0 < T <
-    0.01 to 0.01, so its log-probs would not be those of softmax(logits / T)); warn that with a
+    0.01 to 0.01, so its log-probs would not be those of softmax(logits / T)) and a resumed
+    generation (`RESUME_REFUSAL`); warn that with a
     top_k/top_p/min_p filter on, vLLM's log-probs are renormalised over the kept tokens."""
     problem = check_vllm_temperature(params.temperature)
     if problem:
         raise ValueError(problem)
+    if params.first_position or params.row_index is not None:
+        raise ValueError(RESUME_REFUSAL)
     if params.logprobs and not params.greedy and (params.top_k > 0 or params.top_p < 1 or params.min_p > 0):
         warnings.warn("vllm engine: with top_k/top_p/min_p on, vLLM's logprobs are renormalised over the kept "
                       "tokens and differ from log softmax(logits / T); recompute old_logp with the actor's "

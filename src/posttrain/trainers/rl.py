@@ -61,6 +61,8 @@ Departures from the papers, TRL and veRL, and why:
   policy version; the old log-probs are always recomputed (π_prox) and the rollout correction's
   weight π_prox / π_behaviour is always applied (AReaL's decoupled PPO; token TIS when
   algorithm.rollout_correction.rollout_is is null). K = 0 is the synchronous loop, unchanged.
+  With partial_rollout the batches are generated in segments and a sync reaches the one in
+  flight (`rl_partial`): a response's tokens can be of several versions.
 - Rows whose advantage is 0 on every token (a GRPO group whose rewards are all equal) get
   no forward/backward when the loss is the clipped surrogate alone (no entropy bonus, no
   KL in the loss, no shared value head): their loss and gradient are exactly 0, and they
@@ -124,6 +126,7 @@ from posttrain.trainers.rl_build import (
     load_final_models,
 )
 from posttrain.trainers.rl_faults import run_restarting
+from posttrain.trainers.rl_partial import PartialRollout
 from posttrain.trainers.rl_roles import build_roles
 from posttrain.trainers.rl_samples import train_samples
 from posttrain.trainers.rl_steps import (
@@ -355,8 +358,9 @@ class RLTrainer:
         log.info("async RL: max_staleness=%d (%s, stale_policy=%s); the rollout %s", a.max_staleness, a.mode,
                  a.stale_policy, "overlaps the update (a pool of its own)" if r.own_rollout_pool else
                  "runs in turn with the update (no pool of its own: the same schedule, no overlap)")
+        partial_rollout = PartialRollout.of(cfg, r.rollout, self.tokenizer, self.pad_id) if a.partial_rollout else None
         return AsyncRollouts(a.max_staleness, a.stale_policy, cfg.rollout.n, Lane(threaded=r.own_rollout_pool),
-                             self.next_prompts, generate, sync)
+                             self.next_prompts, generate, sync, partial_rollout)
 
     def _log_prompts(self, step: int, batch: RLBatch) -> None:
         """trained_prompts.jsonl: the step's prompts (one per group) and their policy versions."""

@@ -16,6 +16,13 @@ staleness at step s is (s - 1) - version, in [0, K] (the lane never starts a bat
 bound: veRL's `wait`; `drop` discards a group found over it and generates that many fresh
 prompts in its place).
 
+Partial rollouts (`partial`, `rl_partial`): a batch is generated in segments, and a weight sync
+reaches a generation in flight at a segment boundary. On a thread (a pool of its own) a batch's
+job runs all its segments, applying the newest sync waiting (`pending`) before each: the sync
+goes ahead of the remaining segments, at the first boundary after the update ends (so where it
+lands depends on timing). In turn, at a fixed point: a batch's first segment is generated when
+it is submitted, the rest when its step takes it, after the syncs of the updates between.
+
 Resume: a checkpoint records the prompts in flight (`state`); the restored run regenerates them
 with the restored weights, in their order, so every prompt of the stream is trained on once.
 """
@@ -34,6 +41,7 @@ import torch
 
 from posttrain.algos import masked_mean
 from posttrain.logging import get_logger
+from posttrain.trainers.rl_partial import PartialRollout, Segments
 from posttrain.trainers.rl_steps import generation_metrics
 from posttrain.workers import RLBatch
 
@@ -87,8 +95,9 @@ class InFlight:
     prompts: RLBatch
     """Its prompts, with `uid` and `prompt_index`."""
     version: int
-    """Updates behind the weights that generate it."""
+    """Updates behind the weights that generate it (partial rollouts: that start it)."""
     future: Future
+    """Its RLBatch; partial rollouts: its `rl_partial.Segments` (in turn: the first segment only)."""
 
 
 def overlap(busy: list[tuple[float, float]], start: float, end: float, other: tuple[float, float]) -> float:
@@ -105,11 +114,16 @@ def stale_groups(versions: torch.Tensor, mask: torch.Tensor, version: int, k: in
 
 
 def staleness_metrics(versions: torch.Tensor, mask: torch.Tensor, version: int) -> dict[str, float]:
-    """async/staleness/mean and /max over the trained tokens (mask), in updates."""
-    stale = (version - versions).to(torch.float64)
+    """async/staleness/mean and /max over the trained tokens (mask), in updates, each token as
+    stale as its sample's oldest trained token (partial rollouts: the sample's tokens can be of
+    several versions): stale[b, t] = version - min_t'{versions[b, t'] : mask[b, t']}.
+    versions, mask: (B, Tr)."""
     m = mask.bool()
-    return {"async/staleness/mean": float(masked_mean(stale, mask)) if m.any() else 0.0,
-            "async/staleness/max": float(stale[m].max()) if m.any() else 0.0}
+    if not m.any():
+        return {"async/staleness/mean": 0.0, "async/staleness/max": 0.0}
+    oldest = torch.where(m, versions, torch.full_like(versions, version)).amin(-1, keepdim=True)  # (B, 1)
+    stale = (version - oldest).expand_as(versions).to(torch.float64)
+    return {"async/staleness/mean": float(masked_mean(stale, mask)), "async/staleness/max": float(stale[m].max())}
 
 
 class AsyncRollouts:
@@ -119,15 +133,49 @@ class AsyncRollouts:
     (returns a callable the lane runs, so the weights are read when the update is done)."""
 
     def __init__(self, k: int, policy: str, n: int, lane: Lane, draw: Callable[[int | None], RLBatch],
-                 generate: Callable[[RLBatch, int], RLBatch], sync: Callable[[], Callable[[], None]]):
+                 generate: Callable[[RLBatch, int], RLBatch], sync: Callable[[], Callable[[], None]],
+                 partial: PartialRollout | None = None):
         self.k, self.policy, self.n, self.lane = k, policy, n, lane
-        self.draw, self.generate, self.sync = draw, generate, sync
+        self.draw, self.generate, self.sync, self.partial = draw, generate, sync, partial
         self.jobs: deque[InFlight] = deque()
         self.version = 0
         self.restored: list[tuple[int, RLBatch]] = []  # in flight at the checkpoint: regenerated first
+        # partial rollouts: the newest sync not yet applied (sync, its version), and the version of
+        # the weights the engines hold (read and written by the lane's jobs)
+        self.pending: tuple[Callable[[], None], int] | None = None
+        self.engine_version = 0
 
     def _submit(self, step: int, prompts: RLBatch) -> None:
-        self.jobs.append(InFlight(step, prompts, self.version, self.lane.submit(self.generate, prompts, step)))
+        job = self.lane.submit(self.generate, prompts, step) if self.partial is None else \
+            self.lane.submit(self._segments, prompts, step)
+        self.jobs.append(InFlight(step, prompts, self.version, job))
+
+    def _apply_pending(self) -> None:
+        """Partial rollouts: the engines take the newest weights synced, if any are waiting."""
+        with self.lane.lock:
+            pending, self.pending = self.pending, None
+        if pending is not None:
+            pending[0]()
+            self.engine_version = pending[1]
+
+    def _segments(self, prompts: RLBatch, step: int) -> Segments:
+        """A lane job (partial rollouts): in turn the batch's first segment; on a thread all of
+        them, each after the newest sync waiting."""
+        self._apply_pending()
+        part = self.partial.start(prompts, step, self.engine_version)
+        while self.lane.pool is not None and not part.finished:
+            part = self._next_segment(part)
+        return part
+
+    def _next_segment(self, part: Segments) -> Segments:
+        self._apply_pending()
+        return self.partial.resume(part, self.engine_version)
+
+    def _finish(self, part: Segments) -> Segments:
+        """A lane job (partial rollouts in turn): the remaining segments, with the weights now."""
+        while not part.finished:
+            part = self._next_segment(part)
+        return part
 
     def fill(self, step: int) -> None:
         """Submit the batches of steps up to step + K (the restored ones first)."""
@@ -140,11 +188,16 @@ class AsyncRollouts:
             nxt += 1
 
     def take(self, step: int) -> RLBatch:
-        """Step `step`'s batch (waiting for it), each token's version in `versions`."""
+        """Step `step`'s batch (waiting for it; partial rollouts in turn: generating the rest of
+        it), each token's version in `versions`."""
         job = self.jobs.popleft()
         assert job.step == step, f"the pipeline holds step {job.step}'s batch at step {step}"
         batch = job.future.result()
-        return batch.replace(versions=torch.full_like(batch.response_ids, job.version))
+        if self.partial is None:
+            return batch.replace(versions=torch.full_like(batch.response_ids, job.version))
+        if not batch.finished:  # in turn: the rest of it now
+            batch = self.lane.submit(self._finish, batch).result()
+        return self.partial.complete(batch)
 
     def enforce_bound(self, batch: RLBatch, step: int) -> tuple[RLBatch, int]:
         """`drop`: the groups over the bound replaced by as many fresh prompts' groups, generated
@@ -157,17 +210,28 @@ class AsyncRollouts:
         if not dropped:
             return batch, 0
         kept = batch.select((~stale).repeat_interleave(self.n))
-        fresh = self.generate(self.draw(dropped), step)
-        fresh = fresh.replace(versions=torch.full_like(fresh.response_ids, self.version))
+        if self.partial is None:
+            fresh = self.generate(self.draw(dropped), step)
+            fresh = fresh.replace(versions=torch.full_like(fresh.response_ids, self.version))
+        else:  # on the lane, after the syncs waiting: each token's version is the weights' it had
+            prompts = self.draw(dropped)
+            fresh = self.partial.complete(self.lane.submit(lambda: self._finish(self._segments(prompts, step))).result())
         log.info("step %d: %d prompt groups over trainer.async_training.max_staleness=%d dropped and refilled",
                  step, dropped, self.k)
         return RLBatch.concat([kept, fresh]), dropped
 
     def updated(self) -> None:
         """After the step's update: one version more, and the weight sync queued behind the
-        generations in flight."""
+        generations in flight (partial rollouts: ahead of their remaining segments; a newer sync
+        replaces one still waiting)."""
         self.version += 1
-        self.lane.submit(self.sync())
+        if self.partial is None:
+            self.lane.submit(self.sync())
+            return
+        sync = self.sync()  # outside the lock: on Ray it asks the actor for its weights
+        with self.lane.lock:  # partial rollouts: a generation in flight applies it at its next boundary
+            self.pending = (sync, self.version)
+        self.lane.submit(self._apply_pending)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -181,7 +245,8 @@ class AsyncRollouts:
         by the next `fill` with the restored weights (`version`)."""
         self.lane.drain()
         self.jobs.clear()
-        self.version = version
+        self.version = self.engine_version = version
+        self.pending = None
         self.restored = [(j["step"], prompts_of(j["prompt_index"]).replace(uid=torch.tensor(j["uid"])))
                          for j in state]
 
