@@ -15,6 +15,15 @@ from posttrain.distributed.groups import _Dispatch
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Every test starts on one intra-op thread, and a test that changes the count gets it back."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 class InProcessGroup(_Dispatch):
     """W workers in this process, called one after the other: the dispatch modes without Ray.
     Each worker gets its own copy of the factory's arguments (a model is not shared)."""

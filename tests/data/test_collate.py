@@ -267,15 +267,6 @@ def _tiny_model():
     return BuiltinLM.from_preset("tiny", vocab_size=64, **small).eval()
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny matmuls on a shared 2-core box run faster (and steadier) on one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 _example = st.integers(1, 12).flatmap(
     lambda n: st.tuples(
         st.lists(st.integers(0, 63), min_size=n, max_size=n),
@@ -288,7 +279,7 @@ _example = st.integers(1, 12).flatmap(
     max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(examples=st.lists(_example, min_size=1, max_size=4), multiple=st.sampled_from([None, 8, 16]))
-def test_padding_never_changes_the_loss_sum(one_thread, examples, multiple):
+def test_padding_never_changes_the_loss_sum(examples, multiple):
     model = _tiny_model()
     exs = [
         {"input_ids": ids, "labels": [t if m else IGNORE_INDEX for t, m in zip(ids, keep)]}

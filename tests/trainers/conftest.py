@@ -2,7 +2,6 @@
 session of the Ray test files (one per file)."""
 
 import pytest
-import torch
 
 from posttrain.data.tokenizer import build_tokenizer
 from posttrain.distributed.ray_session import RaySession
@@ -21,15 +20,6 @@ def ray_session():
         own = raylets(marker)
         session.close()
         assert not wait_gone(own), "a raylet outlived ray.shutdown()"
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls on a shared 2-core machine run ~100x slower with 2 intra-op threads."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -27,15 +27,6 @@ def tiny_model(vocab_size: int, seed: int = 0) -> BuiltinLM:
     )
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls on a shared 2-core machine run ~100x slower with 2 intra-op threads."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture
 def tok():
     return word_tokenizer()
