@@ -62,8 +62,8 @@ def child(model: str, out: Path, steps: int) -> dict:
     if not (data / "train.jsonl").is_file():
         make_task("arithmetic", data, n_train=16, n_test=4, seed=0, difficulty="easy")
     source = ["model.path=null", f"model.init={model}"]
-    if model == "llama100m":
-        source = [f"model.path={llama_folder(out / 'llama100m')}", "model.init=null", "model.impl=builtin"]
+    if model == "llama100m":  # the folder was built by another process (`--build-folder`): not in this peak
+        source = [f"model.path={out / 'llama100m'}", "model.init=null", "model.impl=builtin"]
     run = out / f"run-{model}"
     started = time.perf_counter()
     code = main(["grpo", "--config", str(ROOT / "recipes" / "grpo.yaml"), *source,
@@ -89,13 +89,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--src", type=Path, default=ROOT / "src", help="the sources the driver runs")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--build-folder", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
+    if a.build_folder:
+        llama_folder(a.out / "llama100m")
+        return
     if a.child:
         print("RESULT " + json.dumps(child(a.child, a.out, a.steps)), flush=True)
         return
     env = {**os.environ, "PYTHONPATH": str(a.src), "OMP_NUM_THREADS": "1"}
     rows = []
+    if "llama100m" in a.models:  # built in a process of its own, so no driver's peak holds the model it built
+        subprocess.run([sys.executable, __file__, "--out", str(a.out), "--build-folder"], env=env, check=True)
     for model in a.models:
         proc = subprocess.run([sys.executable, __file__, "--out", str(a.out), "--steps", str(a.steps),
                                "--child", model], env=env, capture_output=True, text=True)
