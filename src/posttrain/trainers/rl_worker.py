@@ -24,11 +24,16 @@ on both backends:
                                                   the metrics, so each optimizer step is the
                                                   whole mini-batch's
     ref.sync(alpha)                   ONE_TO_ALL  every reference moves towards its own actor
-    rollout.offload / sync_weights    ONE_TO_ALL  every engine takes its own actor's weights (a
-                                                  rollout pool: actor worker 0's, `load_weights`;
-                                                  fsdp2: one gathered parameter at a time)
+    rollout.offload / sync_weights    ONE_TO_ALL  every colocated engine takes its own actor's
+                                                  weights (fsdp2: one gathered parameter at a time)
+    actor.send_weights /              ONE_TO_ALL  a rollout pool of its own: actor worker 0 streams
+    rollout.receive_weights                       the weights in buckets over a weight group that
+                                                  joins it and the rollout workers (the two calls
+                                                  run at once, `rl_roles.PoolSync`; fsdp2: every
+                                                  actor worker gathers one parameter at a time)
     actor.evaluate_task(rows, ...)    RANK_ZERO   eval.task on worker 0's policy (fsdp2: its
-                                                  engine's whole copy)
+                                      ONE_TO_ALL  engine's whole copy; with no engine in the pool,
+                                                  every worker gathers into worker 0's CPU copy)
     actor.describe()                  RANK_ZERO   class, counts, dtype, signature, engine kind
     save_hf(folder, final)            ONE_TO_ALL  each pool's worker 0 writes the HF folders of
                                                   a checkpoint or final/ from its own modules
@@ -54,6 +59,7 @@ optimizer, `critic/optimizer.pt`) is read by every worker from its files (`resto
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +71,7 @@ from posttrain.distributed.checkpoint import SHARDS, load_sharded, save_sharded
 from posttrain.distributed.dispatch import shard_rows
 from posttrain.distributed.fsdp import (
     full_copy,
+    full_tensors,
     offload_optimizer,
     policies,
     reshard,
@@ -76,6 +83,17 @@ from posttrain.distributed.register import Dispatch, register
 from posttrain.models.heads import ScalarHeadModel
 from posttrain.models.lora import is_peft, merged_for_export, parameter_counts
 from posttrain.rollout import MultiTurnLimits, SamplingParams
+from posttrain.rollout.weight_stream import (
+    Bucket,
+    WeightGroup,
+    listen,
+    plan_buckets,
+    plan_from_json,
+    plan_to_json,
+    receive_buckets,
+    send_buckets,
+    tensor_specs,
+)
 from posttrain.trainers.rl_build import build_initial_models, build_reference, build_rollout
 from posttrain.workers import Actor, Critic, RLBatch, head_on_policy
 from posttrain.workers.actor import shuffled_mini_batches
@@ -125,7 +143,7 @@ class RLWorker:
     modules (the same objects in process, copies on Ray; None where the pool does not hold
     their role); `env_factory` plays episodes (None: single-turn). The rollout's engine runs
     over the actor's policy when both are here, else over this worker's own copy of it
-    (`load_weights`). critic.share_backbone (one process only): the value head sits on the
+    (`receive_weights`). critic.share_backbone (one process only): the value head sits on the
     policy's backbone and trains in the actor's loss."""
 
     def __init__(self, rank: int, world_size: int, collective: Any, cfg: RLConfig, tokenizer: Any,
@@ -152,6 +170,13 @@ class RLWorker:
         if collective is not None:  # FSDP2's backward averages the gradients itself
             collective.average_gradients = not self.sharded
         self.collective = collective
+        self.weights: tuple[WeightGroup, list[Bucket]] | None = None
+        """A rollout pool of its own: the weight group (actor worker 0 and the rollout workers)
+        and the buckets' plan, once joined (`host_weights`, `join_weights`)."""
+        self.staged: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        """Async RL with a rollout pool (actor worker 0): weights kept, by version, until sent."""
+        self._listener: Any = None  # actor worker 0, between `host_weights` and `actor_join_weights`
+        self._plan: list[Bucket] = []
         self.templates: dict[str, torch.nn.Module] = {}
         """Of each sharded model, its structure on the meta device (`fsdp.full_copy` reads into it)."""
         episodes = env_factory is not None
@@ -228,11 +253,51 @@ class RLWorker:
         else:
             self.rollout.sync_weights(self.actor.model)
 
-    @register(Dispatch.ONE_TO_ALL, role="rollout", name="load_weights")
-    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """A rollout pool's worker: its policy copy takes the actor's weights, its engine samples from them."""
-        self.policy.load_state_dict(state)
+    @register(Dispatch.ONE_TO_ALL, role="rollout", name="join_weights")
+    def rollout_join_weights(self, addr: str, port: int, world: int, backend: str, timeout_s: float,
+                             plan: list[dict]) -> None:
+        """A rollout pool's worker r joins actor worker 0's weight group as rank 1 + r; the
+        plan must name exactly its policy copy's parameters."""
+        self.leave_weights()
+        group = WeightGroup.join(addr, port, 1 + self.rank, world, backend, timeout_s)
+        self.weights = (group, plan_from_json(plan))
+        planned = {t.name for b in self.weights[1] for t in b.tensors}
+        ours = {name for name, _ in self.policy.named_parameters()}
+        if planned != ours:
+            self.leave_weights()
+            raise ValueError(f"the actor's weights ({len(planned)} tensors) are not the rollout pool's policy "
+                             f"({len(ours)}): missing {sorted(ours - planned)[:3]}, unknown {sorted(planned - ours)[:3]}")
+
+    @register(Dispatch.ONE_TO_ALL, role="rollout", name="receive_weights")
+    @torch.no_grad()
+    def receive_weights(self) -> None:
+        """A rollout pool's worker: its policy copy takes the actor's weights bucket by bucket
+        (one bucket held at a time), then its engine samples from them. A broken stream leaves
+        the group (its peers' broadcasts then fail too)."""
+        group, plan = self._joined()
+        dest = dict(self.policy.named_parameters())
+        try:
+            for name, t in receive_buckets(group.broadcast, plan, 0, group.device):
+                dest[name].copy_(t)
+        except BaseException:
+            self.leave_weights()
+            raise
         self.rollout.sync_weights(self.policy)
+
+    def _joined(self) -> tuple[WeightGroup, list[Bucket]]:
+        if self.weights is None:
+            raise RuntimeError("no weight group: the driver joins it first (`rl_roles.PoolSync`)")
+        return self.weights
+
+    @register(Dispatch.ONE_TO_ALL)
+    def leave_weights(self) -> None:
+        """Leave the weight group (at the end of the run, or before joining a new one)."""
+        if self.weights is not None:
+            self.weights[0].close()
+            self.weights = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
 
     @register(Dispatch.ONE_TO_ALL, role="rollout", name="close")
     def close_engine(self) -> None:
@@ -265,14 +330,20 @@ class RLWorker:
     def actor_lr(self) -> float:
         return self.actor.lr
 
-    @register(Dispatch.RANK_ZERO, role="actor", name="evaluate_task")
+    @register(Dispatch.RANK_ZERO, Dispatch.ONE_TO_ALL, when="gathered_eval", role="actor", name="evaluate_task")
     def evaluate_task(self, rows: list[dict[str, Any]], task: str, max_new_tokens: int, batch_size: int,
-                      temperature: float) -> tuple[dict[str, float], list[dict[str, Any]]]:
+                      temperature: float) -> tuple[dict[str, float], list[dict[str, Any]]] | None:
         """eval.task on worker 0's policy (`evaluation.evaluate_task`: the task's scorer on
-        completions of `rows`, episodes when the run plays them): (metrics, samples)."""
+        completions of `rows`, episodes when the run plays them): (metrics, samples). Under
+        fsdp2 the policy is the engine's whole copy; with the engine on a pool of its own, every
+        worker gathers (ONE_TO_ALL) into worker 0's CPU copy (`fsdp.full_copy`), freed after."""
         from posttrain.evaluation import evaluate_task
 
         model = self.engine_model if self.sharded else self.actor.model  # fsdp2: the engine's whole copy
+        if self.sharded and self.rollout is None:
+            model = full_copy(self.actor.model, self.templates["actor"], keep=self.rank == 0)
+            if model is None:
+                return None
         was_training = model.training
         model.eval()
         try:
@@ -305,10 +376,64 @@ class RLWorker:
     def actor_model(self) -> torch.nn.Module | None:
         return self._full("actor", self.actor.model)
 
-    @register(Dispatch.RANK_ZERO_REF, role="actor", name="policy_weights")
-    def policy_weights(self) -> dict[str, torch.Tensor]:
-        """The actor's weights, on the CPU, for a rollout pool (`Roles.sync_rollout`)."""
-        return {k: v.detach().cpu() for k, v in self.actor.model.state_dict().items()}
+    # ------------------------------------------------------------------ a rollout pool's weights
+
+    @register(Dispatch.RANK_ZERO, role="actor", name="host_weights")
+    def host_weights(self, bucket_bytes: int) -> dict[str, Any]:
+        """Actor worker 0 opens the weight group's rendezvous on its node's address (the Ray
+        group's: 127.0.0.1 under a local Ray) and cuts the policy's parameters (their full
+        shapes, sharded or not) into buckets: {"addr", "port", "plan"} for the rollout workers."""
+        self.leave_weights()
+        self._listener = listen(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+        self._plan = plan_buckets(tensor_specs(self.actor.model.named_parameters()), bucket_bytes)
+        addr, port = self._listener.getsockname()[:2]
+        return {"addr": addr, "port": port, "plan": plan_to_json(self._plan)}
+
+    @register(Dispatch.RANK_ZERO, role="actor", name="join_weights")
+    def actor_join_weights(self, world: int, backend: str, timeout_s: float) -> None:
+        """Actor worker 0 hosts the weight group (rank 0) on the socket `host_weights` opened."""
+        listener, self._listener = self._listener, None
+        addr, port = listener.getsockname()[:2]
+        self.weights = (WeightGroup.join(addr, port, 0, world, backend, timeout_s, listener), self._plan)
+
+    def _named_full(self) -> Any:
+        """The policy's (name, whole parameter), one at a time: under fsdp2 every worker gathers
+        each in turn (collective), else this worker's own."""
+        model = self.actor.model
+        return full_tensors(model, buffers=False) if self.sharded else model.named_parameters()
+
+    @register(Dispatch.ONE_TO_ALL, role="actor", name="send_weights")
+    def send_weights(self) -> None:
+        """The actor's current weights to the rollout pool, from worker 0 in buckets (`send_buckets`
+        reads each parameter as its bucket fills: one gathered parameter and one bucket at a
+        time); the other workers take their part in each gather."""
+        named = self._named_full()
+        if self.rank == 0:
+            self._send(named)
+        else:
+            _drain(named)
+
+    @register(Dispatch.ONE_TO_ALL, role="actor", name="stage_weights")
+    def stage_weights(self, version: int) -> None:
+        """Async RL: worker 0 keeps a CPU copy of the current weights as `version` (sent later,
+        `send_staged`, while the next update changes the live ones); every worker gathers."""
+        named = self._named_full()
+        if self.rank == 0:
+            self.staged[version] = [(name, t.detach().to("cpu", copy=True)) for name, t in named]
+        else:
+            _drain(named)
+
+    @register(Dispatch.RANK_ZERO, role="actor", name="send_staged")
+    def send_staged(self, version: int) -> None:
+        self._send(self.staged.pop(version))
+
+    def _send(self, named: Any) -> None:
+        group, plan = self._joined()
+        try:
+            send_buckets(group.broadcast, named, plan, 0, group.device)
+        except BaseException:
+            self.leave_weights()
+            raise
 
     @register(Dispatch.DP_COMPUTE, role="ref", name="compute_logprobs")
     def ref_logprobs(self, batch: RLBatch) -> torch.Tensor:
@@ -461,6 +586,12 @@ class RLWorker:
             RunModels.load_critic(path, self.critic)
         if self.ref is not None:
             RunModels.load_reference(path, self.ref)
+
+
+def _drain(named: Any) -> None:
+    """Take part in every gather of `named` (fsdp2), keeping nothing."""
+    for _ in named:
+        pass
 
 
 def own_models(cfg: RLConfig, tokenizer: Any, policy: torch.nn.Module | None, value_model: Any,
