@@ -205,6 +205,18 @@ def receive_buckets(broadcast: Broadcast, plan: Sequence[Bucket], src: int,
         buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
         broadcast(buf, src)
         yield from unpack(bucket, buf)
+        del buf  # let go before the next bucket's buffer is made
+
+
+@torch.no_grad()
+def receive_into(broadcast: Broadcast, plan: Sequence[Bucket], src: int, params: dict[str, torch.Tensor],
+                 device: torch.device | str = "cpu") -> None:
+    """Receive the plan's buckets from rank `src` and copy each tensor into `params[name]` (a
+    module's parameters, any device and float dtype) as its bucket arrives: one bucket held at
+    a time beyond `params`."""
+    for name, t in receive_buckets(broadcast, plan, src, device):
+        params[name].copy_(t)
+        del t  # the bucket goes once its last view does
 
 
 # ---------------------------------------------------------------- a group of its own

@@ -59,7 +59,6 @@ optimizer, `critic/optimizer.pt`) is read by every worker from its files (`resto
 from __future__ import annotations
 
 import copy
-import os
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +70,6 @@ from posttrain.distributed.checkpoint import SHARDS, load_sharded, save_sharded
 from posttrain.distributed.dispatch import shard_rows
 from posttrain.distributed.fsdp import (
     full_copy,
-    full_tensors,
     offload_optimizer,
     policies,
     reshard,
@@ -83,18 +81,8 @@ from posttrain.distributed.register import Dispatch, register
 from posttrain.models.heads import ScalarHeadModel
 from posttrain.models.lora import is_peft, merged_for_export, parameter_counts
 from posttrain.rollout import MultiTurnLimits, SamplingParams
-from posttrain.rollout.weight_stream import (
-    Bucket,
-    WeightGroup,
-    listen,
-    plan_buckets,
-    plan_from_json,
-    plan_to_json,
-    receive_buckets,
-    send_buckets,
-    tensor_specs,
-)
 from posttrain.trainers.rl_build import build_initial_models, build_reference, build_rollout
+from posttrain.trainers.rl_pool_weights import PoolWeights
 from posttrain.workers import Actor, Critic, RLBatch, head_on_policy
 from posttrain.workers.actor import shuffled_mini_batches
 from posttrain.workers.forward import device_of
@@ -137,7 +125,7 @@ def join_slices(slices: list[RLBatch]) -> RLBatch:
     return out
 
 
-class RLWorker:
+class RLWorker(PoolWeights):
     """The roles of one worker process, those of its pool (`roles`; all of them by default):
     actor + reference, critic, rollout. `policy` and `value_model` are the driver's initial
     modules (the same objects in process, copies on Ray; None where the pool does not hold
@@ -170,13 +158,7 @@ class RLWorker:
         if collective is not None:  # FSDP2's backward averages the gradients itself
             collective.average_gradients = not self.sharded
         self.collective = collective
-        self.weights: tuple[WeightGroup, list[Bucket]] | None = None
-        """A rollout pool of its own: the weight group (actor worker 0 and the rollout workers)
-        and the buckets' plan, once joined (`host_weights`, `join_weights`)."""
-        self.staged: dict[int, list[tuple[str, torch.Tensor]]] = {}
-        """Async RL with a rollout pool (actor worker 0): weights kept, by version, until sent."""
-        self._listener: Any = None  # actor worker 0, between `host_weights` and `actor_join_weights`
-        self._plan: list[Bucket] = []
+        self.init_pool_weights()
         self.templates: dict[str, torch.nn.Module] = {}
         """Of each sharded model, its structure on the meta device (`fsdp.full_copy` reads into it)."""
         episodes = env_factory is not None
@@ -252,52 +234,6 @@ class RLWorker:
             self.rollout.sync_weights(self.engine_model)
         else:
             self.rollout.sync_weights(self.actor.model)
-
-    @register(Dispatch.ONE_TO_ALL, role="rollout", name="join_weights")
-    def rollout_join_weights(self, addr: str, port: int, world: int, backend: str, timeout_s: float,
-                             plan: list[dict]) -> None:
-        """A rollout pool's worker r joins actor worker 0's weight group as rank 1 + r; the
-        plan must name exactly its policy copy's parameters."""
-        self.leave_weights()
-        group = WeightGroup.join(addr, port, 1 + self.rank, world, backend, timeout_s)
-        self.weights = (group, plan_from_json(plan))
-        planned = {t.name for b in self.weights[1] for t in b.tensors}
-        ours = {name for name, _ in self.policy.named_parameters()}
-        if planned != ours:
-            self.leave_weights()
-            raise ValueError(f"the actor's weights ({len(planned)} tensors) are not the rollout pool's policy "
-                             f"({len(ours)}): missing {sorted(ours - planned)[:3]}, unknown {sorted(planned - ours)[:3]}")
-
-    @register(Dispatch.ONE_TO_ALL, role="rollout", name="receive_weights")
-    @torch.no_grad()
-    def receive_weights(self) -> None:
-        """A rollout pool's worker: its policy copy takes the actor's weights bucket by bucket
-        (one bucket held at a time), then its engine samples from them. A broken stream leaves
-        the group (its peers' broadcasts then fail too)."""
-        group, plan = self._joined()
-        dest = dict(self.policy.named_parameters())
-        try:
-            for name, t in receive_buckets(group.broadcast, plan, 0, group.device):
-                dest[name].copy_(t)
-        except BaseException:
-            self.leave_weights()
-            raise
-        self.rollout.sync_weights(self.policy)
-
-    def _joined(self) -> tuple[WeightGroup, list[Bucket]]:
-        if self.weights is None:
-            raise RuntimeError("no weight group: the driver joins it first (`rl_roles.PoolSync`)")
-        return self.weights
-
-    @register(Dispatch.ONE_TO_ALL)
-    def leave_weights(self) -> None:
-        """Leave the weight group (at the end of the run, or before joining a new one)."""
-        if self.weights is not None:
-            self.weights[0].close()
-            self.weights = None
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
 
     @register(Dispatch.ONE_TO_ALL, role="rollout", name="close")
     def close_engine(self) -> None:
@@ -375,65 +311,6 @@ class RLWorker:
     @register(Dispatch.ONE_TO_ALL, role="actor", name="model")
     def actor_model(self) -> torch.nn.Module | None:
         return self._full("actor", self.actor.model)
-
-    # ------------------------------------------------------------------ a rollout pool's weights
-
-    @register(Dispatch.RANK_ZERO, role="actor", name="host_weights")
-    def host_weights(self, bucket_bytes: int) -> dict[str, Any]:
-        """Actor worker 0 opens the weight group's rendezvous on its node's address (the Ray
-        group's: 127.0.0.1 under a local Ray) and cuts the policy's parameters (their full
-        shapes, sharded or not) into buckets: {"addr", "port", "plan"} for the rollout workers."""
-        self.leave_weights()
-        self._listener = listen(os.environ.get("MASTER_ADDR", "127.0.0.1"))
-        self._plan = plan_buckets(tensor_specs(self.actor.model.named_parameters()), bucket_bytes)
-        addr, port = self._listener.getsockname()[:2]
-        return {"addr": addr, "port": port, "plan": plan_to_json(self._plan)}
-
-    @register(Dispatch.RANK_ZERO, role="actor", name="join_weights")
-    def actor_join_weights(self, world: int, backend: str, timeout_s: float) -> None:
-        """Actor worker 0 hosts the weight group (rank 0) on the socket `host_weights` opened."""
-        listener, self._listener = self._listener, None
-        addr, port = listener.getsockname()[:2]
-        self.weights = (WeightGroup.join(addr, port, 0, world, backend, timeout_s, listener), self._plan)
-
-    def _named_full(self) -> Any:
-        """The policy's (name, whole parameter), one at a time: under fsdp2 every worker gathers
-        each in turn (collective), else this worker's own."""
-        model = self.actor.model
-        return full_tensors(model, buffers=False) if self.sharded else model.named_parameters()
-
-    @register(Dispatch.ONE_TO_ALL, role="actor", name="send_weights")
-    def send_weights(self) -> None:
-        """The actor's current weights to the rollout pool, from worker 0 in buckets (`send_buckets`
-        reads each parameter as its bucket fills: one gathered parameter and one bucket at a
-        time); the other workers take their part in each gather."""
-        named = self._named_full()
-        if self.rank == 0:
-            self._send(named)
-        else:
-            _drain(named)
-
-    @register(Dispatch.ONE_TO_ALL, role="actor", name="stage_weights")
-    def stage_weights(self, version: int) -> None:
-        """Async RL: worker 0 keeps a CPU copy of the current weights as `version` (sent later,
-        `send_staged`, while the next update changes the live ones); every worker gathers."""
-        named = self._named_full()
-        if self.rank == 0:
-            self.staged[version] = [(name, t.detach().to("cpu", copy=True)) for name, t in named]
-        else:
-            _drain(named)
-
-    @register(Dispatch.RANK_ZERO, role="actor", name="send_staged")
-    def send_staged(self, version: int) -> None:
-        self._send(self.staged.pop(version))
-
-    def _send(self, named: Any) -> None:
-        group, plan = self._joined()
-        try:
-            send_buckets(group.broadcast, named, plan, 0, group.device)
-        except BaseException:
-            self.leave_weights()
-            raise
 
     @register(Dispatch.DP_COMPUTE, role="ref", name="compute_logprobs")
     def ref_logprobs(self, batch: RLBatch) -> torch.Tensor:
@@ -586,12 +463,6 @@ class RLWorker:
             RunModels.load_critic(path, self.critic)
         if self.ref is not None:
             RunModels.load_reference(path, self.ref)
-
-
-def _drain(named: Any) -> None:
-    """Take part in every gather of `named` (fsdp2), keeping nothing."""
-    for _ in named:
-        pass
 
 
 def own_models(cfg: RLConfig, tokenizer: Any, policy: torch.nn.Module | None, value_model: Any,
