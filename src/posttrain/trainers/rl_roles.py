@@ -150,7 +150,6 @@ class Roles:
         for w in self.workers:
             w.restore(str(checkpoint), step)
         if self.pool_sync is not None:
-            self.pool_sync.joined = False  # new workers after a restart: a new weight group
             self.sync_rollout()
 
     def close(self) -> None:
