@@ -17,11 +17,12 @@ calls the RL worker makes (`RLWorker.send_weights` / `receive_weights`):
   rollout worker, which copies each bucket's tensors into its parameters (`send_buckets`,
   `receive_buckets`).
 
-Reported: the median seconds of --syncs syncs (after one warm-up), and each process's peak
-resident memory during them above its resident memory before (`VmHWM` after `VmRSS`, the peak
-reset first through /proc/self/clear_refs), in MiB: the driver, actor worker 0 (and 1), and
-the rollout worker. Ray's object store (plasma, shared memory) is counted where a process maps
-its pages.
+Reported: the median seconds of --syncs syncs (after one warm-up sync, not timed), and each
+process's peak resident memory over all 1 + --syncs syncs above its resident memory before
+the first (`VmHWM` after `VmRSS`, the peak reset first through /proc/self/clear_refs), in
+MiB: the driver, actor worker 0 (and 1), and the rollout worker. Freed buffers the allocator
+keeps count (glibc keeps large freed blocks up to its trim threshold). Ray's object store
+(plasma, shared memory) is counted where a process maps its pages.
 """
 
 from __future__ import annotations
@@ -141,10 +142,10 @@ def measure(path: str, actors: int, preset: str, syncs: int, bucket_bytes: int) 
                 rollout.one_to_all("load", ref)
                 del ref
 
-        sync()  # warm-up: first gathers, first buckets
-        driver_before = reset_peak()
+        driver_before = reset_peak()  # before the first sync: what the allocator keeps after it counts
         actor.one_to_all("mark")
         rollout.one_to_all("mark")
+        sync()  # warm-up (first gathers, first buckets), not timed
         times = []
         for _ in range(syncs):
             t0 = time.perf_counter()
