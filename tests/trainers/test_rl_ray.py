@@ -607,3 +607,18 @@ def test_the_driver_holds_no_weights_during_and_after_a_ray_run(ray_session, tmp
 
     saved = load_file(tmp_path / "final" / "model.safetensors")
     assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items() if k in saved)
+
+
+@pytest.mark.slow  # ~1 min of Ray workers on 2 cores
+def test_async_rollout_pool_on_ray_streams_each_update_s_staged_weights(ray_session, tmp_path):
+    """trainer.async_training one_step_off with a Ray rollout pool: each update's weights are
+    staged on actor worker 0 (`PoolSync.staged_sync`) and streamed from the lane's thread while
+    the actor trains on; the weights are the in-turn local schedule's (float64, 1e-10)."""
+    from .test_rl_async import max_diff, run, small
+
+    over = {"trainer.async_training.max_staleness": 1, "trainer.async_training.mode": "one_step_off"}
+    in_turn = run(small(tmp_path / "a", **over))
+    pooled = run(small(tmp_path / "b", **over, **{"trainer.backend": "ray", "trainer.n_workers_per_node": 2,
+                                                   "placement.rollout.enable_resource_pool": "true"}))
+    assert pooled.pipeline.lane.pool is not None  # the rollout overlapped the update
+    assert max_diff(in_turn.model, pooled.model) <= 1e-10
