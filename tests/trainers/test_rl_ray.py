@@ -184,6 +184,18 @@ def test_views_over_pools_of_their_own_give_the_local_run_without_ray(tmp_path, 
         broadcast(group, buf, src)
 
     monkeypatch.setattr(WeightGroup, "broadcast", counted)
+    joined, closed, join, close = [], [], WeightGroup.join.__func__, WeightGroup.close
+
+    def joining(cls, *args, **kwargs):
+        joined.append(join(cls, *args, **kwargs))
+        return joined[-1]
+
+    def closing(group):
+        closed.append(group)
+        close(group)
+
+    monkeypatch.setattr(WeightGroup, "join", classmethod(joining))
+    monkeypatch.setattr(WeightGroup, "close", closing)
     model, name = tiny_model_f64(), "ppo"
     local = train_grpo(model, config(tmp_path / "local", name))
     pools = config(tmp_path / "unused", name, **on("ray", **POOLS, **{"rollout.sync_bucket_mb": 0.01}))
@@ -193,6 +205,7 @@ def test_views_over_pools_of_their_own_give_the_local_run_without_ray(tmp_path, 
     per_sync = len(sent) // 3  # after each of the 3 steps
     assert len(sent) == 3 * per_sync and per_sync >= 3, sent
     assert max(sent) <= max(bucket, largest) and sum(sent[:per_sync]) >= 8 * sum(p.numel() for p in model.parameters())
+    assert len(joined) == 2 and {id(g) for g in closed} == {id(g) for g in joined}  # torn down at the end
     names = {d.name or attr for attr, d in declarations(RLWorker).items()}
     assert not {"policy_weights", "load_weights"} & names and not hasattr(Dispatch, "RANK_ZERO_REF")
 
