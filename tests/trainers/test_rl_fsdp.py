@@ -17,6 +17,7 @@ from posttrain.models import BuiltinLM
 from .test_rl_ray import (
     COMPARED,
     PPO_COMPARED,
+    PROMPTS,
     SETTINGS,
     TOKEN_MEANS,
     grpo_config,
@@ -77,8 +78,32 @@ def test_two_sharded_workers_give_the_local_update(ray_session, tmp_path, name):
         assert max(two.values()) <= 0.6 * sum(one.values()), (one, two)
 
 
+@pytest.mark.slow  # ~25 s on an idle 2-core machine (90 s at load 16); the stream itself: tests/distributed/test_weight_sync.py
+def test_sharded_workers_stream_to_a_rollout_pool_and_give_the_local_update(ray_session, tmp_path):
+    """2 sharded actor workers and a rollout pool of 2 (its own policy copies, generation split
+    by rows): after each update both actor workers gather one parameter at a time and worker 0
+    streams the buckets to the rollout workers (`PoolSync`), so the rollout samples the local
+    tokens: the local run's LoRA policy after 3 steps within 1e-10. eval.task runs on a copy
+    every actor worker gathers into worker 0 (no engine in the actor pool): the local eval."""
+    model, name = tiny_model_f64(), "grpo token-mean, LoRA"
+    over = {**CASES[name], **FSDP, "rollout.seed_mode": "row", "rollout.sync_bucket_mb": 0.01,
+            "eval.task": "arithmetic", "trainer.eval_steps": 3, "eval.max_new_tokens": 3}
+    pool = {"trainer.backend": "ray", "trainer.n_workers_per_node": 2, "placement.rollout.enable_resource_pool": "true",
+            "placement.rollout.n_workers_per_node": 2}
+    evals = [{"prompt": p["prompt"], "answer": "a"} for p in PROMPTS[:3]]
+    runs = {b: train_grpo(model, grpo_config(tmp_path / b, **over, **(pool if b == "ray" else {})), eval_dataset=evals)
+            for b in ("local", "ray")}
+    for k, v in runs["local"]["actor"].items():
+        assert float((v - runs["ray"]["actor"][k]).abs().max()) <= 1e-10, k
+    for a, b in zip(lines(tmp_path / "local"), lines(tmp_path / "ray"), strict=True):
+        for key in ("reward/mean", "response_length/mean", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], abs=1e-9), (a["step"], key)
+    last = [{k: v for k, v in lines(tmp_path / b)[-1].items() if k.startswith("eval/")} for b in ("local", "ray")]
+    assert len(last[0]) >= 2 and last[0] == pytest.approx(last[1], abs=1e-9)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-def test_offload_without_cuda_none_over_workers_and_a_sharded_rollout_pool_are_refused_naming_the_key(tmp_path):
+def test_offload_without_cuda_and_none_over_workers_are_refused_naming_the_key(tmp_path):
     for key in ("param_offload", "optimizer_offload"):
         with pytest.raises(ConfigError, match=rf"trainer.fsdp.{key}: moves GPU memory to the CPU.*no GPU"):
             grpo_config(tmp_path, **FSDP, **{f"trainer.fsdp.{key}": "true"})
@@ -87,8 +112,6 @@ def test_offload_without_cuda_none_over_workers_and_a_sharded_rollout_pool_are_r
     ray = {"trainer.backend": "ray", "trainer.n_workers_per_node": 2}
     with pytest.raises(ConfigError, match=r"trainer.strategy: none .* 2 workers: set trainer.strategy=ddp"):
         grpo_config(tmp_path, **ray, **{"trainer.strategy": "none"})
-    with pytest.raises(ConfigError, match=r"placement.rollout.enable_resource_pool: .*trainer.strategy=fsdp2"):
-        grpo_config(tmp_path, **ray, **FSDP, **{"placement.rollout.enable_resource_pool": "true"})
     assert grpo_config(tmp_path, **ray, **FSDP).trainer.strategy == "fsdp2"
 
 

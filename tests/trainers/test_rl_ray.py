@@ -135,8 +135,8 @@ def train(model, cfg, local_group=False, rows=PROMPTS, tokenizer=None, pools=Non
     return {k: {n: v.detach().clone() for n, v in m.state_dict().items()} for k, m in roles.items() if m is not None}
 
 
-def train_grpo(model, cfg, local_group=False, pools=None):
-    return train(model, cfg, local_group, pools=pools, reward_funcs=[starts_with_a])
+def train_grpo(model, cfg, local_group=False, pools=None, **kwargs):
+    return train(model, cfg, local_group, pools=pools, reward_funcs=[starts_with_a], **kwargs)
 
 
 def saved_models(run_dir):
@@ -168,15 +168,46 @@ def assert_same_run(a_dir, b_dir, a, b, name, tol):
             assert x[key] == pytest.approx(y[key], rel=1e-6, abs=tol * 10), (x["step"], key)
 
 
-def test_views_over_pools_of_their_own_give_the_local_run_without_ray(tmp_path):
+def test_views_over_pools_of_their_own_give_the_local_run_without_ray(tmp_path, monkeypatch):
     """PPO with the critic and the rollout on pools of their own, each an in-process worker:
-    the rollout worker's policy copy takes the actor's weights after each update
-    (`Roles.sync_rollout`), the critic's worker trains alone, and the run is the local one."""
+    the rollout worker's policy copy takes the actor's weights after each update, streamed in
+    buckets of rollout.sync_bucket_mb over a weight group (`rl_roles.PoolSync`; no state dict
+    handed over: that path is gone), the critic's worker trains alone, and the run is the local one."""
+    from posttrain.distributed.register import Dispatch, declarations
+    from posttrain.rollout.weight_stream import WeightGroup
+
+    sent, broadcast = [], WeightGroup.broadcast
+
+    def counted(group, buf, src):
+        if group.rank == src:
+            sent.append(buf.numel())  # bytes: a bucket is a uint8 buffer
+        broadcast(group, buf, src)
+
+    monkeypatch.setattr(WeightGroup, "broadcast", counted)
+    joined, closed, join, close = [], [], WeightGroup.join.__func__, WeightGroup.close
+
+    def joining(cls, *args, **kwargs):
+        joined.append(join(cls, *args, **kwargs))
+        return joined[-1]
+
+    def closing(group):
+        closed.append(group)
+        close(group)
+
+    monkeypatch.setattr(WeightGroup, "join", classmethod(joining))
+    monkeypatch.setattr(WeightGroup, "close", closing)
     model, name = tiny_model_f64(), "ppo"
     local = train_grpo(model, config(tmp_path / "local", name))
-    pools = config(tmp_path / "unused", name, **on("ray", **POOLS))
+    pools = config(tmp_path / "unused", name, **on("ray", **POOLS, **{"rollout.sync_bucket_mb": 0.01}))
     grouped = train_grpo(model, config(tmp_path / "group", name), local_group=True, pools=pools)
     assert_same_run(tmp_path / "local", tmp_path / "group", local, grouped, name, 1e-12)
+    bucket, largest = int(0.01 * 2**20), max(p.numel() * 8 for p in model.parameters())
+    per_sync = len(sent) // 3  # after each of the 3 steps
+    assert len(sent) == 3 * per_sync and per_sync >= 3, sent
+    assert max(sent) <= max(bucket, largest) and sum(sent[:per_sync]) >= 8 * sum(p.numel() for p in model.parameters())
+    assert len(joined) == 2 and {id(g) for g in closed} == {id(g) for g in joined}  # torn down at the end
+    names = {d.name or attr for attr, d in declarations(RLWorker).items()}
+    assert not {"policy_weights", "load_weights"} & names and not hasattr(Dispatch, "RANK_ZERO_REF")
 
 
 
@@ -589,3 +620,18 @@ def test_the_driver_holds_no_weights_during_and_after_a_ray_run(ray_session, tmp
 
     saved = load_file(tmp_path / "final" / "model.safetensors")
     assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items() if k in saved)
+
+
+@pytest.mark.slow  # ~1 min of Ray workers on 2 cores
+def test_async_rollout_pool_on_ray_streams_each_update_s_staged_weights(ray_session, tmp_path):
+    """trainer.async_training one_step_off with a Ray rollout pool: each update's weights are
+    staged on actor worker 0 (`PoolSync.staged_sync`) and streamed from the lane's thread while
+    the actor trains on; the weights are the in-turn local schedule's (float64, 1e-10)."""
+    from .test_rl_async import max_diff, run, small
+
+    over = {"trainer.async_training.max_staleness": 1, "trainer.async_training.mode": "one_step_off"}
+    in_turn = run(small(tmp_path / "a", **over))
+    pooled = run(small(tmp_path / "b", **over, **{"trainer.backend": "ray", "trainer.n_workers_per_node": 2,
+                                                   "placement.rollout.enable_resource_pool": "true"}))
+    assert pooled.pipeline.lane.pool is not None  # the rollout overlapped the update
+    assert max_diff(in_turn.model, pooled.model) <= 1e-10

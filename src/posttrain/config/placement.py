@@ -70,8 +70,10 @@ class PlacementConfig:
     live on workers of their own, one data-parallel gloo group (critic_pool)."""
     rollout: PoolConfig = field(default_factory=PoolConfig)
     """The rollout's pool: with enable_resource_pool=true the generation engines live on
-    workers of their own (rollout_pool), each over a copy of the policy that loads the
-    actor's weights after every update (rank 0 sends them once through Ray's object store)."""
+    workers of their own (rollout_pool), each over a copy of the policy that takes the
+    actor's weights after every update: streamed from actor worker 0 over a gloo (NCCL with
+    whole GPUs) group of their own, in buckets of rollout.sync_bucket_mb; under
+    trainer.strategy=fsdp2 every actor worker gathers one parameter at a time for it."""
 
     def validate(self) -> None:
         check(self.cpus_per_worker >= 1, "placement.cpus_per_worker", f"must be >= 1, got {self.cpus_per_worker}")

@@ -462,10 +462,6 @@ class RLConfig:
         check(self.rollout.engine != "vllm" or not self.placement.rollout.enable_resource_pool,
               "placement.rollout.enable_resource_pool",
               "a rollout pool of its own runs the native or hf engine; the vllm engine runs colocated with the actor")
-        check(self.trainer.strategy != "fsdp2" or not self.placement.rollout.enable_resource_pool,
-              "placement.rollout.enable_resource_pool", "a rollout pool of its own loads actor worker 0's whole "
-              "state dict, which sharded workers (trainer.strategy=fsdp2) do not hold; set it false (the colocated "
-              "engines take the sharded weights one gathered parameter at a time) or trainer.strategy=ddp")
         check(self.use_critic or not self.placement.critic.enable_resource_pool, "placement.critic.enable_resource_pool",
               f"algorithm.adv_estimator={self.algorithm.adv_estimator} trains no critic; set it false")
         pools, mapping = self.resource_pools()

@@ -140,9 +140,13 @@ class RolloutConfig:
     server_timeout_s: float = field(default=240.0, metadata=aliases(trl("vllm_server_timeout")))
     """rollout.vllm_mode=server: seconds to wait for the server at start (and for the weight
     group to form) before the run stops with the URL and how to start the server."""
-    sync_bucket_mb: float = 256.0
-    """rollout.vllm_mode=server: size (MiB) of each bucket the weights are pushed to the server
-    in (one broadcast per bucket, in the server's dtype)."""
+    sync_bucket_mb: float = field(default=256.0, metadata=aliases(
+        verl("actor_rollout_ref.rollout.update_weights_bucket_megabytes")))
+    """Size (MiB) of each bucket the actor's weights travel in, one broadcast per bucket
+    (`rollout/weight_stream.py`): to a rollout pool of its own
+    (placement.rollout.enable_resource_pool, over a gloo or NCCL group joining actor worker 0
+    and the rollout workers) and to a vLLM server (rollout.vllm_mode=server, in the server's
+    dtype). The sender and each receiver hold one bucket at a time beyond their weights."""
     max_batch_size: int = 0
     """Native engine: most rows decoded at once (0 = all)."""
     gpu_memory_utilization: float = field(default=0.5, metadata=aliases(

@@ -5,7 +5,6 @@ name in veRL's dispatch modes (`dispatch`).
     group.one_to_all("sync_weights")          # ONE_TO_ALL: [result of worker r for r < W]
                                               # (`register`: methods that declare their mode)
     group.rank_zero("generate", prompts, s)   # RANK_ZERO: worker 0's result
-    group.rank_zero_ref("policy_weights")     # RANK_ZERO, the result left in Ray's object store
     group.dp_compute("logprobs", batch)       # DP_COMPUTE: pad, balance, split, run, gather
     group.dp_split("generate", prompts, s)    # DP_SPLIT: contiguous slices, each with its first row
 
@@ -62,12 +61,6 @@ class _Dispatch(ABC):
         return self._run(method, [args] * self.world_size)
 
     def rank_zero(self, method: str, *args: Any) -> Any:
-        return self._run_one(0, method, args)
-
-    def rank_zero_ref(self, method: str, *args: Any) -> Any:
-        """Worker 0's result as a handle another group's call takes as an argument (Ray: an
-        ObjectRef, the result stored once in the object store and read by each receiving
-        worker without passing through the driver; an in-process group: the result itself)."""
         return self._run_one(0, method, args)
 
     def dp_compute(self, method: str, batch: Any, *args: Any) -> Any:
@@ -381,10 +374,6 @@ class RayWorkerGroup(_Dispatch):
     def _died(self, method: str, dead: list[DeadWorker]) -> None:
         self._stop_workers()  # survivors may wait in a collective for trainer.collective_timeout_s
         raise WorkerDied(sorted(dead, key=lambda d: d.rank), self.world_size, self.spec.roles, method)
-
-    def rank_zero_ref(self, method: str, *args: Any) -> Any:
-        """Worker 0's `method(*args)` as a Ray object reference (left in the object store)."""
-        return self.actors[0].call.remote(method, *args)
 
     def _stop_workers(self) -> None:
         """Kill every worker (a busy one too) and free the placement group; Ray stays up."""

@@ -16,8 +16,6 @@ method's). The modes (W workers; `distributed.dispatch` for how rows are cut):
                  hold the same state: setup, weight sync, checkpoints)
     RANK_ZERO    worker 0 alone (generation that must draw from one random stream; reading
                  worker 0's state)
-    RANK_ZERO_REF  worker 0 alone, its result left where another group's call reads it (Ray:
-                 an object reference, never through the driver)
     DP_COMPUTE   the first argument, a batch, cut into W token-balanced parts, one per
                  worker; the results put back in the batch's row order (`dp_compute`)
     DP_SPLIT     the first argument cut into W contiguous slices, each worker told its first
@@ -45,7 +43,6 @@ from typing import Any
 class Dispatch(Enum):
     ONE_TO_ALL = "one_to_all"
     RANK_ZERO = "rank_zero"
-    RANK_ZERO_REF = "rank_zero_ref"
     DP_COMPUTE = "dp_compute"
     DP_SPLIT = "dp_split"
     DP_SHARES = "dp_shares"
@@ -101,8 +98,6 @@ def call(group: Any, mode: Dispatch, method: str, *args: Any) -> Any:
         return group.one_to_all(method, *args)[0]
     if mode is Dispatch.RANK_ZERO:
         return group.rank_zero(method, *args)
-    if mode is Dispatch.RANK_ZERO_REF:
-        return group.rank_zero_ref(method, *args)
     if mode is Dispatch.DP_COMPUTE:
         return group.dp_compute(method, *args)
     if mode is Dispatch.DP_SPLIT:

@@ -7,7 +7,9 @@
         ...
 
 What uses it: the trainer's weight sync to a vLLM server (`rollout.vllm_mode=server`,
-`rollout/vllm_server.py`); a separate rollout pool can stream the actor's weights the same way.
+`rollout/vllm_server.py`), and the actor's weights to a rollout pool of its own
+(`placement.rollout.enable_resource_pool`, `trainers/rl_worker.py`): both in buckets of
+rollout.sync_bucket_mb.
 
 - A bucket is one flat uint8 buffer: each tensor's bytes at an offset aligned to `ALIGN` bytes
   (so every dtype views its slice in place), tensors of any dtypes mixed. Tensors go in the
@@ -151,13 +153,18 @@ def pack(bucket: Bucket, tensors: dict[str, torch.Tensor], device: torch.device 
     each in the spec's dtype (a floating tensor is cast; any other must have it already)."""
     buf = torch.zeros(bucket.nbytes, dtype=torch.uint8, device=device)
     for spec in bucket.tensors:
-        t, dtype = tensors[spec.name].detach(), dtype_of(spec.dtype)
-        if tuple(t.shape) != spec.shape or (t.dtype != dtype and not (t.is_floating_point() and dtype.is_floating_point)):
-            raise ValueError(f"{spec.name}: {t.dtype} {tuple(t.shape)} does not match the plan's {spec.dtype} "
-                             f"{spec.shape}")
-        data = t.to(device=device, dtype=dtype).contiguous().reshape(-1).view(torch.uint8)
-        buf[spec.offset: spec.offset + spec.nbytes].copy_(data)
+        _put(buf, spec, tensors[spec.name])
     return buf
+
+
+def _put(buf: torch.Tensor, spec: TensorSpec, t: torch.Tensor) -> None:
+    """`t`'s bytes, in the spec's dtype, into its slice of the bucket buffer `buf`."""
+    t, dtype = t.detach(), dtype_of(spec.dtype)
+    if tuple(t.shape) != spec.shape or (t.dtype != dtype and not (t.is_floating_point() and dtype.is_floating_point)):
+        raise ValueError(f"{spec.name}: {t.dtype} {tuple(t.shape)} does not match the plan's {spec.dtype} "
+                         f"{spec.shape}")
+    data = t.to(device=buf.device, dtype=dtype).contiguous().reshape(-1).view(torch.uint8)
+    buf[spec.offset: spec.offset + spec.nbytes].copy_(data)
 
 
 def unpack(bucket: Bucket, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -168,14 +175,24 @@ def unpack(bucket: Bucket, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
 
 def send_buckets(broadcast: Broadcast, named: Iterable[tuple[str, torch.Tensor]], plan: Sequence[Bucket],
                  src: int, device: torch.device | str = "cpu") -> int:
-    """Broadcast every bucket of `plan` from this rank (`src`), packed from `named` on
-    `device` (the group's: cpu for gloo, cuda for NCCL). Returns the bytes sent."""
-    tensors = dict(named)
-    missing = [s.name for b in plan for s in b.tensors if s.name not in tensors]
-    if missing:
-        raise ValueError(f"send_buckets: no tensor for {missing[:3]} of the plan")
+    """Broadcast every bucket of `plan` from this rank (`src`), filled on `device` (the group's:
+    cpu for gloo, cuda for NCCL) from `named`, read lazily in the plan's order: a generator
+    that gathers each tensor as it is asked for (`fsdp.full_tensors`) has at most one tensor
+    and one bucket alive here. Returns the bytes sent."""
+    stream = iter(named)
     for bucket in plan:
-        broadcast(pack(bucket, tensors, device), src)
+        buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+        for spec in bucket.tensors:
+            name, t = next(stream, (None, None))
+            if name != spec.name:
+                raise ValueError(f"send_buckets: the plan's next tensor is {spec.name}, the weights give "
+                                 f"{name or 'none'} (the plan is made from the same tensors, in order)")
+            _put(buf, spec, t)
+            del t  # a gathered tensor goes before the next is gathered
+        broadcast(buf, src)
+        del buf
+    if next(stream, None) is not None:
+        raise ValueError("send_buckets: the weights hold more tensors than the plan")
     return sum(b.nbytes for b in plan)
 
 
@@ -188,6 +205,18 @@ def receive_buckets(broadcast: Broadcast, plan: Sequence[Bucket], src: int,
         buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
         broadcast(buf, src)
         yield from unpack(bucket, buf)
+        del buf  # let go before the next bucket's buffer is made
+
+
+@torch.no_grad()
+def receive_into(broadcast: Broadcast, plan: Sequence[Bucket], src: int, params: dict[str, torch.Tensor],
+                 device: torch.device | str = "cpu") -> None:
+    """Receive the plan's buckets from rank `src` and copy each tensor into `params[name]` (a
+    module's parameters, any device and float dtype) as its bucket arrives: one bucket held at
+    a time beyond `params`."""
+    for name, t in receive_buckets(broadcast, plan, src, device):
+        params[name].copy_(t)
+        del t  # the bucket goes once its last view does
 
 
 # ---------------------------------------------------------------- a group of its own

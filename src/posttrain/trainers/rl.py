@@ -348,12 +348,9 @@ class RLTrainer:
             return r.rollout.generate(prompts, step_seed(cfg.trainer.seed, step, 0))
 
         def sync() -> Any:
-            if not r.own_rollout_pool:
+            if r.pool_sync is None:
                 return r.rollout.sync_weights
-            weights = r.actor.policy_weights()  # Ray: a reference to the weights as they are now
-            if isinstance(weights, dict):  # in-process workers: a copy, the next update changes them in place
-                weights = {k: v.clone() for k, v in weights.items()}
-            return partial(r.rollout.load_weights, weights)
+            return r.pool_sync.staged_sync()  # the weights as they are now, streamed when the lane gets there
 
         log.info("async RL: max_staleness=%d (%s, stale_policy=%s); the rollout %s", a.max_staleness, a.mode,
                  a.stale_policy, "overlaps the update (a pool of its own)" if r.own_rollout_pool else

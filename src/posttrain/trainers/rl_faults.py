@@ -34,8 +34,11 @@ class WorkerFailure(RunStopped):
 
 def restart_workers(roles: Roles) -> None:
     """New workers, built from the run's initial weights as at its start (a restore then
-    loads a checkpoint into them); the driver's views call the new ones."""
+    loads a checkpoint into them); the driver's views call the new ones, and a rollout pool's
+    weight group is joined again at the next sync."""
     roles.pools.restart()
+    if roles.pool_sync is not None:
+        roles.pool_sync.joined = False
 
 
 def run_restarting(trainer: Any, run_once: Callable[[RLConfig], Any]) -> Any:

@@ -8,8 +8,8 @@ over the actor's policy module, so it reads the actor's weights in place and a w
 copies nothing. `RLConfig.resource_pools` may map the critic or the rollout to a pool of its
 own (placement.critic / placement.rollout): that pool's workers hold only that role (a critic
 pool: its own gloo group; a rollout pool: engines over their own policy copy, which
-`Roles.sync_rollout` fills from the actor's worker 0, once through Ray's object store, after
-each update). The reference stays with the actor.
+`Roles.sync_rollout` fills after each update, streamed from the actor's worker 0 in buckets
+over a weight group of their own: `rl_roles.PoolSync`). The reference stays with the actor.
 
 The vllm engine (rollout.engine=vllm; GPU workers, placement.gpus_per_worker, with vLLM's CUDA
 build, CPU workers with its CPU build): each worker

@@ -8,13 +8,15 @@ calls `roles.actor.compute_logprobs(batch)` whatever runs it. The reward stays i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from posttrain.config.rl import RLConfig
-from posttrain.distributed.groups import LocalWorkerGroup
+from posttrain.distributed.groups import LocalWorkerGroup, collective_backend
 from posttrain.distributed.pools import WorkerPools
 from posttrain.distributed.register import RoleView, role_view
 from posttrain.logging import get_logger
@@ -25,6 +27,70 @@ from posttrain.workers import Reward
 from posttrain.workers.roles import ActorRole, CriticRole, ReferenceRole, RolloutRole
 
 log = get_logger(__name__)
+
+
+def together(*calls: Callable[[], Any]) -> list[Any]:
+    """Run `calls` at once, one thread each (the two sides of a weight group's broadcasts are
+    calls on two worker groups), and wait for all; the first error is raised."""
+    with ThreadPoolExecutor(len(calls), thread_name_prefix="weight-sync") as pool:
+        futures = [pool.submit(c) for c in calls]
+    for f in futures:
+        if f.exception() is not None:
+            raise f.exception()
+    return [f.result() for f in futures]
+
+
+@dataclass
+class PoolSync:
+    """The actor's weights to a rollout pool of its own (placement.rollout.enable_resource_pool):
+    actor worker 0 and the R rollout workers join a weight group of their own (ranks 0 and
+    1..R; gloo, NCCL between whole GPUs), joined at the first sync; each sync streams the
+    weights over it in buckets of rollout.sync_bucket_mb (`rollout/weight_stream.py`): the
+    actor side's `send_weights` and the rollout side's `receive_weights` run at once. Under
+    trainer.strategy=fsdp2 every actor worker gathers one parameter at a time for worker 0's
+    buckets: no process holds the whole model beyond the rollout engine's own copy."""
+
+    actor: Any
+    rollout: Any
+    workers: list[RoleView]
+    rollout_world: int
+    bucket_bytes: int
+    backend: str
+    timeout_s: float
+    joined: bool = False
+    staged: int = 0
+
+    def sync(self, send: Callable[[], None] | None = None) -> None:
+        """Stream the weights (`send`: the actor side's call; default: its current weights). A
+        failure leaves the group on the sides that saw it; the next sync joins a new one."""
+        if not self.joined:
+            self.join()
+        try:
+            together(send or self.actor.send_weights, self.rollout.receive_weights)
+        except BaseException:
+            self.joined = False
+            raise
+
+    def staged_sync(self) -> Callable[[], None]:
+        """Async RL: actor worker 0 keeps the current weights now (every worker gathers);
+        the returned call streams that copy later, while the actor trains on."""
+        self.staged += 1
+        self.actor.stage_weights(self.staged)
+        return partial(self.sync, partial(self.actor.send_staged, self.staged))
+
+    def join(self) -> None:
+        host = self.actor.host_weights(self.bucket_bytes)
+        world = 1 + self.rollout_world
+        together(partial(self.actor.join_weights, world, self.backend, self.timeout_s),
+                 partial(self.rollout.join_weights, host["addr"], host["port"], world, self.backend, self.timeout_s,
+                         host["plan"]))
+        self.joined = True
+
+    def leave(self) -> None:
+        """Every worker leaves its weight group (at the end, or when its workers restarted)."""
+        self.joined = False
+        for w in self.workers:
+            w.leave_weights()
 
 
 @dataclass
@@ -40,8 +106,12 @@ class Roles:
     """The worker groups by pool name (one in-process worker locally), closed at the end."""
     workers: list[RoleView]
     """Each pool's worker-level calls (checkpoint shards, restore)."""
-    own_rollout_pool: bool = False
-    """placement.rollout: the engines run over policy copies of their own."""
+    pool_sync: PoolSync | None = None
+    """placement.rollout: the engines run over policy copies of their own, synced over it."""
+
+    @property
+    def own_rollout_pool(self) -> bool:
+        return self.pool_sync is not None
 
     def offload_rollout(self) -> None:
         """Before the update: colocated engines give their memory to it (a pool of its own
@@ -51,10 +121,9 @@ class Roles:
 
     def sync_rollout(self) -> None:
         """After an update: each colocated engine takes its own actor's weights in place; a
-        rollout pool of its own loads actor worker 0's (one state dict, never through the
-        driver on Ray)."""
-        if self.own_rollout_pool:
-            self.rollout.load_weights(self.actor.policy_weights())
+        rollout pool of its own has them streamed from actor worker 0 (`PoolSync`)."""
+        if self.pool_sync is not None:
+            self.pool_sync.sync()
         else:
             self.rollout.sync_weights()
 
@@ -80,7 +149,7 @@ class Roles:
         its own then takes the actor's weights."""
         for w in self.workers:
             w.restore(str(checkpoint), step)
-        if self.own_rollout_pool:
+        if self.pool_sync is not None:
             self.sync_rollout()
 
     def close(self) -> None:
@@ -89,6 +158,8 @@ class Roles:
         self.reward.runner.close()
         if self.pools.groups:  # not yet closed
             try:
+                if self.pool_sync is not None:
+                    self.pool_sync.leave()
                 self.rollout.close()
             except Exception as e:  # a dead worker: the run's own error (WorkerFailure) is the one to tell
                 log.warning("closing the rollout engines failed (%s: %s); stopping the workers", type(e).__name__, e)
@@ -130,5 +201,12 @@ def views(cfg: RLConfig, pools: WorkerPools, mapping: dict[str, str], reward: Re
     ref = role_view(actor_group, RLWorker, "ref", shares_policy=facts["peft"]) if cfg.algorithm.kl.enabled else None
     critic = role_view(pools[mapping["critic"]], RLWorker, "critic") if cfg.use_critic else None
     workers = [role_view(pools[name], RLWorker) for name in dict.fromkeys(mapping.values())]
-    return Roles(role_view(actor_group, RLWorker, "actor"), rollout, reward, ref, critic, pools, workers,
-                 own_rollout_pool=mapping["rollout"] != mapping["actor"])
+    own_pool = mapping["rollout"] != mapping["actor"]
+    # fsdp2 with the engines elsewhere: eval.task gathers the policy on every actor worker
+    actor = role_view(actor_group, RLWorker, "actor", {"gathered_eval": own_pool and cfg.trainer.strategy == "fsdp2"})
+    sync = None
+    if own_pool:
+        cuda = facts["device"].startswith("cuda")
+        sync = PoolSync(actor, rollout, workers, pools[mapping["rollout"]].world_size, int(rc.sync_bucket_mb * 2**20),
+                        collective_backend(cfg.placement.gpus_per_worker, cuda), cfg.trainer.collective_timeout_s)
+    return Roles(actor, rollout, reward, ref, critic, pools, workers, pool_sync=sync)

@@ -24,11 +24,16 @@ on both backends:
                                                   the metrics, so each optimizer step is the
                                                   whole mini-batch's
     ref.sync(alpha)                   ONE_TO_ALL  every reference moves towards its own actor
-    rollout.offload / sync_weights    ONE_TO_ALL  every engine takes its own actor's weights (a
-                                                  rollout pool: actor worker 0's, `load_weights`;
-                                                  fsdp2: one gathered parameter at a time)
+    rollout.offload / sync_weights    ONE_TO_ALL  every colocated engine takes its own actor's
+                                                  weights (fsdp2: one gathered parameter at a time)
+    actor.send_weights /              ONE_TO_ALL  a rollout pool of its own: actor worker 0 streams
+    rollout.receive_weights                       the weights in buckets over a weight group that
+                                                  joins it and the rollout workers (the two calls
+                                                  run at once, `rl_roles.PoolSync`; fsdp2: every
+                                                  actor worker gathers one parameter at a time)
     actor.evaluate_task(rows, ...)    RANK_ZERO   eval.task on worker 0's policy (fsdp2: its
-                                                  engine's whole copy)
+                                      ONE_TO_ALL  engine's whole copy; with no engine in the pool,
+                                                  every worker gathers into worker 0's CPU copy)
     actor.describe()                  RANK_ZERO   class, counts, dtype, signature, engine kind
     save_hf(folder, final)            ONE_TO_ALL  each pool's worker 0 writes the HF folders of
                                                   a checkpoint or final/ from its own modules
@@ -77,6 +82,7 @@ from posttrain.models.heads import ScalarHeadModel
 from posttrain.models.lora import is_peft, merged_for_export, parameter_counts
 from posttrain.rollout import MultiTurnLimits, SamplingParams
 from posttrain.trainers.rl_build import build_initial_models, build_reference, build_rollout
+from posttrain.trainers.rl_pool_weights import PoolWeights
 from posttrain.workers import Actor, Critic, RLBatch, head_on_policy
 from posttrain.workers.actor import shuffled_mini_batches
 from posttrain.workers.forward import device_of
@@ -119,13 +125,13 @@ def join_slices(slices: list[RLBatch]) -> RLBatch:
     return out
 
 
-class RLWorker:
+class RLWorker(PoolWeights):
     """The roles of one worker process, those of its pool (`roles`; all of them by default):
     actor + reference, critic, rollout. `policy` and `value_model` are the driver's initial
     modules (the same objects in process, copies on Ray; None where the pool does not hold
     their role); `env_factory` plays episodes (None: single-turn). The rollout's engine runs
     over the actor's policy when both are here, else over this worker's own copy of it
-    (`load_weights`). critic.share_backbone (one process only): the value head sits on the
+    (`receive_weights`). critic.share_backbone (one process only): the value head sits on the
     policy's backbone and trains in the actor's loss."""
 
     def __init__(self, rank: int, world_size: int, collective: Any, cfg: RLConfig, tokenizer: Any,
@@ -152,6 +158,7 @@ class RLWorker:
         if collective is not None:  # FSDP2's backward averages the gradients itself
             collective.average_gradients = not self.sharded
         self.collective = collective
+        self.init_pool_weights()
         self.templates: dict[str, torch.nn.Module] = {}
         """Of each sharded model, its structure on the meta device (`fsdp.full_copy` reads into it)."""
         episodes = env_factory is not None
@@ -228,12 +235,6 @@ class RLWorker:
         else:
             self.rollout.sync_weights(self.actor.model)
 
-    @register(Dispatch.ONE_TO_ALL, role="rollout", name="load_weights")
-    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """A rollout pool's worker: its policy copy takes the actor's weights, its engine samples from them."""
-        self.policy.load_state_dict(state)
-        self.rollout.sync_weights(self.policy)
-
     @register(Dispatch.ONE_TO_ALL, role="rollout", name="close")
     def close_engine(self) -> None:
         """At the end of the run: an engine that holds something outside this process (e.g. a
@@ -265,14 +266,20 @@ class RLWorker:
     def actor_lr(self) -> float:
         return self.actor.lr
 
-    @register(Dispatch.RANK_ZERO, role="actor", name="evaluate_task")
+    @register(Dispatch.RANK_ZERO, Dispatch.ONE_TO_ALL, when="gathered_eval", role="actor", name="evaluate_task")
     def evaluate_task(self, rows: list[dict[str, Any]], task: str, max_new_tokens: int, batch_size: int,
-                      temperature: float) -> tuple[dict[str, float], list[dict[str, Any]]]:
+                      temperature: float) -> tuple[dict[str, float], list[dict[str, Any]]] | None:
         """eval.task on worker 0's policy (`evaluation.evaluate_task`: the task's scorer on
-        completions of `rows`, episodes when the run plays them): (metrics, samples)."""
+        completions of `rows`, episodes when the run plays them): (metrics, samples). Under
+        fsdp2 the policy is the engine's whole copy; with the engine on a pool of its own, every
+        worker gathers (ONE_TO_ALL) into worker 0's CPU copy (`fsdp.full_copy`), freed after."""
         from posttrain.evaluation import evaluate_task
 
         model = self.engine_model if self.sharded else self.actor.model  # fsdp2: the engine's whole copy
+        if self.sharded and self.rollout is None:
+            model = full_copy(self.actor.model, self.templates["actor"], keep=self.rank == 0)
+            if model is None:
+                return None
         was_training = model.training
         model.eval()
         try:
@@ -304,11 +311,6 @@ class RLWorker:
     @register(Dispatch.ONE_TO_ALL, role="actor", name="model")
     def actor_model(self) -> torch.nn.Module | None:
         return self._full("actor", self.actor.model)
-
-    @register(Dispatch.RANK_ZERO_REF, role="actor", name="policy_weights")
-    def policy_weights(self) -> dict[str, torch.Tensor]:
-        """The actor's weights, on the CPU, for a rollout pool (`Roles.sync_rollout`)."""
-        return {k: v.detach().cpu() for k, v in self.actor.model.state_dict().items()}
 
     @register(Dispatch.DP_COMPUTE, role="ref", name="compute_logprobs")
     def ref_logprobs(self, batch: RLBatch) -> torch.Tensor:
