@@ -172,7 +172,8 @@ def run_remove_padding(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         model = copy.deepcopy(policy)
         model.load_state_dict(start)
         actors[name] = Actor(model, c, cfg.trainer.max_steps)
-    tokens = {"real": 0, "padded": 0, "packed": 0, "attention_rows": 0, "padded_rows_sq": 0, "attention_rows_sq": 0}
+    tokens = {"real": 0, "padded": 0, "packed": 0, "rows_layout": 0, "attention_rows": 0, "padded_rows_sq": 0,
+              "attention_rows_sq": 0}
     for b in batches:
         for mb in micro_batches(b, 64, by_length=True):
             rows = pack_responses(mb, one_row=True).rows
@@ -180,6 +181,7 @@ def run_remove_padding(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             tokens["real"] += int((mb.prompt_mask.sum(1) + mb.trajectory_lengths - 1).sum())
             tokens["padded"] += mb.input_ids[:, :-1].numel()
             tokens["packed"] += rows.input_ids.numel()
+            tokens["rows_layout"] += pack_responses(mb).rows.input_ids.numel()  # a transformers model's layout
             tokens["attention_rows"] += attention.rows * attention.width
             tokens["padded_rows_sq"] += mb.input_ids.shape[0] * (mb.input_ids.shape[1] - 1) ** 2
             tokens["attention_rows_sq"] += attention.rows * attention.width**2
@@ -211,6 +213,8 @@ def run_remove_padding(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         f"| token positions through the projections and MLP ({args.steps} batches) | {t['padded']} "
         f"({100 * t['real'] / t['padded']:.0f}% real) | {t['packed']} ({100 * t['real'] / t['packed']:.0f}% real) | "
         f"{t['packed'] / t['padded']:.2f}x |",
+        f"| the same, packed into rows as wide as the longest sequence (a transformers model's layout) | – | "
+        f"{t['rows_layout']} ({100 * t['real'] / t['rows_layout']:.0f}% real) | {t['rows_layout'] / t['padded']:.2f}x |",
         f"| attention: query positions; Σ rows × width² | {t['padded']}; {t['padded_rows_sq']} | "
         f"{t['attention_rows']} ({100 * t['real'] / t['attention_rows']:.0f}% real); {t['attention_rows_sq']} | "
         f"{t['attention_rows_sq'] / t['padded_rows_sq']:.2f}x |",
