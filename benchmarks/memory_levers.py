@@ -24,7 +24,9 @@ padded run's trainer (`rl_step`), then two actors on copies of the same weights 
 those same batches, alternating (padded, packed, padded, ...) --repeats times, each update
 timed (process CPU seconds and wall seconds) — the update as `rl_step` runs it: forward,
 loss, backward, AdamW. Reported: median CPU seconds per update of each, their ratio, and the
-token positions each layout computes (real tokens, padded (B, Tp + Tr − 1), packed rows).
+token positions each layout computes: through the projections and MLP (padded (B, Tp + Tr − 1);
+packed: the real tokens, one row) and through attention (the packed sequences regrouped into
+rows as wide as the longest, `models.document_rows`; Σ rows × width² against B × (Tp + Tr − 1)²).
 
 Writes OUT/memory_levers_<mode>.json and prints a Markdown table.
 """
@@ -150,6 +152,7 @@ def run_remove_padding(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     from posttrain import GRPOConfig, GRPOTrainer
     from posttrain.config.core import build_config
     from posttrain.data.tasks import make_task
+    from posttrain.models.document_rows import document_rows
     from posttrain.trainers import rl
     from posttrain.workers import Actor
     from posttrain.workers.forward import micro_batches, pack_responses
@@ -159,21 +162,29 @@ def run_remove_padding(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     rows = [json.loads(line) for line in paths["train"].read_text().splitlines()]
     cfg = build_config(GRPOConfig, None, remove_padding_overrides(args.model, out, args.steps))
     trainer = GRPOTrainer(args=cfg, train_dataset=rows)
-    start = copy.deepcopy(trainer.roles.actor.model.state_dict())
+    policy = trainer.roles.actor.model()  # the in-process worker's own module
+    start = copy.deepcopy(policy.state_dict())
     batches = [rl.rl_step(trainer, step)[1] for step in range(1, args.steps + 1)]
     actors = {}
     for name, packed in (("padded", False), ("packed", True)):
         c = copy.deepcopy(cfg)
         c.model.use_remove_padding = packed
-        model = copy.deepcopy(trainer.roles.actor.model)
+        model = copy.deepcopy(policy)
         model.load_state_dict(start)
         actors[name] = Actor(model, c, cfg.trainer.max_steps)
-    tokens = {"real": 0, "padded": 0, "packed": 0}
+    tokens = {"real": 0, "padded": 0, "packed": 0, "rows_layout": 0, "attention_rows": 0, "padded_rows_sq": 0,
+              "attention_rows_sq": 0}
     for b in batches:
         for mb in micro_batches(b, 64, by_length=True):
+            rows = pack_responses(mb, one_row=True).rows
+            attention = document_rows(rows.position_ids)
             tokens["real"] += int((mb.prompt_mask.sum(1) + mb.trajectory_lengths - 1).sum())
             tokens["padded"] += mb.input_ids[:, :-1].numel()
-            tokens["packed"] += pack_responses(mb).rows.input_ids.numel()
+            tokens["packed"] += rows.input_ids.numel()
+            tokens["rows_layout"] += pack_responses(mb).rows.input_ids.numel()  # a transformers model's layout
+            tokens["attention_rows"] += attention.rows * attention.width
+            tokens["padded_rows_sq"] += mb.input_ids.shape[0] * (mb.input_ids.shape[1] - 1) ** 2
+            tokens["attention_rows_sq"] += attention.rows * attention.width**2
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in actors}
     for rep in range(args.repeats):
         for i, b in enumerate(batches):
@@ -199,9 +210,14 @@ def run_remove_padding(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         f"**{summary['ratio_cpu']['median']:.2f}x** [{summary['ratio_cpu']['min']:.2f}–"
         f"{summary['ratio_cpu']['max']:.2f}] |",
         f"| wall s per update (median) | {summary['padded']['wall_s']:.3f} | {summary['packed']['wall_s']:.3f} | – |",
-        f"| token positions computed ({args.steps} batches) | {t['padded']} ({100 * t['real'] / t['padded']:.0f}% "
-        f"real) | {t['packed']} ({100 * t['real'] / t['packed']:.0f}% real) | "
+        f"| token positions through the projections and MLP ({args.steps} batches) | {t['padded']} "
+        f"({100 * t['real'] / t['padded']:.0f}% real) | {t['packed']} ({100 * t['real'] / t['packed']:.0f}% real) | "
         f"{t['packed'] / t['padded']:.2f}x |",
+        f"| the same, packed into rows as wide as the longest sequence (a transformers model's layout) | – | "
+        f"{t['rows_layout']} ({100 * t['real'] / t['rows_layout']:.0f}% real) | {t['rows_layout'] / t['padded']:.2f}x |",
+        f"| attention: query positions; Σ rows × width² | {t['padded']}; {t['padded_rows_sq']} | "
+        f"{t['attention_rows']} ({100 * t['real'] / t['attention_rows']:.0f}% real); {t['attention_rows_sq']} | "
+        f"{t['attention_rows_sq'] / t['padded_rows_sq']:.2f}x |",
     ])
     return {"settings": remove_padding_overrides(args.model, out, args.steps), "times": times,
             "summary": summary, "table": table}

@@ -209,23 +209,30 @@ def worker_ours(spec: dict[str, Any]) -> dict[str, Any]:
         cpu_stages["other"] = cpu - sum(cpu_stages.values())
         records.append({"wall": wall, "cpu": cpu, "stages": stages, "cpu_stages": cpu_stages,
                         "completion_len": metrics["response_length/mean"], "reward": metrics["reward/mean"],
-                        **update_work(trainer.roles.actor, batch)})
+                        **update_work(local_actor(trainer), batch)})
     return {"overrides": overrides, "steps": records}
+
+
+def local_actor(trainer):
+    """The `Actor` of the run's one in-process worker (trainer.backend=local)."""
+    return next(g.worker.actor for g in trainer.roles.pools.groups.values() if getattr(g.worker, "actor", None))
 
 
 def update_work(actor, batch) -> dict[str, float]:
     """What the update ran (recomputed after the timed step, unshuffled): the share of rows
-    it skipped (advantage 0 everywhere), and the real tokens and token positions (real plus
-    padding: the padded rows, or the packed ones with model.use_remove_padding) of the
-    micro-batches its forward passes ran over."""
+    it skipped (advantage 0 everywhere), and the real tokens and token positions through
+    the projections and MLP (real plus padding: the padded rows, or with
+    model.use_remove_padding the packed ones: the built-in model's one row of real tokens)
+    of the micro-batches its forward passes ran over."""
     from posttrain.workers.actor import ZeroAdvantageRows
-    from posttrain.workers.forward import pack_responses
+    from posttrain.workers.forward import builtin_of, pack_responses
 
     parts = actor.update_parts(batch)
     ran = [p for p in parts if not isinstance(p, ZeroAdvantageRows)]
     skipped = sum(len(p.batch) for p in parts if isinstance(p, ZeroAdvantageRows))
-    positions = [pack_responses(p).rows.input_ids.numel() if actor.remove_padding else p.input_ids[:, :-1].numel()
-                 for p in ran]
+    one_row = builtin_of(actor.model) is not None
+    positions = [pack_responses(p, one_row).rows.input_ids.numel() if actor.remove_padding
+                 else p.input_ids[:, :-1].numel() for p in ran]
     return {"zero_adv_frac": skipped / len(batch),
             "real_tokens": sum(int(p.token_counts().sum() - len(p)) for p in ran), "padded_tokens": sum(positions)}
 

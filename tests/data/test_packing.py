@@ -11,6 +11,7 @@ from posttrain.data.packing import (
     pack_collate,
     pack_examples,
     pack_rows,
+    pack_slots,
     packing_efficiency,
 )
 from posttrain.data.tokenizer import build_tokenizer
@@ -124,6 +125,8 @@ def test_pack_rows_by_hand():
     assert packed.input_ids.tolist() == [[31, 32, 33, 34, 35], [11, 12, 13, 21, 22]]
     assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 0, 1]]
     assert packed.starts.tolist() == [5, 8, 0, 0] and packed.fill.tolist() == [5, 5]
+    assert pack_slots([3, 2, 5, 0], 5) == ([5, 8, 0, 0], [5, 5], 5)  # (starts, fill, width)
+    assert pack_slots([3, 2, 5, 0], 7) == ([7, 0, 2, 0], [7, 3], 7)
     # A wider budget packs more (a row's members in input order); a row's tail is a
     # pseudo-document of pad ids from position 0.
     wide = pack_rows(ids, torch.tensor([1, 0, 0, 2]), torch.tensor([3, 2, 5, 0]), seq_length=7, pad_id=9)

@@ -62,6 +62,23 @@ def test_packed_rows_hold_only_real_tokens(batch):
     real = int((batch.prompt_mask.sum(1) + batch.lengths - 1).sum())
     assert int(layout.rows.fill.sum()) == real and len(layout.source) == int(batch.lengths.sum())
     assert layout.rows.input_ids.numel() < batch.input_ids[:, :-1].numel()  # padding gone
+    one_row = pack_responses(batch, one_row=True).rows
+    assert one_row.input_ids.shape == (1, real) and int(one_row.fill.sum()) == real  # no tail at all
+
+
+def test_the_builtin_projections_and_mlp_see_only_the_real_tokens(model64, batch):
+    """The built-in model takes the packed tokens as one row; only its attention regroups
+    them into rows (with tails), so the MLP computes exactly the real tokens, not the
+    rows-as-wide-as-the-longest layout's tails."""
+    seen = []
+    hook = model64.model.layers[0].mlp.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[:-1]))
+    try:
+        response_logits(model64, batch, remove_padding=True)
+    finally:
+        hook.remove()
+    real = int((batch.prompt_mask.sum(1) + batch.lengths - 1).sum())
+    assert seen == [(1, real)]
+    assert pack_responses(batch).rows.real_fraction < 0.95  # the rows layout would compute a tail
 
 
 @pytest.mark.parametrize("micro,max_tokens", [(4, 0), (12, 30)])

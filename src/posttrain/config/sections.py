@@ -107,7 +107,7 @@ class RLModelConfig(ModelConfig):
     use_remove_padding: bool = field(default=False, metadata=aliases(
         verl("actor_rollout_ref.model.use_remove_padding"),
         verl("critic.model.use_remove_padding", note="one key for every RL model: the critic too")))
-    """Padding-free forward passes for the actor's update and log-probs, the reference's log-probs and the critic's values and update: each micro-batch's prompt + response sequences are packed into rows as wide as its longest sequence (best-fit decreasing, positions restarting at each sequence, attention never crossing one), so left and right padding is not computed. The same log-probs, values, losses and gradients as padded rows. With actor.max_tokens_per_micro_batch, micro-batches are then cut by real tokens. transformers models need position_ids-based packing (transformers' masking_utils; sdpa or eager attention)."""
+    """Padding-free forward passes for the actor's update and log-probs, the reference's log-probs and the critic's values and update: each micro-batch's prompt + response sequences are packed (positions restarting at each sequence, attention never crossing one), so left and right padding is not computed: the built-in model takes all real tokens as one row (as veRL's (1, total_nnz) input) and only its attention regroups them, into rows as wide as the longest sequence (best-fit decreasing); a transformers model takes them packed into such rows. The same log-probs, values, losses and gradients as padded rows. With actor.max_tokens_per_micro_batch, micro-batches are then cut by real tokens. transformers models need position_ids-based packing (transformers' masking_utils; sdpa or eager attention)."""
 
 
 @dataclass

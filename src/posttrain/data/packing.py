@@ -149,29 +149,42 @@ class PackedRows:
         return float(self.fill.sum()) / max(1, self.input_ids.numel())
 
 
+def pack_slots(lengths: Sequence[int], seq_length: int) -> tuple[list[int], list[int], int]:
+    """Where `bfd_bins` puts each sequence in rows of one width: (starts, fill, width).
+
+    lengths: S sequence lengths (0 = left out). width W = the fullest row's fill (≤
+    seq_length); starts[s] = the flat index r·W + offset of sequence s's first token in the
+    (R·W) rows (0 for an empty one); fill[r] = tokens of sequences in row r (its tail starts
+    there). A row's members sit back to back in ascending sequence order.
+    """
+    kept = [s for s, k in enumerate(lengths) if k > 0]
+    if not kept:
+        raise ValueError("pack_rows got no token: every sequence is empty")
+    bins = [[kept[j] for j in members] for members in bfd_bins([lengths[s] for s in kept], seq_length)]
+    fill = [sum(lengths[s] for s in members) for members in bins]
+    width = max(fill)
+    starts = [0] * len(lengths)
+    for r, members in enumerate(bins):
+        offset = r * width
+        for s in members:
+            starts[s], offset = offset, offset + lengths[s]
+    return starts, fill, width
+
+
 def pack_rows(
     ids: torch.Tensor, begin: torch.Tensor, lengths: torch.Tensor, seq_length: int | None = None, pad_id: int = 0
 ) -> PackedRows:
     """Pack sequence b = ids[b, begin[b] : begin[b] + lengths[b]] of a padded batch into
     rows of at most `seq_length` tokens (default the longest sequence, so no row costs more
-    attention than the batch's widest sequence alone) with `bfd_bins`.
+    attention than the batch's widest sequence alone) with `bfd_bins` (`pack_slots`).
 
     ids (B, T) long; begin, lengths (B,) long (a length may be 0: that sequence is left
     out). Everything is built by index, on ids' device: token k of sequence b moves from
     flat index b·T + begin[b] + k to starts[b] + k.
     """
     n = lengths.tolist()
-    kept = [b for b, k in enumerate(n) if k > 0]
-    if not kept:
-        raise ValueError("pack_rows got no token: every sequence is empty")
-    bins = [[kept[j] for j in members] for members in bfd_bins([n[b] for b in kept], seq_length or max(n))]
-    fill = [sum(n[b] for b in members) for members in bins]
-    width, device = max(fill), ids.device
-    starts = [0] * len(n)
-    for r, members in enumerate(bins):
-        offset = r * width
-        for b in members:
-            starts[b], offset = offset, offset + n[b]
+    starts, fill, width = pack_slots(n, seq_length or max(n))
+    device = ids.device
     starts_t = torch.tensor(starts, dtype=torch.long, device=device)
     fill_t = torch.tensor(fill, dtype=torch.long, device=device)
     lengths = lengths.to(device)
@@ -179,7 +192,7 @@ def pack_rows(
     k = torch.arange(len(seq), device=device) - (lengths.cumsum(0) - lengths)[seq]  # (N,) its index within it
     columns = torch.arange(width, device=device)
     position_ids = (columns[None, :] - fill_t[:, None]).clamp(min=0)  # (R, W): the tails' 0, 1, ...
-    input_ids = torch.full((len(bins) * width,), pad_id, dtype=ids.dtype, device=device)
+    input_ids = torch.full((len(fill) * width,), pad_id, dtype=ids.dtype, device=device)
     input_ids[starts_t[seq] + k] = ids.reshape(-1)[seq * ids.shape[1] + begin.to(device)[seq] + k]
     position_ids.view(-1)[starts_t[seq] + k] = k
-    return PackedRows(input_ids.view(len(bins), width), position_ids, starts_t, fill_t)
+    return PackedRows(input_ids.view(len(fill), width), position_ids, starts_t, fill_t)

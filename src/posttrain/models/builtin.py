@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from posttrain.models import llama_checkpoint as ckpt
+from posttrain.models.document_rows import DocumentRows, document_rows, document_starts
 from posttrain.models.kv_cache import KVCache
 from posttrain.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 
@@ -164,36 +165,24 @@ def positions_from_mask(attention_mask: torch.Tensor, num_new: int) -> torch.Ten
     return positions[:, -num_new:].clamp(min=0)
 
 
-def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """Index of the packed document each token belongs to, (B, T) -> (B, T).
-
-    A document starts wherever the position does not continue the previous one
-    by +1 (in particular at every 0): the rule of transformers'
-    `find_packed_sequence_indices`, so packed batches mean the same to HF models.
-    """
-    prev = torch.cat([position_ids[:, :1] - 1, position_ids[:, :-1]], dim=1)
-    return (position_ids - prev != 1).long().cumsum(-1)
-
-
 def attention_mask_for_sdpa(
     attention_mask: torch.Tensor | None,
-    documents: torch.Tensor | None,
     past_len: int,
     num_new: int,
     device: torch.device,
 ) -> tuple[torch.Tensor | None, bool]:
     """The (mask, is_causal) pair for scaled_dot_product_attention.
 
-    attention_mask (B, T_kv) padding mask, 1 = real key; documents (B, T) packed
-    document ids (no cache) or None. Returns a bool mask (B or 1, 1, T_new, T_kv),
-    True = may attend, combining causality (key position <= query position),
-    padding and documents; or None with is_causal telling SDPA to build the
-    causal mask itself (the fast path: no padding, no packing).
+    attention_mask (B, T_kv) padding mask, 1 = real key, or None. Returns a bool mask
+    (B or 1, 1, T_new, T_kv), True = may attend, combining causality (key position <=
+    query position) and padding; or None with is_causal telling SDPA to build the
+    causal mask itself (the fast path: no padding). Packed documents are not masked
+    here but regrouped (`document_rows`).
     """
-    if attention_mask is None and documents is None:
+    if attention_mask is None:
         if num_new == 1 or past_len == 0:
             return None, num_new > 1
-    elif num_new == 1 and documents is None:
+    elif num_new == 1:
         # Decode step: the causal part is all True, only padding matters.
         mask = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, T_kv)
         return mask | ~mask.any(-1, keepdim=True), False
@@ -202,8 +191,6 @@ def attention_mask_for_sdpa(
     mask = (key_pos[None, :] <= query_pos[:, None])[None, None]  # (1, 1, T_new, T_kv)
     if attention_mask is not None:
         mask = mask & attention_mask.bool()[:, None, None, :]
-    if documents is not None:
-        mask = mask & (documents[:, None, :, None] == documents[:, None, None, :])
     # A query with no visible key (a padding position in a left-padded row) would
     # give NaN; let it see every key instead: its output is never used.
     return mask | ~mask.any(-1, keepdim=True), False
@@ -235,7 +222,7 @@ class DecoderStack(nn.Module):
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | DocumentRows | None,
         is_causal: bool,
         cache: KVCache | None,
     ) -> torch.Tensor:
@@ -267,7 +254,8 @@ class BuiltinLM(nn.Module):
       over the cached + new positions, or to past_len + arange(T) without a mask.
     - Packing: with position_ids and no attention_mask (and no cache), a new
       document starts wherever positions restart (e.g. at 0) and attention
-      never crosses documents.
+      never crosses documents: it runs per group of documents
+      (`document_rows`), while everything else sees the tokens as given.
     - Incremental decoding: pass `cache=model.new_cache(B, max_len)`; each call
       appends its T new tokens to the cache (see KVCache), and attention_mask
       must then cover all cached + new positions.
@@ -371,11 +359,10 @@ class BuiltinLM(nn.Module):
             )
         if position_ids is not None and position_ids.dim() == 1:
             position_ids = position_ids[None]  # (T,) shared by all rows
-        documents = None
         if position_ids is not None and attention_mask is None and cache is None:
-            documents = document_ids(position_ids)
-            if not bool(documents[:, -1].any()):
-                documents = None  # a single document per row
+            position_ids = position_ids.expand(b, t)
+            if bool(document_starts(position_ids).view(b, t)[:, 1:].any()):  # packed documents
+                return self.model(input_ids, position_ids, document_rows(position_ids), False, None)
         if cache is None and attention_mask is not None and bool(attention_mask.all()):
             attention_mask = None  # no padding: take SDPA's causal fast path
         if position_ids is None:
@@ -384,9 +371,7 @@ class BuiltinLM(nn.Module):
             else:
                 position_ids = torch.arange(past_len, past_len + t, device=input_ids.device)[None]
         position_ids = position_ids.expand(b, t)
-        mask, is_causal = attention_mask_for_sdpa(
-            attention_mask, documents, past_len, t, input_ids.device
-        )
+        mask, is_causal = attention_mask_for_sdpa(attention_mask, past_len, t, input_ids.device)
         return self.model(input_ids, position_ids, mask, is_causal, cache)
 
     def forward(

@@ -10,7 +10,8 @@ checkpoints load 1:1 and give the same logits:
   weights are stored for the half-split pairing.
 - RMSNorm normalises in float32 and casts back before the weight multiply (as HF).
 - Attention uses torch's fused scaled_dot_product_attention and supports grouped
-  KV heads (GQA) and a KV cache.
+  KV heads (GQA) and a KV cache. Packed documents attend in rows of their own
+  (`document_rows.DocumentRows` as the mask), not through one mask over the input row.
 - Two switches for the Qwen families: a bias on q/k/v (Qwen2), and an RMSNorm of each
   query and key head over its D features before RoPE (Qwen3's q_norm / k_norm).
 """
@@ -24,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from posttrain.models.document_rows import DocumentRows
 
 if TYPE_CHECKING:
     from posttrain.models.kv_cache import KVCache
@@ -193,12 +196,13 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | DocumentRows | None,
         is_causal: bool,
         cache: KVCache | None = None,
         layer_idx: int = 0,
     ) -> torch.Tensor:
-        """x (B, T, H), cos/sin (B, T, D), mask (B, 1, T, T_kv) or None -> (B, T, H).
+        """x (B, T, H), cos/sin (B, T, D), mask (B, 1, T, T_kv), DocumentRows (packed
+        documents, no cache) or None -> (B, T, H).
 
         With a cache, the new keys/values are written at the cache's current
         length and attention runs over everything cached so far plus the new tokens.
@@ -213,7 +217,11 @@ class Attention(nn.Module):
         q, k = apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         if cache is not None:
             k, v = cache.write(layer_idx, k, v)  # (B, nkv, T_kv, D)
-        out = grouped_attention(q, k, v, mask, is_causal)  # (B, nh, T, D)
+        if isinstance(mask, DocumentRows):
+            rows = grouped_attention(mask.split(q), mask.split(k), mask.split(v), mask.mask, False)  # (R, nh, W, D)
+            out = mask.merge(rows, b, t)
+        else:
+            out = grouped_attention(q, k, v, mask, is_causal)  # (B, nh, T, D)
         # transpose makes it non-contiguous, so reshape (not view) merges the heads
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * d))
 
@@ -267,7 +275,7 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | DocumentRows | None,
         is_causal: bool,
         cache: KVCache | None = None,
         layer_idx: int = 0,
@@ -282,7 +290,7 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | DocumentRows | None,
         is_causal: bool,
         cache: KVCache | None,
         layer_idx: int,

@@ -56,7 +56,7 @@ from posttrain.workers.forward import (
 def response_values(model: ScalarHeadModel, batch: RLBatch, remove_padding: bool = False) -> torch.Tensor:
     """V(s_0) … V(s_{Tr−1}), float32 (float64 from a float64 model) (B, Tr), zero at padding when packed."""
     (values,) = response_states(model.hidden_states, batch, lambda h: (at_least_float32(model.score(h).squeeze(-1)),),
-                                remove_padding)
+                                remove_padding, one_row=model.is_builtin)
     return values
 
 
@@ -140,7 +140,7 @@ class Critic:
         head = policy.get_output_embeddings()
         logits, values = response_states(self.model.hidden_states, mb,
                                          lambda h: (head(h), at_least_float32(self.model.score(h).squeeze(-1))),
-                                         self.remove_padding)
+                                         self.remove_padding, one_row=self.model.is_builtin)
         term, metrics = self._value_term(values, mb)
         return logits, term, metrics
 

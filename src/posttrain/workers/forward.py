@@ -9,10 +9,15 @@ column (prompt + response[:t]).
 Two layouts of the same computation (`model.use_remove_padding`, veRL's name):
 - padded: the (B, Tp + Tr − 1) rows as they are (the last column predicts nothing);
 - packed: each row's real tokens, prompt + response[:L − 1] (L = its trajectory length),
-  packed into rows as wide as the longest of them (`data.packing.pack_rows`), positions
-  restarting at every sequence and attention kept inside it, so left and right padding is
-  not computed. The states s_0 … s_{L−1} are gathered back into (B, Tr, …) tensors, zero at
-  padding (`ResponseLayout`). Log-probs, values and losses equal the padded ones.
+  positions restarting at every sequence and attention kept inside it, so left and right
+  padding is not computed. The built-in model takes them as one row of N real tokens (as
+  veRL's (1, total_nnz) input): its attention regroups the sequences itself
+  (`models.document_rows`), so only attention sees the regrouped rows' tails. A
+  transformers model takes them packed into rows as wide as the longest sequence
+  (`data.packing.pack_rows`; with SDPA a single row would cost N² attention), and computes
+  those rows' tails too. The states s_0 … s_{L−1} are gathered back into (B, Tr, …)
+  tensors, zero at padding (`ResponseLayout`). Log-probs, values and losses equal the
+  padded ones.
 """
 
 from __future__ import annotations
@@ -78,10 +83,12 @@ class ResponseLayout:
         return out.index_copy(0, self.target, states).view(*self.shape, *states.shape[1:])
 
 
-def pack_responses(batch: RLBatch) -> ResponseLayout:
-    """The packed layout of `batch` (see the module docstring). Row i's real tokens are the
-    contiguous columns [Tp − n_i, Tp + L_i) of `input_ids` (n_i prompt tokens, left-padded;
-    L_i = `trajectory_lengths`); the last is fed to nothing, since no state reads it."""
+def pack_responses(batch: RLBatch, one_row: bool = False) -> ResponseLayout:
+    """The packed layout of `batch` (see the module docstring): all real tokens in one row
+    (`one_row`: the built-in model), else rows as wide as the longest sequence. Row i's
+    real tokens are the contiguous columns [Tp − n_i, Tp + L_i) of `input_ids` (n_i prompt
+    tokens, left-padded; L_i = `trajectory_lengths`); the last is fed to nothing, since no
+    state reads it."""
     tp, tr = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
     n_prompt = batch.prompt_mask.sum(1)
     trajectory = batch.trajectory_lengths.to(n_prompt.device)
@@ -94,7 +101,7 @@ def pack_responses(batch: RLBatch) -> ResponseLayout:
         raise ValueError("model.use_remove_padding: the batch's prompts are not left-padded (or its responses "
                          "not right-padded); pack them with model.use_remove_padding=false")
     lengths = torch.where(trajectory > 0, n_prompt + trajectory - 1, 0)
-    rows = pack_rows(batch.input_ids, tp - n_prompt, lengths)
+    rows = pack_rows(batch.input_ids, tp - n_prompt, lengths, int(lengths.sum()) if one_row else None)
     seq = torch.repeat_interleave(torch.arange(len(batch), device=trajectory.device), trajectory)  # (N,)
     t = torch.arange(len(seq), device=seq.device) - (trajectory.cumsum(0) - trajectory)[seq]  # (N,)
     source = rows.starts.to(seq.device)[seq] + n_prompt[seq] - 1 + t
@@ -104,15 +111,17 @@ def pack_responses(batch: RLBatch) -> ResponseLayout:
 def response_states(
     hidden: HiddenFn, batch: RLBatch, heads: Callable[[torch.Tensor], tuple[torch.Tensor, ...]],
     remove_padding: bool = False,
+    one_row: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """`heads` applied to the hidden states of s_0 … s_{Tr−1} only: each output (b, Tr, *).
 
     heads: (…, H) → a tuple of (…, *) tensors (an LM head, a value head, or both). Padded:
-    `hidden` reads cat(prompt, response) without its last column; packed: the packed rows,
-    and the heads see the N real states only (zero at padding in the result).
+    `hidden` reads cat(prompt, response) without its last column; packed: the packed rows
+    (`pack_responses(batch, one_row)`; one_row for a built-in backbone), and the heads see
+    the N real states only (zero at padding in the result).
     """
     if remove_padding:
-        layout = pack_responses(batch)
+        layout = pack_responses(batch, one_row)
         states = layout.gather(hidden(layout.rows.input_ids, None, layout.rows.position_ids))  # (N, H)
         return tuple(layout.scatter(out) for out in heads(states))
     ids, mask = batch.input_ids, batch.attention_mask
@@ -130,7 +139,8 @@ def response_logits(model: nn.Module, batch: RLBatch, remove_padding: bool = Fal
     """
     builtin = builtin_of(model)
     if builtin is not None:
-        (logits,) = response_states(builtin.hidden_states, batch, lambda h: (builtin.lm_head(h),), remove_padding)
+        (logits,) = response_states(builtin.hidden_states, batch, lambda h: (builtin.lm_head(h),), remove_padding,
+                                    one_row=True)
         return logits
     if remove_padding:
         return packed_hf_logits(model, pack_responses(batch))
