@@ -1,0 +1,200 @@
+"""Issue 34, item 5: SIGKILLs of a real `posttrain grpo` run, async RL (max_staleness=1) on Ray with
+a rollout pool of its own, and `trainer.resume=auto` after each: every prompt of the stream is
+trained on exactly once per epoch, counted from trained_prompts.jsonl.
+
+The kills, at points drawn from a seeded RNG (the same every run of the test):
+- the driver, 5 times: 4 at a random delay after a drawn step is logged (checkpoints are written
+  every step, so a kill may land mid-step or mid-save), 1 halfway through writing a checkpoint
+  (POSTTRAIN_FAULT_KILL_AT=save:N, `checkpoint.files`: polling cannot hit it reliably);
+- the rollout worker, twice, mid-generation (found by its process title, `ray::RLWorker.generate`):
+  with trainer.on_worker_failure=restart and max_restarts=1 the run first restarts its workers by
+  itself, then stops with one line naming the worker.
+
+Every process a run starts (the driver, Ray's GCS, raylet, agents and workers) is in the session
+the test gives it; the `sessions` fixture SIGKILLs whatever is left of each session and removes
+its Ray temp folder, whatever the outcome. Slow (minutes: each run starts Ray).
+"""
+
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from posttrain.data.tasks import make_task
+
+pytestmark = pytest.mark.slow
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+PROMPTS, PER_STEP, STEPS = 16, 4, 16  # 4 steps per epoch, 4 epochs
+
+
+def session_pids(sid: int) -> set[int]:
+    """Live (not zombie) processes of session `sid`."""
+    found = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text()
+        except OSError:
+            continue
+        state, _, _, session = stat[stat.rfind(")") + 2:].split()[:4]
+        if int(session) == sid and state != "Z":
+            found.add(int(proc.name))
+    return found
+
+
+def titled(sid: int, prefix: str) -> list[int]:
+    """Processes of session `sid` whose command line (a Ray worker's: its title) starts with `prefix`."""
+    out = []
+    for pid in session_pids(sid):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(prefix.encode()):
+                out.append(pid)
+    return out
+
+
+def wait_until(condition, timeout_s, what):
+    deadline = time.monotonic() + timeout_s
+    while not (result := condition()):
+        assert time.monotonic() < deadline, f"{what} within {timeout_s} s"
+        time.sleep(0.05)
+    return result
+
+
+@pytest.fixture
+def sessions(tmp_path):
+    """`launch(argv, env)`: `posttrain *argv` in a session of its own (stdout and stderr into a
+    file: `proc.log`). At the end every process left in those sessions is SIGKILLed (Ray's
+    `ray stop`, for these runs only) and their Ray temp folders (/tmp/ptray-<pid>-*) removed."""
+    started = []
+
+    def launch(argv, env=None):
+        log = tmp_path / f"run-{len(started)}.log"
+        with open(log, "w") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "posttrain", *argv], stdout=out, stderr=subprocess.STDOUT,
+                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC), **(env or {})},
+                start_new_session=True)
+        proc.log = log
+        started.append(proc)
+        return proc
+
+    try:
+        yield launch
+    finally:
+        for proc in started:
+            stop_session(proc)
+
+
+def stop_session(proc) -> None:
+    """SIGKILL every process of `proc`'s session, reap it, remove its Ray temp folder."""
+    for pid in session_pids(proc.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=30)
+    wait_until(lambda: not session_pids(proc.pid), 30, "the session's processes were not gone")
+    for tmp in Path("/tmp").glob(f"ptray-{proc.pid}-*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def logged_steps(run: Path) -> list[int]:
+    try:
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    steps = []
+    for line in lines:
+        with contextlib.suppress(ValueError, KeyError):
+            steps.append(json.loads(line)["step"])
+    return steps
+
+
+def wait_for_step(proc, run: Path, step: int, timeout_s: float = 600) -> None:
+    def reached():
+        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before step {step}:\n" + \
+            proc.log.read_text()[-3000:]
+        return step in logged_steps(run)
+
+    wait_until(reached, timeout_s, f"no metrics line of step {step}")
+
+
+def kill_rollout_worker(proc) -> int:
+    """SIGKILL the rollout pool's worker while it generates; its pid."""
+    (pid,) = wait_until(lambda: titled(proc.pid, "ray::RLWorker.generate"), 60, "no rollout worker generating")
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def test_sigkills_of_the_driver_and_of_a_rollout_worker_lose_and_repeat_no_prompt(tmp_path, sessions):
+    pytest.importorskip("ray")
+    make_task("arithmetic", tmp_path / "data", n_train=PROMPTS, n_test=4, seed=0, difficulty="easy")
+    run = tmp_path / "run"
+    argv = ["grpo", "model.init=tiny", f"data.train_files=[{tmp_path / 'data' / 'train.jsonl'}]",
+            f"data.train_batch_size={PER_STEP}", "rollout.n=2", "rollout.max_new_tokens=8", "actor.micro_batch_size=8",
+            f"trainer.max_steps={STEPS}", "trainer.save_steps=1", "trainer.resume=auto", f"trainer.output_dir={run}",
+            "trainer.report_to=[]", "trainer.progress=false", "reward.functions=[task_reward]",
+            "trainer.async_training.max_staleness=1", "trainer.backend=ray", "placement.rollout.enable_resource_pool=true",
+            "trainer.on_worker_failure=restart", "trainer.max_restarts=1"]
+    rng = random.Random(0)
+    steps = iter(sorted(rng.sample(range(2, STEPS), 7)))  # one kill at each, in this order:
+    plan = ["driver", "save", "rollout", "driver", "driver", "driver"]  # "rollout": two kills in one run
+    kills = []
+    for what in plan:
+        step = next(steps)
+        if what == "save":  # the run kills itself halfway through writing step-N
+            proc = sessions(argv, env={"POSTTRAIN_FAULT_KILL_AT": f"save:{step}"})
+            assert proc.wait(timeout=600) == -signal.SIGKILL, proc.log.read_text()[-3000:]
+            stop_session(proc)
+            ckpts = run / "checkpoints"
+            assert list(ckpts.glob(f".tmp-step-{step}-*")) and not (ckpts / f"step-{step}").exists()
+            kills.append(("mid-save", step))
+            continue
+        proc = sessions(argv)
+        wait_for_step(proc, run, step)
+        if what == "driver":
+            time.sleep(rng.uniform(0.0, 0.6))
+            proc.send_signal(signal.SIGKILL)
+            assert proc.wait(timeout=60) == -signal.SIGKILL
+            stop_session(proc)
+            kills.append(("driver", step))
+            continue
+        first = kill_rollout_worker(proc)  # restarted by the run (trainer.max_restarts=1) ...
+        wait_until(lambda: re.search(r"restart 1 of 1(.|\n)*resumed from", proc.log.read_text()), 300,
+                   "the run did not restart its workers and resume")  # metrics.jsonl is cut back then
+        restarted = proc.log.read_text()
+        assert re.search(rf"rank 0 \(pid {first}\) of 1 \(holding rollout\) died during `generate`", restarted), \
+            restarted[-3000:]
+        second_step = next(steps)
+        wait_for_step(proc, run, second_step)
+        second = kill_rollout_worker(proc)  # ... then its restarts are spent: it stops, naming the worker
+        assert proc.wait(timeout=120) == 1, proc.log.read_text()[-3000:]
+        out = proc.log.read_text()
+        assert re.search(rf"^posttrain grpo: stopped: trainer.backend=ray: at step \d+, Ray worker rank 0 \(pid "
+                         rf"{second}\) of 1 \(holding rollout\) died during `generate`", out, re.M), out[-3000:]
+        assert "Traceback" not in out, out[-3000:]
+        wait_until(lambda: not session_pids(proc.pid), 30, "the stopped run left a process of its own or Ray's")
+        kills += [("rollout worker", step), ("rollout worker", second_step)]
+    last = sessions(argv)
+    assert last.wait(timeout=600) == 0, last.log.read_text()[-3000:]
+    assert len(kills) == 7, kills
+
+    log = [json.loads(line) for line in (run / "trained_prompts.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(1, STEPS + 1))
+    for r in log:  # each prompt's policy version: within max_staleness=1 of the weights of its step
+        assert len(r["version"]) == PER_STEP and all(0 <= r["step"] - 1 - v <= 1 for v in r["version"]), r
+    per_epoch = PROMPTS // PER_STEP
+    for epoch in range(STEPS // per_epoch):
+        seen = Counter(i for r in log[epoch * per_epoch:(epoch + 1) * per_epoch] for i in r["prompt_index"])
+        assert seen == Counter(range(PROMPTS)), (epoch, seen, kills)
