@@ -137,64 +137,103 @@ def kill_rollout_worker(proc) -> int:
     return pid
 
 
-def test_sigkills_of_the_driver_and_of_a_rollout_worker_lose_and_repeat_no_prompt(tmp_path, sessions):
-    pytest.importorskip("ray")
+def kill_driver(proc, run: Path, step: int, rng: random.Random) -> None:
+    """SIGKILL the driver at a random delay after step `step` is logged (mid-step or mid-save)."""
+    wait_for_step(proc, run, step)
+    time.sleep(rng.uniform(0.0, 1.0))
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+    stop_session(proc)
+
+
+def kill_mid_save(proc, run: Path, step: int) -> None:
+    """The run (POSTTRAIN_FAULT_KILL_AT=save:`step`) SIGKILLs itself halfway through writing step-N:
+    an unsealed .tmp folder is left, never a step-N."""
+    assert proc.wait(timeout=600) == -signal.SIGKILL, proc.log.read_text()[-3000:]
+    stop_session(proc)
+    assert list((run / "checkpoints").glob(f".tmp-step-{step}-*")), "the save was not cut halfway"
+    assert not (run / "checkpoints" / f"step-{step}").exists()
+
+
+def kill_rollout_twice(proc, run: Path, first_step: int, second_step: int) -> None:
+    """Kill the rollout worker mid-generation after `first_step`: the run restarts its workers
+    (trainer.max_restarts=1) and resumes from its checkpoint by itself; again after `second_step`:
+    its restarts spent, it stops with one line naming the worker, exit 1, no process left."""
+    wait_for_step(proc, run, first_step)
+    first = kill_rollout_worker(proc)
+    wait_until(lambda: re.search(r"restart 1 of 1(.|\n)*resumed from", proc.log.read_text()), 300,
+               "the run did not restart its workers and resume")  # metrics.jsonl is cut back then
+    out = proc.log.read_text()
+    assert re.search(rf"rank 0 \(pid {first}\) of 1 \(holding rollout\) died during `generate`", out), out[-3000:]
+    wait_for_step(proc, run, second_step)
+    second = kill_rollout_worker(proc)
+    assert proc.wait(timeout=120) == 1, proc.log.read_text()[-3000:]
+    out = proc.log.read_text()
+    assert re.search(rf"^posttrain grpo: stopped: trainer.backend=ray: at step \d+, Ray worker rank 0 \(pid "
+                     rf"{second}\) of 1 \(holding rollout\) died during `generate`", out, re.M), out[-3000:]
+    assert "Traceback" not in out and "closing the rollout engines failed" not in out, out[-3000:]
+    wait_until(lambda: not session_pids(proc.pid), 30, "the stopped run left a process of its own or Ray's")
+    assert not list(Path("/tmp").glob(f"ptray-{proc.pid}-*")), "the stopped run left its Ray temp folder"
+
+
+def resumed_step(proc) -> int:
+    """The step `proc`'s run says it resumed at (waiting for the line)."""
+    found = wait_until(lambda: re.search(r"resumed from \S+/step-\d+ at step (\d+)", proc.log.read_text()), 300,
+                       "the run did not resume")
+    return int(found.group(1))
+
+
+PLANS = {  # what is killed, in order, at the drawn steps ("rollout": twice in one run, at two steps)
+    "ray": ["driver", "save", "rollout", "driver", "driver", "driver"],
+    "local": ["driver", "save", "driver", "driver", "driver"],
+}
+ON = {"ray": ["trainer.backend=ray", "placement.rollout.enable_resource_pool=true", "trainer.on_worker_failure=restart",
+              "trainer.max_restarts=1"],
+      "local": []}
+
+
+@pytest.mark.parametrize("backend", ["ray", "local"])
+def test_sigkills_of_the_driver_and_of_a_rollout_worker_lose_and_repeat_no_prompt(tmp_path, sessions, backend):
+    if backend == "ray":
+        pytest.importorskip("ray")
     make_task("arithmetic", tmp_path / "data", n_train=PROMPTS, n_test=4, seed=0, difficulty="easy")
     run = tmp_path / "run"
     argv = ["grpo", "model.init=tiny", f"data.train_files=[{tmp_path / 'data' / 'train.jsonl'}]",
             f"data.train_batch_size={PER_STEP}", "rollout.n=2", "rollout.max_new_tokens=8", "actor.micro_batch_size=8",
             f"trainer.max_steps={STEPS}", "trainer.save_steps=1", "trainer.resume=auto", f"trainer.output_dir={run}",
             "trainer.report_to=[]", "trainer.progress=false", "reward.functions=[task_reward]",
-            "trainer.async_training.max_staleness=1", "trainer.backend=ray", "placement.rollout.enable_resource_pool=true",
-            "trainer.on_worker_failure=restart", "trainer.max_restarts=1"]
-    rng = random.Random(0)
-    steps = iter(sorted(rng.sample(range(2, STEPS), 7)))  # one kill at each, in this order:
-    plan = ["driver", "save", "rollout", "driver", "driver", "driver"]  # "rollout": two kills in one run
-    kills = []
+            "trainer.async_training.max_staleness=1", *ON[backend]]
+    plan, rng = PLANS[backend], random.Random(0)
+    steps = iter(sorted(rng.sample(range(2, STEPS), len(plan) + plan.count("rollout"))))
+    cut_at = None  # the step whose save was cut: the next run resumes from before it
     for what in plan:
         step = next(steps)
-        if what == "save":  # the run kills itself halfway through writing step-N
-            proc = sessions(argv, env={"POSTTRAIN_FAULT_KILL_AT": f"save:{step}"})
-            assert proc.wait(timeout=600) == -signal.SIGKILL, proc.log.read_text()[-3000:]
-            stop_session(proc)
-            ckpts = run / "checkpoints"
-            assert list(ckpts.glob(f".tmp-step-{step}-*")) and not (ckpts / f"step-{step}").exists()
-            kills.append(("mid-save", step))
-            continue
-        proc = sessions(argv)
-        wait_for_step(proc, run, step)
-        if what == "driver":
-            time.sleep(rng.uniform(0.0, 0.6))
-            proc.send_signal(signal.SIGKILL)
-            assert proc.wait(timeout=60) == -signal.SIGKILL
-            stop_session(proc)
-            kills.append(("driver", step))
-            continue
-        first = kill_rollout_worker(proc)  # restarted by the run (trainer.max_restarts=1) ...
-        wait_until(lambda: re.search(r"restart 1 of 1(.|\n)*resumed from", proc.log.read_text()), 300,
-                   "the run did not restart its workers and resume")  # metrics.jsonl is cut back then
-        restarted = proc.log.read_text()
-        assert re.search(rf"rank 0 \(pid {first}\) of 1 \(holding rollout\) died during `generate`", restarted), \
-            restarted[-3000:]
-        second_step = next(steps)
-        wait_for_step(proc, run, second_step)
-        second = kill_rollout_worker(proc)  # ... then its restarts are spent: it stops, naming the worker
-        assert proc.wait(timeout=120) == 1, proc.log.read_text()[-3000:]
-        out = proc.log.read_text()
-        assert re.search(rf"^posttrain grpo: stopped: trainer.backend=ray: at step \d+, Ray worker rank 0 \(pid "
-                         rf"{second}\) of 1 \(holding rollout\) died during `generate`", out, re.M), out[-3000:]
-        assert "Traceback" not in out, out[-3000:]
-        wait_until(lambda: not session_pids(proc.pid), 30, "the stopped run left a process of its own or Ray's")
-        kills += [("rollout worker", step), ("rollout worker", second_step)]
+        proc = sessions(argv, env={"POSTTRAIN_FAULT_KILL_AT": f"save:{step}"} if what == "save" else None)
+        if cut_at is not None:  # resume=auto passes the unsealed step-N by
+            assert resumed_step(proc) < cut_at
+            cut_at = None
+        if what == "save":
+            kill_mid_save(proc, run, step)
+            cut_at = step
+        elif what == "driver":
+            kill_driver(proc, run, step, rng)
+        else:
+            kill_rollout_twice(proc, run, step, next(steps))
     last = sessions(argv)
     assert last.wait(timeout=600) == 0, last.log.read_text()[-3000:]
-    assert len(kills) == 7, kills
+    assert not list(Path("/tmp").glob(f"ptray-{last.pid}-*")), "the run left its Ray temp folder"
+    assert_every_prompt_once_per_epoch(run)
 
+
+def assert_every_prompt_once_per_epoch(run: Path) -> None:
+    """trained_prompts.jsonl: steps 1..STEPS once each; each group's policy version within
+    max_staleness=1 of its step's weights (version step - 1); each epoch's steps hold every prompt once."""
     log = [json.loads(line) for line in (run / "trained_prompts.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == list(range(1, STEPS + 1))
-    for r in log:  # each prompt's policy version: within max_staleness=1 of the weights of its step
-        assert len(r["version"]) == PER_STEP and all(0 <= r["step"] - 1 - v <= 1 for v in r["version"]), r
+    for r in log:
+        assert len(r["prompt_index"]) == len(r["version"]) == PER_STEP, r
+        assert all(0 <= r["step"] - 1 - v <= 1 for v in r["version"]), r
     per_epoch = PROMPTS // PER_STEP
     for epoch in range(STEPS // per_epoch):
         seen = Counter(i for r in log[epoch * per_epoch:(epoch + 1) * per_epoch] for i in r["prompt_index"])
-        assert seen == Counter(range(PROMPTS)), (epoch, seen, kills)
+        assert seen == Counter(range(PROMPTS)), (epoch, seen)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.config.rl import RLConfig
-from posttrain.distributed.groups import LocalWorkerGroup
+from posttrain.distributed.groups import LocalWorkerGroup, WorkerDied
 from posttrain.distributed.pools import WorkerPools
 from posttrain.distributed.register import RoleView, role_view
 from posttrain.logging import get_logger
@@ -90,7 +90,9 @@ class Roles:
         if self.pools.groups:  # not yet closed
             try:
                 self.rollout.close()
-            except Exception as e:  # a dead worker: the run's own error (WorkerFailure) is the one to tell
+            except WorkerDied:
+                pass  # the death the run stopped on (WorkerFailure tells it): said once, not twice
+            except Exception as e:
                 log.warning("closing the rollout engines failed (%s: %s); stopping the workers", type(e).__name__, e)
         self.pools.close()
 
