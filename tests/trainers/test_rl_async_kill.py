@@ -121,11 +121,20 @@ def logged_steps(run: Path) -> list[int]:
     return steps
 
 
-def wait_for_step(proc, run: Path, step: int, timeout_s: float = 600) -> None:
+def metrics_file(run: Path) -> int | None:
+    """metrics.jsonl's inode (None: no file). A resuming run cuts the file back by replacing it
+    (a new inode): until then it holds the killed run's steps, which this run has not trained yet."""
+    with contextlib.suppress(FileNotFoundError):
+        return (run / "metrics.jsonl").stat().st_ino
+    return None
+
+
+def wait_for_step(proc, run: Path, step: int, stale: int | None, timeout_s: float = 600) -> None:
+    """Wait until `proc`'s run has logged `step` (in a metrics.jsonl other than the `stale` one)."""
     def reached():
         assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before step {step}:\n" + \
             proc.log.read_text()[-3000:]
-        return step in logged_steps(run)
+        return metrics_file(run) not in (None, stale) and step in logged_steps(run)
 
     wait_until(reached, timeout_s, f"no metrics line of step {step}")
 
@@ -139,7 +148,7 @@ def kill_rollout_worker(proc) -> int:
 
 def kill_driver(proc, run: Path, step: int, rng: random.Random) -> None:
     """SIGKILL the driver at a random delay after step `step` is logged (mid-step or mid-save)."""
-    wait_for_step(proc, run, step)
+    wait_for_step(proc, run, step, proc.stale)
     time.sleep(rng.uniform(0.0, 1.0))
     proc.send_signal(signal.SIGKILL)
     assert proc.wait(timeout=60) == -signal.SIGKILL
@@ -159,13 +168,13 @@ def kill_rollout_twice(proc, run: Path, first_step: int, second_step: int) -> No
     """Kill the rollout worker mid-generation after `first_step`: the run restarts its workers
     (trainer.max_restarts=1) and resumes from its checkpoint by itself; again after `second_step`:
     its restarts spent, it stops with one line naming the worker, exit 1, no process left."""
-    wait_for_step(proc, run, first_step)
-    first = kill_rollout_worker(proc)
+    wait_for_step(proc, run, first_step, proc.stale)
+    first, stale = kill_rollout_worker(proc), metrics_file(run)
     wait_until(lambda: re.search(r"restart 1 of 1(.|\n)*resumed from", proc.log.read_text()), 300,
-               "the run did not restart its workers and resume")  # metrics.jsonl is cut back then
+               "the run did not restart its workers and resume")
     out = proc.log.read_text()
     assert re.search(rf"rank 0 \(pid {first}\) of 1 \(holding rollout\) died during `generate`", out), out[-3000:]
-    wait_for_step(proc, run, second_step)
+    wait_for_step(proc, run, second_step, stale)
     second = kill_rollout_worker(proc)
     assert proc.wait(timeout=120) == 1, proc.log.read_text()[-3000:]
     out = proc.log.read_text()
@@ -208,7 +217,9 @@ def test_sigkills_of_the_driver_and_of_a_rollout_worker_lose_and_repeat_no_promp
     cut_at = None  # the step whose save was cut: the next run resumes from before it
     for what in plan:
         step = next(steps)
+        stale = metrics_file(run)
         proc = sessions(argv, env={"POSTTRAIN_FAULT_KILL_AT": f"save:{step}"} if what == "save" else None)
+        proc.stale = stale
         if cut_at is not None:  # resume=auto passes the unsealed step-N by
             assert resumed_step(proc) < cut_at
             cut_at = None
