@@ -9,6 +9,7 @@ The kills, at points drawn from a seeded RNG (the same every run of the test):
 - the rollout worker, twice, mid-generation (found by its process title, `ray::RLWorker.generate`):
   with trainer.on_worker_failure=restart and max_restarts=1 the run first restarts its workers by
   itself, then stops with one line naming the worker.
+The local backend gets the driver kills (its rollout runs in the driver's process).
 
 Every process a run starts (the driver, Ray's GCS, raylet, agents and workers) is in the session
 the test gives it; the `sessions` fixture SIGKILLs whatever is left of each session and removes
@@ -93,20 +94,31 @@ def sessions(tmp_path):
     try:
         yield launch
     finally:
+        left = []
         for proc in started:
-            stop_session(proc)
+            try:
+                stop_session(proc)
+            except AssertionError:
+                left.append(proc.pid)
+        assert not left, f"processes of the runs' sessions {left} survived SIGKILL"
 
 
 def stop_session(proc) -> None:
-    """SIGKILL every process of `proc`'s session, reap it, remove its Ray temp folder."""
-    for pid in session_pids(proc.pid):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=30)
-    wait_until(lambda: not session_pids(proc.pid), 30, "the session's processes were not gone")
-    for tmp in Path("/tmp").glob(f"ptray-{proc.pid}-*"):
-        shutil.rmtree(tmp, ignore_errors=True)
+    """SIGKILL every process of `proc`'s session (again, while one is left: a raylet may still be
+    starting a worker), reap it, remove its Ray temp folder."""
+    def killed():
+        for pid in session_pids(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=0.2)
+        return not session_pids(proc.pid)
+
+    try:
+        wait_until(killed, 30, "the session's processes were not gone")
+    finally:
+        for tmp in Path("/tmp").glob(f"ptray-{proc.pid}-*"):
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def logged_steps(run: Path) -> list[int]:
