@@ -91,7 +91,7 @@ class Roles:
             try:
                 self.rollout.close()
             except WorkerDied:
-                pass  # the death the run stopped on (WorkerFailure tells it): said once, not twice
+                pass  # the death the run stopped on, which its WorkerFailure names: said once, not twice
             except Exception as e:
                 log.warning("closing the rollout engines failed (%s: %s); stopping the workers", type(e).__name__, e)
         self.pools.close()
