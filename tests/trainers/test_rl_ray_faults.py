@@ -21,6 +21,7 @@ from posttrain import GRPOTrainer, PPOTrainer
 from posttrain.checkpoint import RESUME_MAY_CHANGE
 from posttrain.config import ConfigError
 from posttrain.data.tasks import make_task
+from posttrain.distributed.groups import WorkerDied
 from posttrain.trainers.rl_faults import WorkerFailure
 
 from .ray_procs import raylets, wait_gone
@@ -193,6 +194,10 @@ def test_a_worker_killed_mid_save_stops_the_run_in_seconds_naming_it_and_the_las
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-1"]
     assert (step1 / "COMPLETE").is_file()
     assert not wait_gone(pids), "a worker outlived the failed run"
+    # a later call (async RL's rollout lane, another thread, calls on) fails with the same death,
+    # not with an IndexError of the emptied worker list
+    with pytest.raises(WorkerDied, match=rf"rank 0 \(pid {killed['pid']}\) of 2 .* died during `save_hf`"):
+        group.rank_zero("describe")
 
 
 KILL_AT_STEP_2 = """

@@ -48,6 +48,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import tempfile
 import time
 import zlib
@@ -118,6 +119,7 @@ def save_checkpoint(
             "data_state": data_state,
         }
         save_torch(state, tmp / STATE_PT)
+        _fault_point(f"save:{step}")  # tests only: a crash halfway through the save
         readable = {
             "step": step,
             "metrics": jsonable(metrics or {}),
@@ -363,6 +365,19 @@ class RunModels:
 
 
 # --- helpers ---------------------------------------------------------------------------
+
+
+FAULT_ENV = "POSTTRAIN_FAULT_KILL_AT"
+"""Test-only fault injection, not a setting: `save:N` makes the process writing checkpoint
+step-N SIGKILL itself halfway through (the weights and trainer_state.pt written, trainer_state.json,
+the shards and COMPLETE not), which polling from outside cannot hit reliably
+(tests/trainers/test_rl_async_kill.py)."""
+
+
+def _fault_point(point: str) -> None:
+    """SIGKILL this process here when FAULT_ENV names `point` (tests only; unset: nothing)."""
+    if os.environ.get(FAULT_ENV) == point:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:

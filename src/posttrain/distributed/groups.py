@@ -24,8 +24,10 @@ seconds, not at the collective timeout: the results are awaited one at a time
 (`ray.wait`), so a dead worker's ActorDiedError (Ray reports it within ~0.05 s) is seen
 while its peers still wait in a gloo collective; the group then kills every worker (a
 survivor blocked in a collective cannot be reached otherwise) and raises `WorkerDied`
-naming the dead ranks, pids and roles. `restart()` starts a new set of workers (in a new
-placement group) from the arguments of the first start.
+naming the dead ranks, pids and roles; every later call of the group (from any thread) raises
+that death again. `restart()` starts a new set of workers (in a new placement group) from the
+arguments of the first start. A worker's process title names the method it runs
+(`ray::RLWorker.generate`).
 """
 
 from __future__ import annotations
@@ -237,7 +239,19 @@ class _Worker:
         return os.getpid()
 
     def call(self, method: str, *args: Any) -> Any:
+        _set_title(f"ray::{type(self.obj).__name__}.{method}")
         return getattr(self.obj, method)(*args)
+
+
+def _set_title(title: str) -> None:
+    """The worker's process title while it runs a call: `ps` and `top` show `ray::RLWorker.generate`
+    where Ray names every method of ours `ray::_Worker.call`. Ray's own setter, which puts its
+    idle title back when the call returns; nothing where a Ray version lacks it."""
+    import ray
+
+    setter = getattr(ray._raylet, "setproctitle", None)
+    if setter is not None:
+        setter(title)
 
 
 class RayWorkerGroup(_Dispatch):
@@ -258,6 +272,9 @@ class RayWorkerGroup(_Dispatch):
         self.pids: list[int | None] = []
         self.group, self._args = placement, None
         self._joining: dict[int, Any] = {}
+        self.dead: WorkerDied | None = None
+        """The death that stopped the workers: every later call raises it again, until `restart()`
+        (another thread's call, e.g. async RL's rollout lane, then fails as the run's handler expects)."""
         atexit.register(self.close)
         try:
             refs = [self.session.ray.put(a) for a in args]
@@ -275,6 +292,7 @@ class RayWorkerGroup(_Dispatch):
         if self._args is None:
             raise RuntimeError("this worker group was not made restartable (GroupSpec.restartable)")
         self._stop_workers()
+        self.dead = None
         try:
             self._start(self._args)
             self.wait_ready()
@@ -317,12 +335,14 @@ class RayWorkerGroup(_Dispatch):
         return self._run(method, [args] * self.world_size)
 
     def _run(self, method: str, args_per_rank: Sequence[tuple]) -> list[Any]:
+        self._check_alive()
         calls = {r: a.call.remote(method, *args) for r, (a, args) in enumerate(zip(self.actors, args_per_rank,
                                                                                   strict=True))}
         results = self._gather(method, calls)
         return [results[r] for r in range(self.world_size)]
 
     def _run_one(self, rank: int, method: str, args: tuple) -> Any:
+        self._check_alive()
         return self._gather(method, {rank: self.actors[rank].call.remote(method, *args)})[rank]
 
     def _gather(self, method: str, calls: dict[int, Any]) -> dict[int, Any]:
@@ -373,7 +393,14 @@ class RayWorkerGroup(_Dispatch):
 
     def _died(self, method: str, dead: list[DeadWorker]) -> None:
         self._stop_workers()  # survivors may wait in a collective for trainer.collective_timeout_s
-        raise WorkerDied(sorted(dead, key=lambda d: d.rank), self.world_size, self.spec.roles, method)
+        self.dead = WorkerDied(sorted(dead, key=lambda d: d.rank), self.world_size, self.spec.roles, method)
+        raise self.dead
+
+    def _check_alive(self) -> None:
+        """Raise the death that stopped the workers (`dead`), as a new WorkerDied."""
+        if self.dead is not None:
+            d = self.dead
+            raise WorkerDied(d.dead, d.world_size, d.roles, d.method)
 
     def _stop_workers(self) -> None:
         """Kill every worker (a busy one too) and free the placement group; Ray stays up."""

@@ -43,8 +43,8 @@ def restart_workers(roles: Roles) -> None:
 
 def run_restarting(trainer: Any, run_once: Callable[[RLConfig], Any]) -> Any:
     """`run_once(config)` (the loop), again after a worker death while
-    trainer.on_worker_failure=restart allows: new workers (`restart_workers`), the driver's
-    state back to the start (`trainer.load_state`), then the loop's own resume from the
+    trainer.on_worker_failure=restart allows: the driver's state back to the start
+    (`trainer.load_state`), new workers (`restart_workers`), then the loop's own resume from the
     newest complete checkpoint of the run directory (`restart_config`). Otherwise, and once
     trainer.max_restarts are spent, `WorkerFailure` names the dead worker and the checkpoint
     to resume from."""
@@ -56,8 +56,10 @@ def run_restarting(trainer: Any, run_once: Callable[[RLConfig], Any]) -> Any:
     while True:
         try:
             if restart:  # a worker dying while the new ones start counts as another death
-                restart_workers(trainer.roles)
+                # the driver's state first: async RL's lane runs out the jobs queued for the dead
+                # workers (each fails at once, `RayWorkerGroup.dead`) before new workers start
                 trainer.load_state(copy.deepcopy(initial))
+                restart_workers(trainer.roles)
             return run_once(config)
         except WorkerDied as died:
             step = trainer.at_step

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.config.rl import RLConfig
-from posttrain.distributed.groups import LocalWorkerGroup, collective_backend
+from posttrain.distributed.groups import LocalWorkerGroup, WorkerDied, collective_backend
 from posttrain.distributed.pools import WorkerPools
 from posttrain.distributed.register import RoleView, role_view
 from posttrain.logging import get_logger
@@ -161,7 +161,9 @@ class Roles:
                 if self.pool_sync is not None:
                     self.pool_sync.leave()
                 self.rollout.close()
-            except Exception as e:  # a dead worker: the run's own error (WorkerFailure) is the one to tell
+            except WorkerDied:
+                pass  # the death the run stopped on, which its WorkerFailure names: said once, not twice
+            except Exception as e:
                 log.warning("closing the rollout engines failed (%s: %s); stopping the workers", type(e).__name__, e)
         self.pools.close()
 
