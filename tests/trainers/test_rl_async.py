@@ -8,7 +8,6 @@ within 1e-10 (in practice bit for bit).
 """
 
 import json
-import time
 from collections import Counter
 from functools import partial
 
