@@ -22,9 +22,9 @@ of shards: it is printed as bytes(W) - bytes(1) / W.
 --hidden, searching the layer count for each W. A model fits when every worker's peak
 resident set (`VmHWM`: the process's whole memory, Python, torch and gloo included) stays
 <= the cap; the cap is enforced: a thread in each worker ends it once its resident set passes
-the cap (`watch_cap`), so no probe holds much more. The search starts where 1 layer's measured
-peak plus 16 bytes per further layer parameter / W meets the cap (`guess_count`), brackets the
-answer and bisects (`largest_count`): the reported count fits and one more layer does not.
+the cap (`watch_cap`), so no probe holds much more. The search starts where the worker's resident set at
+start plus 16 bytes per parameter / W meets the cap (`guess_count`), brackets the
+answer by galloping and bisects (`largest_count`): the reported count fits and one more layer does not.
 Workers run with glibc's mmap threshold fixed at 64 KiB (`WORKER_ENV`), so freed tensors leave
 the resident set and the peak is the live memory's, not the heap's high water.
 """
@@ -157,31 +157,32 @@ def parameter_count(cfg_kwargs: dict) -> int:
 
 def largest_count(fits: Callable[[int], bool], guess: int) -> int:
     """The largest count L >= 1 with fits(L) (0 if not fits(1)), for a `fits` that holds up to
-    some count and fails beyond: from `guess`, up (or down) by 1.25x until the answer is
-    bracketed, then bisection."""
+    some count and fails beyond: galloping from `guess` (steps 1, 2, 4, ... up while it fits,
+    down while it does not) until the answer is bracketed, then bisection."""
     if not fits(1):
         return 0
-    count = max(guess, 1)
+    count, step = max(guess, 1), 1
     if fits(count):
-        good = count
-        while fits(bad := max(good + 1, good * 5 // 4)):
-            good = bad
+        good, bad = count, count + 1
+        while fits(bad):
+            good, bad, step = bad, bad + 2 * step, 2 * step
     else:
-        bad = count
-        while not fits(good := min(bad - 1, bad * 4 // 5)):
-            bad = good
+        good, bad = max(1, count - 1), count
+        while not fits(good):
+            good, bad, step = max(1, good - 2 * step), good, 2 * step
     while bad - good > 1:
         mid = (good + bad) // 2
         good, bad = (mid, bad) if fits(mid) else (good, mid)
     return good
 
 
-def guess_count(peak_1: float, layer_parameters: int, world: int, cap: float) -> int:
-    """Where the peak at 1 layer plus each further layer's training state (16 bytes per
-    parameter over W workers: weights, gradients, two AdamW moments) meets `cap` (MiB): a start
-    for `largest_count` (the measured peak is nearly flat over the first few layers, so a line
-    through two small counts points far off)."""
-    return 1 + int((cap - peak_1) / (16 * layer_parameters / world / 2**20))
+def guess_count(start_mib: float, root_parameters: int, layer_parameters: int, world: int, cap: float) -> int:
+    """The layer count whose training state alone (16 bytes per parameter over W workers:
+    weights, gradients, two AdamW moments) on top of a worker's resident set at start meets
+    `cap` (MiB): a start for `largest_count`. It leaves out the step's transients (a gathered
+    layer and root, AdamW's temporaries), so it is a little high."""
+    per_worker = (cap - start_mib) * 2**20 * world / 16  # parameters the cap holds as training state
+    return max(1, int((per_worker - root_parameters) / layer_parameters))
 
 
 def fit_under_cap(world: int, cap_mib: float, cfg_kwargs: dict, tmp: str) -> dict:
@@ -200,8 +201,8 @@ def fit_under_cap(world: int, cap_mib: float, cfg_kwargs: dict, tmp: str) -> dic
         peak = probes[layers]["peak_mib"]
         return peak is not None and peak <= cap_mib
 
-    layer = parameter_count({**cfg_kwargs, "num_hidden_layers": 2}) - parameter_count({**cfg_kwargs, "num_hidden_layers": 1})
-    guess = guess_count(probes[1]["peak_mib"], layer, world, cap_mib) if fits(1) else 1
+    one, two = (parameter_count({**cfg_kwargs, "num_hidden_layers": n}) for n in (1, 2))
+    guess = guess_count(probes[1]["start_mib"], one - (two - one), two - one, world, cap_mib) if fits(1) else 1
     layers = largest_count(fits, guess)
     return {"world": world, "layers": layers, "parameters": probes[layers]["parameters"] if layers else 0,
             "probes": probes}
