@@ -80,6 +80,7 @@ def build(cfg_kwargs: dict, world: int):
 def watch_cap(cap_mib: float, every_s: float = 0.002) -> None:
     """Exit this process (code OVER_CAP) as soon as its resident set passes `cap_mib`: a
     thread polling /proc/self/status, so no probe holds much more than the cap."""
+
     def watch() -> None:
         while rss_mib("VmRSS") <= cap_mib:
             time.sleep(every_s)
@@ -97,7 +98,6 @@ def worker(rank: int, world: int, port: int, cfg_kwargs: dict, out: str, cap_mib
 
     if cap_mib is not None:
         watch_cap(cap_mib)
-
     torch.set_num_threads(1)
     if world > 1:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
