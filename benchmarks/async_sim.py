@@ -137,9 +137,12 @@ class StageModel:
     f: float
     weight_bytes: float
 
-    def stages(self, rows: float, rollout_workers: int, actor_workers: int) -> Stages:
+    def stages(self, rows: float, rollout_workers: int, actor_workers: int, serial_sync: bool = True) -> Stages:
+        """The stages at R = `rows`; `serial_sync=False`: the rollout workers take their copies at
+        once (sync = e + f·B, as with one copy), else one after another (e + f·W·B)."""
+        copies = rollout_workers if serial_sync else 1
         return Stages(gen=self.a + self.b * rows / rollout_workers, update=self.c + self.d * rows / actor_workers,
-                      sync=self.e + self.f * rollout_workers * self.weight_bytes,
+                      sync=self.e + self.f * copies * self.weight_bytes,
                       rollout_workers=rollout_workers, actor_workers=actor_workers)
 
 
@@ -172,17 +175,19 @@ def check_table(runs: list[dict[str, Any]], model: StageModel, cores: float) -> 
 
 
 def projection_table(model: StageModel, sizes: list[int], rows_per_worker: float) -> str:
-    """Simulated speed-ups of async K=1 at N workers, each with a core of its own."""
-    lines = ["| workers N | rows/step | gen s | update s | sync s | (a) async N/2+N/2 vs sync N/2+N/2 | "
-             "(b) async N/2+N/2 vs sync colocated on N |", "|---|---|---|---|---|---|---|"]
+    """Simulated speed-ups of async K=1 at N workers, each with a core of its own, under both
+    sync models (the weights reach the N/2 rollout workers one after another, or at once)."""
+    lines = ["| workers N | rows/step | weight sync | gen s | update s | sync s | (a) async N/2+N/2 vs sync N/2+N/2 | "
+             "(b) async N/2+N/2 vs sync colocated on N |", "|---|---|---|---|---|---|---|---|"]
     for n in sizes:
-        half = n // 2
-        rows = rows_per_worker * half
-        split = model.stages(rows, half, half)
+        half, rows = n // 2, rows_per_worker * (n // 2)
         colocated = model.stages(rows, n, n)
         sync_colocated = colocated.gen + colocated.update  # in turn; in-place weights: sync 0, in its favour
-        lines.append(f"| {n} | {rows:.0f} | {split.gen:.3f} | {split.update:.3f} | {split.sync:.3f} | "
-                     f"{speedup(split, 1):.2f}x | {sync_colocated / step_time(split, 1):.2f}x |")
+        for serial in (True, False):
+            split = model.stages(rows, half, half, serial)
+            lines.append(f"| {n} | {rows:.0f} | {'one after another' if serial else 'at once'} | {split.gen:.3f} | "
+                         f"{split.update:.3f} | {split.sync:.3f} | {speedup(split, 1):.2f}x | "
+                         f"{sync_colocated / step_time(split, 1):.2f}x |")
     return "\n".join(lines)
 
 

@@ -80,3 +80,4 @@ def test_the_fit_recovers_the_stage_models_from_synchronous_runs(sim):
     assert (m.a, m.b, m.c, m.d, m.e, m.f) == pytest.approx((0.1, 0.02, 0.3, 0.05, 0.01, 1e-9))
     st = m.stages(rows=64, rollout_workers=4, actor_workers=2)
     assert (st.gen, st.update, st.sync) == pytest.approx((0.1 + 0.02 * 16, 0.3 + 0.05 * 32, 0.01 + 0.04))
+    assert m.stages(rows=64, rollout_workers=4, actor_workers=2, serial_sync=False).sync == pytest.approx(0.01 + 0.01)
