@@ -2,7 +2,7 @@
 against the synchronous loop, over several seeds (issue 34, item 6).
 
     PYTHONPATH=src .venv/bin/python benchmarks/async_learning.py --demo runs/demo \
-        --out runs/bench_async_learning [--seeds 0 1 2] [--steps 100] [--jobs 2]
+        --out runs/bench_async_learning [--seeds 0 1 2] [--steps 100] [--eval-every 25] [--jobs 2]
 
 Goal: async K = 1's final held-out accuracy within the seeds' spread of the synchronous loop's
 (its mean inside [min, max] of the synchronous seeds).
@@ -40,17 +40,16 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = {"sync": [], "async_k1": ["trainer.async_training.max_staleness=1"]}
-EVAL_EVERY = 25  # the demo's in-run evaluation cadence (100 held-out problems)
 SMOOTH = 10  # steps in the reward curve's moving average
 
 
-def run_one(demo_dir: Path, run_dir: Path, mode: str, seed: int, steps: int) -> dict[str, Any]:
+def run_one(demo_dir: Path, run_dir: Path, mode: str, seed: int, steps: int, eval_every: int) -> dict[str, Any]:
     """Train one run (in this process) and evaluate its final model; returns its record."""
     from posttrain import demo
 
     data = {split: demo_dir / "data" / f"{split}.jsonl" for split in ("train", "rl", "test")}
     size = dataclasses.replace(demo.FULL, rl_steps=steps, rl_extra=(
-        f"trainer.eval_steps={EVAL_EVERY}", "eval.num_examples=100", "trainer.max_time_s=null"))
+        f"trainer.eval_steps={eval_every}", "eval.num_examples=100", "trainer.max_time_s=null"))
     shared = ["model.device=cpu", "model.dtype=float32", "trainer.resume=never", "trainer.report_to=[]",
               "trainer.overwrite=true", "trainer.progress=false", f"trainer.seed={seed}", *MODES[mode]]
     cfg = demo.rl_config(data, demo_dir / "sft" / "final", run_dir, size, shared)
@@ -73,7 +72,7 @@ def spawn(args: argparse.Namespace, mode: str, seed: int) -> subprocess.Popen:
     run_dir = args.out / f"{mode}-s{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, __file__, "--demo", str(args.demo), "--out", str(args.out), "--steps", str(args.steps),
-            "--one", mode, str(seed)]
+            "--eval-every", str(args.eval_every), "--one", mode, str(seed)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     log = (run_dir / "run.log").open("w")
     return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -156,13 +155,14 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("runs/bench_async_learning"))
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--eval-every", type=int, default=25, help="in-run evaluations (100 held-out problems), as the demo's")
     p.add_argument("--jobs", type=int, default=2, help="runs at once (one torch thread each)")
     p.add_argument("--one", nargs=2, metavar=("MODE", "SEED"), help=argparse.SUPPRESS)  # a child: one run
     args = p.parse_args()
     if args.one:
         mode, seed = args.one[0], int(args.one[1])
         run_dir = args.out / f"{mode}-s{seed}"
-        record = run_one(args.demo, run_dir, mode, seed, args.steps)
+        record = run_one(args.demo, run_dir, mode, seed, args.steps, args.eval_every)
         (run_dir / "result.json").write_text(json.dumps(record))
         return
     if not (args.demo / "sft" / "final").is_dir():
