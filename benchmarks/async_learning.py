@@ -21,7 +21,8 @@ torch thread; --jobs run at once.
 After training, each run's final model is evaluated as the demo evaluates it (`demo.evaluate_model`:
 greedy, every held-out problem of DEMO/data/test.jsonl). Writes OUT/async_learning.json (per run:
 the reward curve, the in-run evaluations, the final accuracy), OUT/async_learning.png (reward
-and held-out accuracy against samples seen) and prints a markdown table.
+and held-out accuracy against samples seen) and prints a markdown table, with the SFT model's
+accuracy from the demo's own evaluation (DEMO/eval_sft) when there is one.
 """
 
 from __future__ import annotations
@@ -176,6 +177,9 @@ def main() -> None:
     (args.out / "async_learning.json").write_text(json.dumps(record, indent=2))
     plot(runs, args.out / "async_learning.png")
     print(table(runs))
+    base = args.demo / "eval_sft" / "eval.json"  # the demo's own evaluation of its SFT model, when it ran
+    if base.exists():
+        print(f"start: the SFT model's held-out accuracy {100 * json.loads(base.read_text())['metrics']['accuracy']:.1f}%")
     print(line)
 
 
