@@ -22,7 +22,7 @@ Measured from each run's metrics.jsonl after --warmup steps, medians over the st
   update_s  the driver's work from the batch to the update's end: reward + old_logprob + ref +
             adv + update_actor
   sync_s    the rest of the step, step_s - gen_s - update_s: in a synchronous run the weight
-            sync (actor worker 0 -> object store -> rollout workers) and the driver's bookkeeping
+            sync (actor worker 0 -> rollout workers) and the driver's bookkeeping
   overlap   perf/overlap
 The synchronous runs' gen_s, update_s and sync_s are the stage times `benchmarks/async_sim.py`
 fits and simulates. The table gives per point (workers, batch, mode) the median over --rounds

@@ -32,7 +32,7 @@ so each worker keeps the measured amount of work.
 
 Limits: a and c absorb the driver's per-step costs; the sync fit has only the measured worker
 counts (one model size: f is the cost per rollout worker's copy); no network (the measured
-workers share one machine's object store).
+workers share one machine).
 """
 
 from __future__ import annotations
