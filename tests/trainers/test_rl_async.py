@@ -8,6 +8,8 @@ within 1e-10 (in practice bit for bit).
 """
 
 import json
+import threading
+import time
 from collections import Counter
 from functools import partial
 
@@ -104,8 +106,9 @@ def test_k_batches_in_flight_never_exceed_the_bound(tmp_path, k):
     assert max(m["async/staleness/max"] for m in metric_lines(tmp_path)) == k
 
 
-def fake_pipeline(policy, k=1, n=2, batch=3):
-    """An AsyncRollouts over a counting prompt stream and a generator of 2-token responses."""
+def fake_pipeline(policy, k=1, n=2, batch=3, lane=None, sync=lambda: lambda: None, on_generate=lambda: None):
+    """An AsyncRollouts over a counting prompt stream and a generator of 2-token responses
+    (`on_generate()` called as each generation starts), on `lane` (default: in turn)."""
     drawn = []
 
     def draw(count):
@@ -114,11 +117,12 @@ def fake_pipeline(policy, k=1, n=2, batch=3):
         return RLBatch(prompt_index=torch.tensor(idx), uid=torch.tensor(idx))
 
     def generate(prompts, step):
+        on_generate()
         rows = prompts.repeat(n)
         return rows.replace(response_ids=torch.ones(len(rows), 2, dtype=torch.long),
                             response_mask=torch.ones(len(rows), 2, dtype=torch.long))
 
-    return AsyncRollouts(k, policy, n, Lane(threaded=False), draw, generate, lambda: lambda: None), drawn
+    return AsyncRollouts(k, policy, n, lane or Lane(threaded=False), draw, generate, sync), drawn
 
 
 def test_drop_discards_whole_groups_over_the_bound_and_refills_that_many_prompts():
@@ -133,6 +137,30 @@ def test_drop_discards_whole_groups_over_the_bound_and_refills_that_many_prompts
     wait.fill(1)
     wait.jobs[0].version = -2
     assert wait.enforce_bound(wait.take(1), 1)[1] == 0  # wait never starts one over the bound
+
+
+def test_a_drop_refill_on_a_pool_of_its_own_runs_after_the_syncs_queued_before_it():
+    """On a rollout pool of its own (a threaded lane) the refill is generated on the lane, behind
+    the weight sync of the update before it: its tokens are of the version they are labelled with
+    (generated on the driver's thread, it would start while the sync still runs)."""
+    synced, seen = threading.Event(), []
+
+    def sync():
+        def job():
+            time.sleep(0.5)  # the lane is busy with this sync when the refill is asked for
+            synced.set()
+        return job
+
+    lane = Lane(threaded=True)
+    pipe, _ = fake_pipeline("drop", lane=lane, sync=sync, on_generate=lambda: seen.append(synced.is_set()))
+    pipe.fill(1)  # steps 1, 2 on the lane, version 0
+    pipe.jobs[0].version = -2  # step 1's batch over K = 1
+    batch = pipe.take(1)
+    pipe.updated()  # version 1: its sync queued on the lane
+    batch, dropped = pipe.enforce_bound(batch, 1)
+    lane.close()
+    assert dropped == 3 and seen == [False, False, True]
+    assert batch.versions[-6:].unique().tolist() == [1]
 
 
 def test_stale_groups_count_the_oldest_trained_token():

@@ -201,8 +201,9 @@ class AsyncRollouts:
 
     def enforce_bound(self, batch: RLBatch, step: int) -> tuple[RLBatch, int]:
         """`drop`: the groups over the bound replaced by as many fresh prompts' groups, generated
-        now with the current weights (stale_policy=wait never starts one: nothing to do). Returns
-        the batch and the count of groups dropped."""
+        with the current weights: on the rollout's lane, after every sync queued before (on a
+        pool of its own a refill on the driver's thread could run before them). stale_policy=wait
+        never starts one: nothing to do. Returns the batch and the count of groups dropped."""
         if self.policy != "drop":
             return batch, 0
         stale = stale_groups(batch.versions, batch.response_mask, self.version, self.k, self.n)
@@ -210,11 +211,11 @@ class AsyncRollouts:
         if not dropped:
             return batch, 0
         kept = batch.select((~stale).repeat_interleave(self.n))
-        if self.partial is None:
-            fresh = self.generate(self.draw(dropped), step)
+        prompts = self.draw(dropped)
+        if self.partial is None:  # on the lane, after the syncs queued: the weights of self.version
+            fresh = self.lane.submit(self.generate, prompts, step).result()
             fresh = fresh.replace(versions=torch.full_like(fresh.response_ids, self.version))
         else:  # on the lane, after the syncs waiting: each token's version is the weights' it had
-            prompts = self.draw(dropped)
             fresh = self.partial.complete(self.lane.submit(lambda: self._finish(self._segments(prompts, step))).result())
         log.info("step %d: %d prompt groups over trainer.async_training.max_staleness=%d dropped and refilled",
                  step, dropped, self.k)
