@@ -10,8 +10,8 @@ import torch
 
 from posttrain.envs import GuessNumber
 from posttrain.rollout import SamplingParams, make_engine
-from posttrain.rollout.base import inverse_cdf, row_uniforms, sample_next
 from posttrain.rollout.episodes import MultiTurnLimits
+from posttrain.rollout.sampling import inverse_cdf, row_uniforms, sample_next
 from posttrain.rollout.vllm_rows import request_seed
 from posttrain.trainers.rl_partial import PartialRollout
 from posttrain.workers import RLBatch, Rollout

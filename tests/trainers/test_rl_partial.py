@@ -20,7 +20,7 @@ from posttrain.algos.logprobs import token_logprobs
 from posttrain.config import ConfigError
 from posttrain.distributed.groups import LocalWorkerGroup
 from posttrain.rollout import SamplingParams
-from posttrain.rollout.base import stream_seed
+from posttrain.rollout.sampling import stream_seed
 from posttrain.trainers.rl_async import stale_groups, staleness_metrics
 from posttrain.workers.forward import response_logits
 

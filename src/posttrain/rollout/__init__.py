@@ -36,10 +36,9 @@ from posttrain.rollout.base import (
     SamplingParams,
     TextStream,
     TokenCallback,
-    filter_logits,
-    sample_next,
 )
 from posttrain.rollout.episodes import Episodes, MultiTurnLimits, Reply, TurnHandler
+from posttrain.rollout.sampling import filter_logits, sample_next
 
 
 def _native(model, tokenizer, **opts):

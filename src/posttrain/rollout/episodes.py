@@ -8,7 +8,7 @@ An episode row is one growing token sequence:
     prompt | model turn 1 | env answer 1 | model turn 2 | env answer 2 | ... | model turn k
 
 The loop (`run_episodes`), one iteration per sampled token:
-  1. sample the next token of every running row from its logits (`base.Draws`: in batch
+  1. sample the next token of every running row from its logits (`sampling.Draws`: in batch
      mode Exp(1) noise drawn for all N rows from one CPU generator, so a row's sample does
      not depend on which rows are still running, nor on the engine; in row mode a draw of
      (seed, first_row + row, step) alone, so episodes played in slices are the batch's);
@@ -53,7 +53,8 @@ from typing import Any, Protocol
 
 import torch
 
-from posttrain.rollout.base import Draws, SampledRows, SamplingParams, StopStrings
+from posttrain.rollout.base import SampledRows, SamplingParams, StopStrings
+from posttrain.rollout.sampling import Draws
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ W generated width, V vocab.
   state is restored afterwards.
 - `seed_mode="row"` (`SamplingParams`): `generate` runs greedy over the scores of
   `_RowSampler`, a logits processor that picks each row's token as the other engines'
-  row mode does (`base.sample_next` on `row_uniforms(seed, first_row + row, step)`; a resumed
+  row mode does (`sampling.sample_next` on `row_uniforms(seed, first_row + row, step)`; a resumed
   generation's rows and positions as `SamplingParams.draw_rows` and `first_position` say) and
   leaves it the only finite score, so the tokens are the native engine's for the same
   logits, and a batch generated in slices is the whole batch's.
@@ -58,12 +58,9 @@ from posttrain.rollout.base import (
     build_completions,
     encode_prompts,
     eval_inference,
-    resolve_seed,
-    row_uniforms,
-    sample_next,
-    stream_seed,
 )
 from posttrain.rollout.episodes import Episodes, MultiTurnLimits, TurnHandler, run_episodes
+from posttrain.rollout.sampling import resolve_seed, row_uniforms, sample_next, stream_seed
 
 # Most float32 logits (rows x tokens x vocab) alive at once in the logprob forward.
 _LOGPROB_CHUNK_ELEMENTS = 1 << 26

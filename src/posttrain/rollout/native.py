@@ -29,7 +29,7 @@ One `generate` chunk:
 `on_tokens` (see `base.TokenCallback`) hears every step's tokens of the rows still
 alive, numbered as the output rows, as soon as they are sampled.
 
-Sampling (`base.Draws`, `SamplingParams.seed_mode`): in "batch" mode (the default) noise
+Sampling (`sampling.Draws`, `SamplingParams.seed_mode`): in "batch" mode (the default) noise
 is drawn for all R rows of the chunk every step from one torch.Generator seeded per
 call, and each row reads its own noise row, so a row's sample does not depend on
 compaction (tests check outputs are identical with and without it). They are the draws
@@ -57,7 +57,6 @@ from posttrain.models import BuiltinConfig, BuiltinLM
 from posttrain.models import llama_checkpoint as ckpt
 from posttrain.rollout.base import (
     Completions,
-    Draws,
     HoldsNoDeviceMemory,
     Prompts,
     SamplingParams,
@@ -70,6 +69,7 @@ from posttrain.rollout.base import (
 from posttrain.rollout.episodes import Episodes, MultiTurnLimits, TurnHandler, run_episodes
 from posttrain.rollout.native_decode import DecodeWeights, decode_step
 from posttrain.rollout.native_episodes import NativeEpisodeModel
+from posttrain.rollout.sampling import Draws
 
 
 def native_problems(model: nn.Module) -> list[str]:

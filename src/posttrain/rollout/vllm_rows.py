@@ -21,8 +21,9 @@ from typing import Any
 import torch
 
 from posttrain.config.rollout import check_vllm_temperature
-from posttrain.rollout.base import Completions, SamplingParams, build_completions, row_uniforms
+from posttrain.rollout.base import Completions, SamplingParams, build_completions
 from posttrain.rollout.episodes import ModelTurn
+from posttrain.rollout.sampling import row_uniforms
 
 
 def request_seed(seed: int | None, row: int, turn: int = 0, rows: int = 0, mode: str = "batch") -> int | None:

@@ -62,7 +62,6 @@ from posttrain.rollout.base import (
     TokenCallback,
     encode_prompts,
     replay_tokens,
-    resolve_seed,
 )
 from posttrain.rollout.episodes import (
     Episodes,
@@ -72,6 +71,7 @@ from posttrain.rollout.episodes import (
     TurnRequest,
     run_turn_episodes,
 )
+from posttrain.rollout.sampling import resolve_seed
 from posttrain.rollout.vllm_platform import merged_adapters, named_weights
 from posttrain.rollout.vllm_rows import (
     check_sampling,
