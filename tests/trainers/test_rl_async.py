@@ -196,13 +196,19 @@ class CrashAt:
 
 
 @pytest.mark.slow
-def test_a_crashed_async_run_resumes_training_every_prompt_once_per_epoch(tmp_path):
+@pytest.mark.parametrize("partial_rollout", [False, True], ids=["whole", "partial rollouts"])
+def test_a_crashed_async_run_resumes_training_every_prompt_once_per_epoch(tmp_path, partial_rollout):
     """16 prompts, 4 per step: 4 steps per epoch, 8 steps. Crashes at steps 3 and 6 (checkpoints
     every 2 steps), each followed by trainer.resume=auto: over the whole run every prompt is
-    trained on exactly once per epoch (trained_prompts.jsonl), as in an uninterrupted run."""
+    trained on exactly once per epoch (trained_prompts.jsonl), as in an uninterrupted run. With
+    partial rollouts a batch in flight at a checkpoint (its first segment generated) is
+    regenerated from its prompts."""
     rows = PROMPTS[:16]
     over = {"trainer.async_training.max_staleness": 1, "trainer.max_steps": 8, "trainer.save_steps": 2,
             "trainer.resume": "auto"}
+    if partial_rollout:
+        over |= {"trainer.async_training.partial_rollout": "true", "trainer.async_training.partial_rollout_tokens": 2,
+                 "rollout.max_new_tokens": 6}
     for crash in (3, 6, None):
         cfg = small(tmp_path, **over)
         t = rl_module.GRPOTrainer(tiny_model().double(), reward_funcs=[starts_with_a], args=cfg, train_dataset=rows,
