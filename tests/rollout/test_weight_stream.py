@@ -59,17 +59,23 @@ def test_a_plan_that_points_outside_its_bucket_or_names_no_dtype_is_refused():
         plan_buckets([("x", "float32", (1,)), ("x", "float32", (1,))], 64)
 
 
+def in_order(bucket, named):
+    """The bucket's tensors of `named`, in its order, as `send_buckets` reads them."""
+    tensors = dict(named)
+    return iter([(s.name, tensors[s.name]) for s in bucket.tensors])
+
+
 def test_pack_and_unpack_give_back_every_tensor_bit_for_bit_and_cast_floats_on_request():
     named = named_tensors()
     for bucket in plan_buckets(tensor_specs(named), 128):
-        for name, t in unpack(bucket, pack(bucket, dict(named), "cpu")):
+        for name, t in unpack(bucket, pack(bucket, in_order(bucket, named), "cpu")):
             assert t.dtype == dict(named)[name].dtype and torch.equal(t, dict(named)[name])
     (bucket,) = plan_buckets(tensor_specs(named, "bfloat16"), 10**6)
     assert [s.dtype for s in bucket.tensors] == ["bfloat16", "bfloat16", "int64", "bfloat16"]
-    out = dict(unpack(bucket, pack(bucket, dict(named), "cpu")))
+    out = dict(unpack(bucket, pack(bucket, in_order(bucket, named), "cpu")))
     assert torch.equal(out["a"], named[0][1].bfloat16()) and torch.equal(out["c"], named[2][1])
     with pytest.raises(ValueError, match="a: torch.float32 \\(10,\\) does not match the plan's float32 \\(11,\\)"):
-        pack(Bucket(44, (TensorSpec("a", "float32", (11,), 0),)), dict(named), "cpu")
+        pack(Bucket(44, (TensorSpec("a", "float32", (11,), 0),)), iter(named), "cpu")
 
 
 def _receiver(port, plan, results, die_early):

@@ -148,12 +148,19 @@ def plan_from_json(data: Sequence[dict]) -> list[Bucket]:
     return plan
 
 
-def pack(bucket: Bucket, tensors: dict[str, torch.Tensor], device: torch.device | str) -> torch.Tensor:
-    """The bucket's (nbytes,) uint8 buffer on `device` holding `tensors[spec.name]` for its specs,
-    each in the spec's dtype (a floating tensor is cast; any other must have it already)."""
-    buf = torch.zeros(bucket.nbytes, dtype=torch.uint8, device=device)
+def pack(bucket: Bucket, named: Iterator[tuple[str, torch.Tensor]], device: torch.device | str) -> torch.Tensor:
+    """The bucket's (nbytes,) uint8 buffer on `device`, filled from `named`, which yields its
+    tensors in the bucket's order, each in the spec's dtype (a floating tensor is cast; any other
+    must have it already). Exactly the bucket's tensors are read from `named`, one at a time: a
+    generator that gathers each as it is asked for has one alive here."""
+    buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
     for spec in bucket.tensors:
-        _put(buf, spec, tensors[spec.name])
+        name, t = next(named, (None, None))
+        if name != spec.name:
+            raise ValueError(f"send_buckets: the plan's next tensor is {spec.name}, the weights give "
+                             f"{name or 'none'} (the plan is made from the same tensors, in order)")
+        _put(buf, spec, t)
+        del t  # a gathered tensor goes before the next is gathered
     return buf
 
 
@@ -181,16 +188,7 @@ def send_buckets(broadcast: Broadcast, named: Iterable[tuple[str, torch.Tensor]]
     and one bucket alive here. Returns the bytes sent."""
     stream = iter(named)
     for bucket in plan:
-        buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
-        for spec in bucket.tensors:
-            name, t = next(stream, (None, None))
-            if name != spec.name:
-                raise ValueError(f"send_buckets: the plan's next tensor is {spec.name}, the weights give "
-                                 f"{name or 'none'} (the plan is made from the same tensors, in order)")
-            _put(buf, spec, t)
-            del t  # a gathered tensor goes before the next is gathered
-        broadcast(buf, src)
-        del buf
+        broadcast(pack(bucket, stream, device), src)
     if next(stream, None) is not None:
         raise ValueError("send_buckets: the weights hold more tensors than the plan")
     return sum(b.nbytes for b in plan)
