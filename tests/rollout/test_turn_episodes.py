@@ -4,7 +4,7 @@ pure parts: why a turn ended, each turn's budget, the checks on what an engine r
 The loop runs here over a real engine that samples whole turns: the native engine's
 single-turn `generate`, one call per requested turn with the request's budget as
 max_new_tokens (what vLLM's `LLM.generate` is asked per turn). Greedy, the turn loop must
-give exactly the token loop's episodes (`run_episodes`, native `generate_episodes`).
+give exactly the token loop's episodes (`EpisodePlay`, native `generate_episodes`).
 """
 
 import dataclasses

@@ -246,8 +246,9 @@ def test_partial_rollout_options_are_checked(tmp_path):
         small(tmp_path, **{**PARTIAL, "rollout.engine": "vllm"})
     with pytest.raises(ConfigError, match="rollout.stop.*rollout.stop_token_ids"):
         small(tmp_path, **{**PARTIAL, "rollout.stop": ["."]})
-    with pytest.raises(ConfigError, match="rollout.env.*multi-turn"):
-        small(tmp_path, **{**PARTIAL, "rollout.env": "guess_number"})
+    # multi-turn episodes keep each turn's tokens on the worker between segments: stop strings work
+    episodes = small(tmp_path, **{**PARTIAL, "rollout.env": "guess_number", "rollout.stop": ["."]})
+    assert episodes.trainer.async_training.partial_rollout and list(episodes.rollout.stop) == ["."]
     with pytest.raises(ConfigError, match="veRL's async_training.partial_rollout is trainer.async_training.partial_rollout"):
         small(tmp_path, **{"async_training.partial_rollout": "true"})
 

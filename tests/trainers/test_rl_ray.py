@@ -37,6 +37,7 @@ from posttrain.trainers.rl_roles import views
 from posttrain.trainers.rl_worker import RLWorker, pool_factories
 from posttrain.workers import RLBatch
 
+from .conftest import GUESS_ROWS
 from .ray_procs import raylets, wait_gone
 from .words import WORDS, word_tokenizer
 
@@ -267,8 +268,6 @@ def test_a_shared_critic_backbone_is_refused_on_ray_naming_the_key(tmp_path):
     assert gpu.placement.gpus_per_worker == 1 and gpu.rollout.engine == "vllm"
 
 
-GUESS_PROMPT = "Guess."
-GUESS_ROWS = [{"prompt": GUESS_PROMPT, "secret": s, "low": 1, "high": 3} for s in (1, 2, 3, 2)]
 FILE_GAME = """
 import dataclasses
 
@@ -284,31 +283,6 @@ class EveryTurnCounts(GuessNumber):
 """
 
 
-@pytest.fixture(scope="module")
-def guesser():
-    """A float64 model taught (100 AdamW steps) to play GuessNumber over 1..3 on the byte
-    tokenizer: sampled at temperature 1 it guesses 1, 2 or 3, reads `<result>higher</result>`
-    and guesses again, so a group's episodes differ in turns and rewards."""
-    from posttrain.data.tokenizer import build_tokenizer
-    from posttrain.envs import GuessNumber
-    from posttrain.models import BuiltinConfig
-    from posttrain.models.builtin import next_token_loss
-
-    tok = build_tokenizer()
-    intro = GuessNumber().reset({"secret": 2, "low": 1, "high": 3})
-    plays = [f" <call>guess({a})</call><result>{'higher' if a < 2 else 'lower'}</result> <call>guess(2)</call>"
-             for a in (1, 3)] + [" <call>guess(2)</call>"]
-    seqs = [torch.tensor([tok(GUESS_PROMPT + intro + p)["input_ids"] + [tok.eos_token_id]]) for p in plays]
-    torch.manual_seed(0)
-    model = BuiltinLM(BuiltinConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                    num_attention_heads=4, bos_token_id=1, eos_token_id=2, pad_token_id=0)).double()
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-2)
-    for _ in range(100):
-        loss = sum(next_token_loss(model(x), x) for x in seqs) / len(seqs)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model.eval(), tok
 
 
 def episode_config(run_dir, env, **overrides):

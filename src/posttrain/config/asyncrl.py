@@ -55,13 +55,16 @@ class AsyncConfig:
     go on under the new weights (one response can hold tokens of several versions; the bound and
     async/staleness/* count a response's oldest token). On a rollout pool of its own the sync
     lands at the first boundary after the update ends; in turn, at a fixed point: every batch's
-    first segment is generated when it is submitted, the rest when its step takes it. Needs
-    max_staleness >= 1 and the native or hf engine (vllm cannot resume a row's random stream),
-    single-turn responses and no rollout.stop strings (a string split over two segments would be
-    missed: use rollout.stop_token_ids). Each segment prefills prompt + tokens so far again."""
+    first segment is generated when it is submitted, the rest when its step takes it. Multi-turn
+    episodes (rollout.env / rollout.tools) stay on the rollout workers with their environments
+    between segments, and a sync lands mid-turn or between turns. Needs max_staleness >= 1 and the
+    native or hf engine (vllm cannot resume a row's random stream); single-turn responses take no
+    rollout.stop strings (a string split over two segments would be missed: use
+    rollout.stop_token_ids). Each segment prefills prompt + tokens so far again."""
     partial_rollout_tokens: int = 64
     """With partial_rollout: the new tokens per row of one segment (the granularity at which a
-    weight sync reaches a generation). rollout.max_new_tokens in segments of this many."""
+    weight sync reaches a generation; episodes: model tokens, the environment's not counted).
+    rollout.max_new_tokens in segments of this many."""
 
     def validate(self) -> None:
         k = self.max_staleness

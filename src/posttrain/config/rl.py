@@ -387,18 +387,18 @@ class RLConfig:
             self._validate_partial_rollout()
 
     def _validate_partial_rollout(self) -> None:
-        """Partial rollouts resume a generation from its tokens so far (`trainers.rl_partial`)."""
+        """Partial rollouts resume a generation from its tokens so far (`trainers.rl_partial`): single-turn
+        responses as new requests, episodes on the workers that hold them."""
         key = "trainer.async_training.partial_rollout"
         check(self.rollout.engine != "vllm", "rollout.engine",
               f"{key}=true needs an engine that resumes a row's random stream mid-response: rollout.engine=native "
               "or hf (vLLM seeds each request's stream at its first token, so a resumed segment would redraw the "
               f"first segment's randomness), or {key}=false")
-        check(not self.rollout.episodes, "rollout.env",
-              f"{key}=true resumes single-turn responses; multi-turn episodes (rollout.env / rollout.tools) are "
-              f"not split into segments: set {key}=false")
-        check(not self.rollout.stop, "rollout.stop",
-              f"{key}=true generates in segments, and a stop string split over two of them would be missed: "
-              "end responses with rollout.stop_token_ids instead, or set {key}=false".replace("{key}", key))
+        check(self.rollout.episodes or not self.rollout.stop, "rollout.stop",
+              f"{key}=true generates single-turn responses in segments, and a stop string split over two of them "
+              f"would be missed: end responses with rollout.stop_token_ids instead, or set {key}=false (multi-turn "
+              "episodes, rollout.env / rollout.tools, keep each turn's tokens between segments and take stop strings)")
+
     @property
     def cuda_workers(self) -> bool:
         """The workers train on CUDA: it is here, model.device is not cpu, and on Ray each

@@ -17,7 +17,8 @@
 - tool_env.py: `ToolEnvironment`; games.py: `GuessNumber` (higher / lower feedback);
   task_envs.py: `ArithmeticTools` (the `arithmetic_tools` task's calculator and scorer).
 - driver.py: one environment per episode in the rollout's episode loop
-  (`rollout.episodes`), environment rewards and the episode metrics.
+  (`rollout.episodes`), environment rewards and the episode metrics; `EnvEpisodes` plays
+  them in parts, the environments kept between parts (partial rollouts).
 - registry.py: environments and tools from built-in names, `module:attr` or `file.py:attr`.
 - samples.py: an episode as samples.jsonl shows it (spans by author and loss mask, turns,
   tool calls and results).
@@ -30,6 +31,7 @@ from posttrain.envs.base import Environment, StepResult
 from posttrain.envs.builtin_tools import BUILTIN_TOOLS, calculator, python
 from posttrain.envs.chat import ChatProtocol, render_prompt
 from posttrain.envs.driver import (
+    EnvEpisodes,
     EnvironmentTurns,
     episode_metrics,
     merge_episode_metrics,
@@ -52,6 +54,7 @@ __all__ = [
     "BUILTIN_ENVIRONMENTS",
     "BUILTIN_TOOLS",
     "ChatProtocol",
+    "EnvEpisodes",
     "Environment",
     "EnvironmentTurns",
     "GuessNumber",

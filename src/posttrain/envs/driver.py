@@ -90,21 +90,68 @@ def play_episodes(
 
     The environment's stop strings (`env.protocol.stop`, if it has a protocol) are added to
     `params.stop`. Rows need a `prompt` (a string, or chat messages for a chat model)."""
-    if not rows:
-        raise ValueError("play_episodes needs at least one row")
-    n, what = params.n, f"environment {name_of(env_factory)!r}"
-    each = [row for row in rows for _ in range(n)]
-    envs, extras, failed = start_environments(env_factory, each, limits.env_timeout_s, what)
-    prompts = [_prompt(engine.tokenizer, env, row, extra) for env, row, extra in zip(envs, each, extras)]
-    protocol = next((getattr(env, "protocol", None) for env in envs if env is not None), None)
-    stop = tuple(dict.fromkeys([*params.stop, *getattr(protocol, "stop", ())]))
-    one = dataclasses.replace(params, n=1, stop=stop)
-    turns = EnvironmentTurns(envs, engine.tokenizer, limits.env_timeout_s, failed)
-    out = engine.generate_episodes(prompts, one, limits, turns)
-    out.prompt_index = torch.arange(len(out)) // n  # each row was given n times
-    out.resets = extras
-    rewards = torch.tensor([_episode_reward(i) for i in out.infos], dtype=torch.float32)
-    return out, rewards, episode_metrics(out, rewards)
+    game = _Game.start(engine, rows, env_factory, params, limits)
+    return game.result(engine.generate_episodes(game.prompts, game.params, limits, game.turns))
+
+
+class EnvEpisodes:
+    """`play_episodes` in parts (partial rollouts, `trainers.rl_partial`): the episodes and their
+    environments stay here between `advance` calls, each of which may run on other weights.
+    Needs an engine that runs the token loop (`rollout.episodes.PlaysEpisodes`: native, hf).
+
+        game = EnvEpisodes(engine, rows, env_factory, params, limits)
+        while not game.advance(engine, tokens=64, version=v): ...   # a weight sync between calls
+        episodes, rewards, metrics = game.result()
+    """
+
+    def __init__(self, engine, rows: Sequence[dict[str, Any]], env_factory: Callable[[], Environment],
+                 params: SamplingParams, limits: MultiTurnLimits):
+        self.game = _Game.start(engine, rows, env_factory, params, limits)
+        self.play = engine.start_episodes(self.game.prompts, self.game.params, limits, self.game.turns)
+
+    def advance(self, engine, tokens: int, version: int) -> bool:
+        """Up to `tokens` more model tokens per running episode with `engine`'s weights now, each
+        recorded as `version`'s (`Episodes.versions`); returns whether every episode has ended."""
+        return engine.advance(self.play, tokens, version)
+
+    def result(self) -> tuple[Episodes, torch.Tensor, dict[str, float]]:
+        """`play_episodes`'s result, once `advance` said every episode ended."""
+        return self.game.result(self.play.episodes())
+
+
+@dataclasses.dataclass
+class _Game:
+    """The episodes of some rows before they are played: their environments started and reset,
+    the prompts the model sees, the turn handler over the environments."""
+
+    n: int
+    prompts: list[str | list[int]]
+    params: SamplingParams
+    """The call's sampling settings: n = 1 per prompt (each row given n times), the
+    environment's stop strings added."""
+    turns: EnvironmentTurns
+    extras: list[str | None]
+
+    @classmethod
+    def start(cls, engine, rows: Sequence[dict[str, Any]], env_factory: Callable[[], Environment],
+              params: SamplingParams, limits: MultiTurnLimits) -> _Game:
+        if not rows:
+            raise ValueError("play_episodes needs at least one row")
+        n, what = params.n, f"environment {name_of(env_factory)!r}"
+        each = [row for row in rows for _ in range(n)]
+        envs, extras, failed = start_environments(env_factory, each, limits.env_timeout_s, what)
+        prompts = [_prompt(engine.tokenizer, env, row, extra) for env, row, extra in zip(envs, each, extras)]
+        protocol = next((getattr(env, "protocol", None) for env in envs if env is not None), None)
+        stop = tuple(dict.fromkeys([*params.stop, *getattr(protocol, "stop", ())]))
+        one = dataclasses.replace(params, n=1, stop=stop)
+        return cls(n, prompts, one, EnvironmentTurns(envs, engine.tokenizer, limits.env_timeout_s, failed), extras)
+
+    def result(self, out: Episodes) -> tuple[Episodes, torch.Tensor, dict[str, float]]:
+        """(episodes, environment rewards (N,), metrics) of the episodes played."""
+        out.prompt_index = torch.arange(len(out)) // self.n  # each row was given n times
+        out.resets = self.extras
+        rewards = torch.tensor([_episode_reward(i) for i in out.infos], dtype=torch.float32)
+        return out, rewards, episode_metrics(out, rewards)
 
 
 def start_environments(

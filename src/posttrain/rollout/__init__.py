@@ -23,6 +23,9 @@ Multi-turn episodes (episodes.py): `engine.generate_episodes(prompts, params, li
 handler)` (every engine: native and hf token by token, vllm turn by turn) lets a
 `TurnHandler` (an environment, `posttrain.envs`) answer each model turn; the trajectory
 comes back as one response whose `response_mask` is 0 on the environment's tokens.
+Native and hf also play them in parts: `play = engine.start_episodes(...)`, then
+`engine.advance(play, tokens, version)` until it says done, the weights free to change between
+calls (partial rollouts), and `play.episodes()`.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ An episode row is one growing token sequence:
 
     prompt | model turn 1 | env answer 1 | model turn 2 | env answer 2 | ... | model turn k
 
-The loop (`run_episodes`), one iteration per sampled token:
+The loop (`EpisodePlay.run`), one iteration per sampled token:
   1. sample the next token of every running row from its logits (`sampling.Draws`: in batch
      mode Exp(1) noise drawn for all N rows from one CPU generator, so a row's sample does
      not depend on which rows are still running, nor on the engine; in row mode a draw of
@@ -53,7 +53,8 @@ from typing import Any, Protocol
 
 import torch
 
-from posttrain.rollout.base import SampledRows, SamplingParams, StopStrings
+from posttrain.data.collate import pad_id_of
+from posttrain.rollout.base import SampledRows, SamplingParams, StopStrings, encode_prompts
 from posttrain.rollout.sampling import Draws
 
 
@@ -165,6 +166,9 @@ class Episodes(SampledRows):
     resets: list[str | None] = field(default_factory=list)
     """Per row, the text the environment's `reset` added to the prompt (None for none);
     filled by `envs.play_episodes`."""
+    versions: torch.Tensor | None = None
+    """(N, T) long: the weights' version of each token (`EpisodePlay.run`'s `version` of the
+    call that added it; 0 on padding and where no version was given)."""
     pad_token_id: int = 0
     meta: dict = field(default_factory=dict)
 
@@ -183,56 +187,112 @@ class _Row:
     turn_texts: list[str] = field(default_factory=list)
     infos: list[dict] = field(default_factory=list)
     bounds: list[tuple[int, int, int]] = field(default_factory=list)  # Episodes.turn_bounds
+    versions: list[int] = field(default_factory=list)  # per token: the version of the call that added it
 
 
-def run_episodes(
-    model: EpisodeModel,
-    prompt_ids: list[list[int]],
-    params: SamplingParams,
-    limits: MultiTurnLimits,
-    handler: TurnHandler,
-    tokenizer,
-    pad_id: int,
-) -> Episodes:
-    """Play `params.n` episodes of every prompt (module docstring); rows grouped by prompt."""
-    start = time.perf_counter()
-    n, rows = params.n, [_Row() for _ in range(len(prompt_ids) * params.n)]
-    draws = Draws(params)  # batch mode: one CPU generator, whatever the engine's device
-    stop_ids = set(params.resolved_stop_token_ids(tokenizer))
-    stops = StopStrings(tokenizer, params.stop)
-    held = list(range(len(rows)))  # output row of each batch row
-    logits = model.start(prompt_ids, n)
-    steps = forwards = 0
-    while held:
-        tok, logp = draws.sample(logits, held, len(rows), steps)  # a row's draw ignores the others
-        ended = {}  # output row -> why its model turn ended
-        for r, t, lp in zip(held, tok.tolist(), logp.tolist()):
-            row = rows[r]
-            row.ids.append(t)
-            row.model.append(1)
-            row.logp.append(lp)
-            row.turn.append(t)
-            why = turn_end(row.turn, len(row.ids), stop_ids, stops.completes(row.turn),
-                           params.max_new_tokens, limits.max_total_tokens)
-            if why is not None:
-                ended[r] = why
-        answers = _answer(rows, ended, handler, tokenizer, stop_ids)
-        chunks, keep = [], []
-        for i, (r, t) in enumerate(zip(held, tok.tolist())):
-            extra = _after_turn(rows[r], ended.get(r), answers.get(r), limits)
-            if rows[r].reason is None:
-                keep.append(i)
-                chunks.append([t, *extra])
-        steps += 1
-        if len(keep) < len(held):
-            held = [held[i] for i in keep]
-            model.keep(torch.tensor(keep, dtype=torch.long))
-        if held:
+class EpisodePlay:
+    """The token loop's episodes in play (module docstring), run in one call or in parts.
+
+    `run(model, tokens)` samples up to `tokens` more tokens per running row (None: until every
+    episode ends) and stops after a whole loop iteration: the tokens just sampled and the
+    environment's answers are in the rows, not yet fed. A later `run` goes on with a model of
+    its own (an engine's weights of now: partial rollouts, `trainers.rl_partial`): it encodes
+    every running row's whole history (prompt + trajectory so far) afresh, and the draws go on
+    where they stopped (one `Draws` for the whole play: batch mode's generator, row mode's
+    (row, token index)), so with unchanged weights the parts play the one call's episodes (up
+    to the rounding of a prefill against a KV-cache step). Each token records the `version` of
+    the call that added it (`Episodes.versions`); the environments live in the `handler`."""
+
+    def __init__(self, prompt_ids: list[list[int]], params: SamplingParams, limits: MultiTurnLimits,
+                 handler: TurnHandler, tokenizer, pad_id: int):
+        self.prompt_ids, self.params, self.limits, self.handler = prompt_ids, params, limits, handler
+        self.tokenizer, self.pad_id, self.n = tokenizer, pad_id, params.n
+        self.rows = [_Row() for _ in range(len(prompt_ids) * params.n)]
+        self.draws = Draws(params)  # batch mode: one CPU generator, whatever the engine's device
+        self.stop_ids = set(params.resolved_stop_token_ids(tokenizer))
+        self.stops = StopStrings(tokenizer, params.stop)
+        self.held = list(range(len(self.rows)))  # output row of each batch row
+        self.steps = self.forwards = self.calls = 0
+        self.seconds = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return not self.held
+
+    def run(self, model: EpisodeModel, tokens: int | None = None, version: int = 0) -> bool:
+        """Play on with `model` for up to `tokens` sampled tokens per running row (None: to the
+        end), each recorded as `version`'s; returns whether every episode has ended."""
+        if self.finished:
+            return True
+        start, rows = time.perf_counter(), self.rows
+        if self.calls == 0:
+            logits = model.start(self.prompt_ids, self.n)
+        else:  # a fresh encoding of each running row's history: the weights may have changed
+            logits = model.start([[*self.prompt_ids[r // self.n], *rows[r].ids] for r in self.held], 1)
+        self.calls += 1
+        end = None if tokens is None else self.steps + tokens
+        while True:
+            held = self.held
+            tok, logp = self.draws.sample(logits, held, len(rows), self.steps)  # a row's draw ignores the others
+            ended = {}  # output row -> why its model turn ended
+            for r, t, lp in zip(held, tok.tolist(), logp.tolist()):
+                row = rows[r]
+                row.ids.append(t)
+                row.model.append(1)
+                row.logp.append(lp)
+                row.turn.append(t)
+                why = turn_end(row.turn, len(row.ids), self.stop_ids, self.stops.completes(row.turn),
+                               self.params.max_new_tokens, self.limits.max_total_tokens)
+                if why is not None:
+                    ended[r] = why
+            answers = _answer(rows, ended, self.handler, self.tokenizer, self.stop_ids)
+            chunks, keep = [], []
+            for i, (r, t) in enumerate(zip(held, tok.tolist())):
+                extra = _after_turn(rows[r], ended.get(r), answers.get(r), self.limits)
+                rows[r].versions += [version] * (len(rows[r].ids) - len(rows[r].versions))
+                if rows[r].reason is None:
+                    keep.append(i)
+                    chunks.append([t, *extra])
+            self.steps += 1
+            if len(keep) < len(held):
+                self.held = [held[i] for i in keep]
+                model.keep(torch.tensor(keep, dtype=torch.long))
+            if not self.held or self.steps == end:
+                break
             logits = model.feed(chunks)
-            forwards += 1
-    return _assemble(prompt_ids, rows, n, tokenizer, pad_id, {
-        "decode_steps": steps, "forwards": forwards, "seconds": time.perf_counter() - start,
-    })
+            self.forwards += 1
+        self.seconds += time.perf_counter() - start
+        return self.finished
+
+    def episodes(self) -> Episodes:
+        """The episodes played (each row as far as it got: call once `finished`)."""
+        return _assemble(self.prompt_ids, self.rows, self.n, self.tokenizer, self.pad_id, {
+            "decode_steps": self.steps, "forwards": self.forwards, "seconds": self.seconds, "calls": self.calls,
+        })
+
+
+class PlaysEpisodes:
+    """`generate_episodes` of an engine that runs the token loop (native, hf): `start_episodes`,
+    then the engine's `advance(play, tokens, version)` (`play.run` over an `EpisodeModel` of its
+    weights now) to the end. Partial rollouts call the two themselves (`envs.EnvEpisodes`)."""
+
+    tokenizer: object
+    kind: str
+
+    def start_episodes(self, prompts, params: SamplingParams, limits: MultiTurnLimits,
+                       handler: TurnHandler) -> EpisodePlay:
+        """`params.n` episodes of every prompt (strings or token ids), none of them begun."""
+        return EpisodePlay(encode_prompts(self.tokenizer, prompts), params, limits, handler, self.tokenizer,
+                           pad_id_of(self.tokenizer))
+
+    def generate_episodes(self, prompts, params: SamplingParams, limits: MultiTurnLimits,
+                          handler: TurnHandler) -> Episodes:
+        """`params.n` multi-turn episodes of every prompt with `handler` answering each model turn."""
+        play = self.start_episodes(prompts, params, limits, handler)
+        self.advance(play)
+        out = play.episodes()
+        out.meta["engine"] = self.kind
+        return out
 
 
 def turn_end(
@@ -329,13 +389,13 @@ def run_turn_episodes(
     tokenizer,
     pad_id: int,
 ) -> Episodes:
-    """`run_episodes` for an engine that samples whole turns (vLLM): one round per model turn.
+    """The token loop's episodes for an engine that samples whole turns (vLLM): one round per model turn.
 
     Each round every running row is one `TurnRequest` (its prompt + trajectory, at most
     `turn_budget` new tokens); the turns that come back all ended (`sampled_turn_end`), so
     the handler answers all of them at once and rows finish by the rules of `_after_turn`.
     Same episodes, masks and log-probs as the token loop for the same samples; the samples
-    themselves come from the engine's RNG (its seeds, not `run_episodes`'s noise)."""
+    themselves come from the engine's RNG (its seeds, not the token loop's noise)."""
     start = time.perf_counter()
     n, rows = params.n, [_Row() for _ in range(len(prompt_ids) * params.n)]
     stop_ids = set(params.resolved_stop_token_ids(tokenizer))
@@ -423,10 +483,12 @@ def _assemble(prompt_ids, rows: Sequence[_Row], n: int, tokenizer, pad_id: int, 
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     seq = torch.zeros((len(rows), width), dtype=torch.long)
     logp = torch.zeros((len(rows), width), dtype=torch.float32)
+    versions = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
         k = len(r.ids)
         ids[i, :k], mask[i, :k], seq[i, :k] = torch.tensor(r.ids), torch.tensor(r.model), 1
         logp[i, :k] = torch.tensor(r.logp)
+        versions[i, : len(r.versions)] = torch.tensor(r.versions, dtype=torch.long)
     return Episodes(
         prompt_ids=[list(p) for p in prompt_ids for _ in range(n)],
         prompt_index=torch.arange(len(rows)) // n,
@@ -443,6 +505,7 @@ def _assemble(prompt_ids, rows: Sequence[_Row], n: int, tokenizer, pad_id: int, 
         turn_texts=[r.turn_texts for r in rows],
         infos=[r.infos for r in rows],
         turn_bounds=[r.bounds for r in rows],
+        versions=versions,
         pad_token_id=pad_id,
         meta=meta,
     )

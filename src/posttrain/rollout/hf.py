@@ -59,14 +59,14 @@ from posttrain.rollout.base import (
     encode_prompts,
     eval_inference,
 )
-from posttrain.rollout.episodes import Episodes, MultiTurnLimits, TurnHandler, run_episodes
+from posttrain.rollout.episodes import EpisodePlay, PlaysEpisodes
 from posttrain.rollout.sampling import resolve_seed, row_uniforms, sample_next, stream_seed
 
 # Most float32 logits (rows x tokens x vocab) alive at once in the logprob forward.
 _LOGPROB_CHUNK_ELEMENTS = 1 << 26
 
 
-class HFEngine(HoldsNoDeviceMemory):
+class HFEngine(PlaysEpisodes, HoldsNoDeviceMemory):
     """Sampling through `model.generate` (module docstring)."""
 
     kind = "hf"
@@ -136,20 +136,13 @@ class HFEngine(HoldsNoDeviceMemory):
             },
         )
 
-    def generate_episodes(
-        self, prompts: Prompts, params: SamplingParams, limits: MultiTurnLimits, handler: TurnHandler
-    ) -> Episodes:
-        """`params.n` multi-turn episodes of every prompt with `handler` answering each model
-        turn (`episodes.run_episodes`), re-encoding histories after answers (`hf_episodes`)."""
+    def advance(self, play: EpisodePlay, tokens: int | None = None, version: int = 0) -> bool:
+        """Play on (`episodes.EpisodePlay.run`) with the model's weights now, re-encoding histories
+        after answers (`hf_episodes`)."""
         from posttrain.rollout.hf_episodes import HFEpisodeModel
 
-        prompt_ids = encode_prompts(self.tokenizer, prompts)
-        pad_id = pad_id_of(self.tokenizer)
         with eval_inference(self.model):
-            backend = HFEpisodeModel(self.model, pad_id)
-            out = run_episodes(backend, prompt_ids, params, limits, handler, self.tokenizer, pad_id)
-        out.meta["engine"] = "hf"
-        return out
+            return play.run(HFEpisodeModel(self.model, play.pad_id), tokens, version)
 
     @torch.inference_mode()
     def _logprobs(

@@ -66,7 +66,7 @@ from posttrain.rollout.base import (
     encode_prompts,
     eval_inference,
 )
-from posttrain.rollout.episodes import Episodes, MultiTurnLimits, TurnHandler, run_episodes
+from posttrain.rollout.episodes import EpisodePlay, PlaysEpisodes
 from posttrain.rollout.native_decode import DecodeWeights, decode_step
 from posttrain.rollout.native_episodes import NativeEpisodeModel
 from posttrain.rollout.sampling import Draws
@@ -118,7 +118,7 @@ def as_builtin(model: nn.Module) -> BuiltinLM:
     return view.eval()
 
 
-class NativeEngine(HoldsNoDeviceMemory):
+class NativeEngine(PlaysEpisodes, HoldsNoDeviceMemory):
     """Batched KV-cache sampling from a BuiltinLM (module docstring)."""
 
     kind = "native"
@@ -196,19 +196,13 @@ class NativeEngine(HoldsNoDeviceMemory):
             },
         )
 
-    def generate_episodes(
-        self, prompts: Prompts, params: SamplingParams, limits: MultiTurnLimits, handler: TurnHandler
-    ) -> Episodes:
-        """`params.n` multi-turn episodes of every prompt with `handler` answering each model
-        turn (`episodes.run_episodes`); each row's KV cache grows by the appended tokens only
-        (`native_episodes`). All rows run at once (`max_batch_size` does not apply)."""
-        prompt_ids = encode_prompts(self.tokenizer, prompts)
-        pad_id = pad_id_of(self.tokenizer)
+    def advance(self, play: EpisodePlay, tokens: int | None = None, version: int = 0) -> bool:
+        """Play on (`episodes.EpisodePlay.run`) with the engine's weights now; each row's KV cache
+        grows by the appended tokens only (`native_episodes`), a cache of its own per call. All
+        rows run at once (`max_batch_size` does not apply)."""
         with eval_inference(self.model):
-            backend = NativeEpisodeModel(self, pad_id, limits.max_total_tokens, DecodeWeights.of(self.model))
-            out = run_episodes(backend, prompt_ids, params, limits, handler, self.tokenizer, pad_id)
-        out.meta["engine"] = "native"
-        return out
+            model = NativeEpisodeModel(self, play.pad_id, play.limits.max_total_tokens, DecodeWeights.of(self.model))
+            return play.run(model, tokens, version)
 
     def _prefill(self, prompt_ids: list[list[int]], n: int, max_new: int, pad_id: int):
         """Prompts through the model once, cache rows repeated n times.

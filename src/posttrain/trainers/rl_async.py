@@ -41,7 +41,7 @@ import torch
 
 from posttrain.algos import masked_mean
 from posttrain.logging import get_logger
-from posttrain.trainers.rl_partial import PartialRollout, Segments
+from posttrain.trainers.rl_partial import InPlay, PartialEpisodes, PartialRollout, Segments
 from posttrain.trainers.rl_steps import generation_metrics
 from posttrain.workers import RLBatch
 
@@ -134,7 +134,7 @@ class AsyncRollouts:
 
     def __init__(self, k: int, policy: str, n: int, lane: Lane, draw: Callable[[int | None], RLBatch],
                  generate: Callable[[RLBatch, int], RLBatch], sync: Callable[[], Callable[[], None]],
-                 partial: PartialRollout | None = None):
+                 partial: PartialRollout | PartialEpisodes | None = None):
         self.k, self.policy, self.n, self.lane = k, policy, n, lane
         self.draw, self.generate, self.sync, self.partial = draw, generate, sync, partial
         self.jobs: deque[InFlight] = deque()
@@ -158,7 +158,7 @@ class AsyncRollouts:
             pending[0]()
             self.engine_version = pending[1]
 
-    def _segments(self, prompts: RLBatch, step: int) -> Segments:
+    def _segments(self, prompts: RLBatch, step: int) -> Segments | InPlay:
         """A lane job (partial rollouts): in turn the batch's first segment; on a thread all of
         them, each after the newest sync waiting."""
         self._apply_pending()
@@ -167,11 +167,11 @@ class AsyncRollouts:
             part = self._next_segment(part)
         return part
 
-    def _next_segment(self, part: Segments) -> Segments:
+    def _next_segment(self, part: Segments | InPlay) -> Segments | InPlay:
         self._apply_pending()
         return self.partial.resume(part, self.engine_version)
 
-    def _finish(self, part: Segments) -> Segments:
+    def _finish(self, part: Segments | InPlay) -> Segments | InPlay:
         """A lane job (partial rollouts in turn): the remaining segments, with the weights now."""
         while not part.finished:
             part = self._next_segment(part)
@@ -246,6 +246,8 @@ class AsyncRollouts:
         by the next `fill` with the restored weights (`version`)."""
         self.lane.drain()
         self.jobs.clear()
+        if self.partial is not None:
+            self.partial.forget()
         self.version = self.engine_version = version
         self.pending = None
         self.restored = [(j["step"], prompts_of(j["prompt_index"]).replace(uid=torch.tensor(j["uid"])))

@@ -13,6 +13,9 @@ on both backends:
                                                   worker r samples a contiguous slice of the
                                                   prompts, each row drawing by its index in
                                                   the batch; the slices joined in order
+    rollout.play_in_parts(prompts,    RANK_ZERO   partial rollouts of episodes: as generate, in
+      seed, handle, ...)              DP_SPLIT    parts, each worker keeping its slice's episodes
+                                                  and environments between calls
     actor.compute_logprobs(batch)     DP_COMPUTE  token-balanced parts, gathered to (B, Tr)
     ref.compute_logprobs(batch)       DP_COMPUTE
     critic.compute_values(batch)      DP_COMPUTE
@@ -125,6 +128,11 @@ def join_slices(slices: list[RLBatch]) -> RLBatch:
     return out
 
 
+def ended_slices(slices: list[RLBatch | None]) -> RLBatch | None:
+    """`play_in_parts`' slices joined (`join_slices`) once every one has ended, else None."""
+    return None if any(s is None for s in slices) else join_slices(slices)
+
+
 class RLWorker(PoolWeights):
     """The roles of one worker process, those of its pool (`roles`; all of them by default):
     actor + reference, critic, rollout. `policy` and `value_model` are the driver's initial
@@ -217,6 +225,18 @@ class RLWorker(PoolWeights):
         """Responses to `prompts`, whose first prompt is the batch's `first` (None: no prompts
         for this worker)."""
         return None if prompts is None else self.rollout.generate(prompts, seed, params, first)
+
+    @register(Dispatch.RANK_ZERO, Dispatch.DP_SPLIT, when="split", role="rollout", name="play_in_parts",
+              collect=ended_slices)
+    def play_in_parts(self, prompts: RLBatch | None, first: int, seed: int, handle: int, begin: bool, tokens: int,
+                      version: int, live: list[int]) -> RLBatch | None:
+        """Partial rollouts of episodes (`Rollout.play_in_parts`): this worker's slice of batch
+        `handle` goes on for up to `tokens` model tokens per episode; its batch once all ended.
+        The same slices at every call (`prompts` as at the start): each worker keeps its own
+        episodes and environments."""
+        if prompts is None:
+            return None
+        return self.rollout.play_in_parts(prompts, seed, handle, begin, tokens, version, live, first)
 
     @register(Dispatch.ONE_TO_ALL, role="rollout", name="offload")
     def offload(self) -> None:

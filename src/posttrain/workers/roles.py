@@ -77,6 +77,12 @@ class RolloutRole(Protocol):
     def generate(self, prompts: RLBatch, seed: int, params: SamplingParams | None = None) -> RLBatch:
         """n responses per prompt (rows of a group contiguous)."""
 
+    def play_in_parts(self, prompts: RLBatch, seed: int, handle: int, begin: bool, tokens: int, version: int,
+                      live: list[int]) -> RLBatch | None:
+        """Partial rollouts of episodes: batch `handle`'s episodes go on for up to `tokens` model
+        tokens each with the engines' weights now (`version`); the batch once all ended, else None
+        (`workers.rollout_worker.Rollout.play_in_parts`)."""
+
     def offload(self) -> None:
         """Every engine gives its memory to the update (vllm sleeps)."""
 

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from posttrain.data.collate import left_pad
-from posttrain.envs import Environment, play_episodes
+from posttrain.envs import EnvEpisodes, Environment, play_episodes
 from posttrain.envs.samples import episode_record
 from posttrain.rollout import Episodes, MultiTurnLimits, RolloutEngine, SamplingParams
 from posttrain.workers.batch import RLBatch
@@ -44,6 +44,18 @@ def as_completion(prompt: Any, text: str) -> Any:
     if isinstance(prompt, list):
         return [{"role": "assistant", "content": text}]
     return text
+
+
+@dataclasses.dataclass
+class InParts:
+    """A batch of episodes played in parts (`Rollout.play_in_parts`)."""
+
+    prompts: RLBatch
+    """Its prompts, repeated n times (rows of a group contiguous)."""
+    n: int
+    game: EnvEpisodes
+    ended: RLBatch | None = None
+    """The batch, once every episode has ended."""
 
 
 class Rollout:
@@ -61,6 +73,8 @@ class Rollout:
         self.engine, self.params = engine, params
         self.env_factory, self.limits = env_factory, limits or MultiTurnLimits()
         self._next_uid = 0
+        self.in_parts: dict[int, InParts] = {}
+        """`play_in_parts`' batches in play, by handle."""
 
     def generate(self, prompts: RLBatch, seed: int, params: SamplingParams | None = None,
                  first: int = 0) -> RLBatch:
@@ -72,19 +86,13 @@ class Rollout:
         rollout; it needs seed_mode "row", whose rows then draw as the whole batch's rows
         first·n, ...). Needs `prompt_ids`, `prompt_mask` and `prompts`; the prompts' `uid`
         (group ids) are kept when given, else counted from 0 over this rollout's calls."""
-        prompts.require("prompt_ids", "prompt_mask", "prompts", role="rollout.generate")
-        params = params or self.params
-        n = params.n
-        params = dataclasses.replace(params, seed=seed, first_row=first * n)
-        uid = prompts.uid  # given by the driver (its prompt stream counts them), else counted here
-        if uid is None:
-            uid = torch.arange(self._next_uid, self._next_uid + len(prompts))
-            self._next_uid += len(prompts)
+        prompts, params = self._call(prompts, seed, params, first)
         if self.env_factory is not None:
-            return self._play(prompts.replace(uid=uid), params)
+            return self._play(prompts, params)
+        n = params.n
         ids = [row[mask.bool()].tolist() for row, mask in zip(prompts.prompt_ids, prompts.prompt_mask)]
         out = self.engine.generate(ids, params)
-        batch = prompts.replace(uid=uid).repeat(n)
+        batch = prompts.repeat(n)
         truncated = torch.tensor([r == "length" for r in out.finish_reason])
         return batch.replace(
             response_ids=out.response_ids,
@@ -96,12 +104,53 @@ class Rollout:
             meta={**batch.meta, "n": n},
         )
 
+    def _call(self, prompts: RLBatch, seed: int, params: SamplingParams | None, first: int
+              ) -> tuple[RLBatch, SamplingParams]:
+        """The prompts with their uid (given, else counted) and the call's sampling settings."""
+        prompts.require("prompt_ids", "prompt_mask", "prompts", role="rollout.generate")
+        params = params or self.params
+        params = dataclasses.replace(params, seed=seed, first_row=first * params.n)
+        uid = prompts.uid  # given by the driver (its prompt stream counts them), else counted here
+        if uid is None:
+            uid = torch.arange(self._next_uid, self._next_uid + len(prompts))
+            self._next_uid += len(prompts)
+        return prompts.replace(uid=uid), params
+
+    def play_in_parts(self, prompts: RLBatch, seed: int, handle: int, begin: bool, tokens: int, version: int,
+                      live: list[int], first: int = 0) -> RLBatch | None:
+        """Partial rollouts of episodes (`trainers.rl_partial.PartialEpisodes`): up to `tokens`
+        more model tokens per running episode of the batch `handle`, with the engine's weights now
+        (`version`, recorded per token in `versions`). `begin`: start the batch's episodes (its
+        environments are kept here, `envs.EnvEpisodes`, until it ends); else go on with them
+        (`prompts`, `seed`, `first` as given at the start). Returns the batch as `generate` would,
+        per-token `versions` added, once every episode has ended (again at each later call), else
+        None. Batches not in `live` (the ones the driver still waits for) are dropped."""
+        for h in [h for h in self.in_parts if h not in live and h != handle]:
+            del self.in_parts[h]
+        if begin:
+            prompts, params = self._call(prompts, seed, None, first)
+            game = EnvEpisodes(self.engine, self._rows(prompts), self.env_factory, params, self.limits)
+            self.in_parts[handle] = InParts(prompts.repeat(params.n), params.n, game)
+        held = self.in_parts.get(handle)
+        if held is None:
+            raise RuntimeError(f"rollout: the episodes of batch {handle} are not held by this worker (it was "
+                               "restarted, or the batch was dropped): the driver must start them again")
+        if held.ended is None and held.game.advance(self.engine, tokens, version):
+            out, env_rewards, metrics = held.game.result()
+            held.ended = episode_batch(held.prompts, held.n, out, env_rewards, metrics).replace(versions=out.versions)
+        return held.ended
+
     def _play(self, prompts: RLBatch, params: SamplingParams) -> RLBatch:
         """`params.n` episodes of every prompt (module docstring)."""
-        columns = prompts.columns or {}
-        rows = [{"prompt": p, **{k: v[i] for k, v in columns.items()}} for i, p in enumerate(prompts.prompts)]
-        out, env_rewards, metrics = play_episodes(self.engine, rows, self.env_factory, params, self.limits)
+        out, env_rewards, metrics = play_episodes(self.engine, self._rows(prompts), self.env_factory, params,
+                                                  self.limits)
         return episode_batch(prompts.repeat(params.n), params.n, out, env_rewards, metrics)
+
+    @staticmethod
+    def _rows(prompts: RLBatch) -> list[dict[str, Any]]:
+        """The dataset rows of the prompts, as environments' `reset` reads them."""
+        columns = prompts.columns or {}
+        return [{"prompt": p, **{k: v[i] for k, v in columns.items()}} for i, p in enumerate(prompts.prompts)]
 
     def offload(self) -> None:
         """Before the update: the engine gives back the GPU memory it holds (vllm sleeps)."""
