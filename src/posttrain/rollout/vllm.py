@@ -195,7 +195,9 @@ class VLLMEngine:
             model_path = self._tmp.name
             model.save_pretrained(model_path)
             tokenizer.save_pretrained(model_path)
-        self.dtype = dtype = serving_dtype(dtype, next(model.parameters()).dtype, self.platform)
+        self.dtype, note = serving_dtype(dtype, next(model.parameters()).dtype, self.platform, "rollout.vllm.dtype")
+        if note:
+            log.info("vllm engine: %s", note)
         if self.platform.cpu:  # on a GPU, gpu_memory_utilization sizes the KV cache
             llm_kwargs = {**kv_cache_kwargs(cpu_kvcache_space_gb, self.platform, os.environ,
                                             "rollout.vllm.cpu_kvcache_space_gb"), **llm_kwargs}
@@ -204,7 +206,7 @@ class VLLMEngine:
             log.info("vllm engine on %s: no sleep mode there; the engine keeps its weights and KV cache "
                      "in memory during the update", self.platform.device)
         self._expected = weight_shapes(named_weights(model))  # merged or not: the same shapes
-        self.llm = vllm.LLM(**engine_kwargs(model_path, dtype, gpu_memory_utilization, seed,
+        self.llm = vllm.LLM(**engine_kwargs(model_path, self.dtype, gpu_memory_utilization, seed,
                                             sleep_mode=self.platform.sleep_mode, **llm_kwargs))
         self._vllm = vllm
         if is_peft:

@@ -7,7 +7,7 @@ between the two, as small functions over plain values (tested without vLLM).
 | memory for the engine | `rollout.gpu_memory_utilization` × GPU memory, checked against vLLM's `MemorySnapshot` | the KV cache: `rollout.vllm.cpu_kvcache_space_gb` GiB (vLLM's `kv_cache_memory_bytes`), checked against vLLM's `get_memory_node_info` |
 | sleep mode (`offload`) | yes (`enable_sleep_mode`) | no: vLLM refuses it; the engine stays resident, logged once |
 | weight sync | `model.load_weights` on each worker | the worker's `reload_weights(is_checkpoint_format=True)`: the CPU build repacks linear weights after loading, which `load_weights` alone would not redo |
-| dtype `auto` of an fp32 policy | bf16 from Ampere on, else fp16 | bf16 on x86 and Arm, else fp32 |
+| dtype `auto` of an fp32 policy | bf16 from Ampere on, else fp16 | bf16 where the CPU computes it natively (x86 `avx512_bf16`/`amx_bf16`, Arm `bf16`), else fp32 |
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,7 +36,10 @@ class Platform:
     sleep_mode: bool
     """`enable_sleep_mode` is available (vLLM's `is_sleep_mode_available`)."""
     bf16: bool
-    """bfloat16 is among the platform's `supported_dtypes`."""
+    """dtype auto serves a float32 policy in bfloat16: it is among the platform's `supported_dtypes`
+    and, on a CPU, computed natively (`bf16_choice`)."""
+    bf16_why: str = ""
+    """Why `bf16` is so, for the log of dtype auto's choice."""
 
     @property
     def cpu(self) -> bool:
@@ -58,8 +62,51 @@ def detect_platform(vllm) -> Platform:
             f"vLLM {vllm.__version__} finds no device it can run on (its CUDA build needs a visible GPU; on "
             f"trainer.backend=ray set placement.gpus_per_worker): {INSTALL_HINT}"
         )
-    return Platform(device=p.device_type, sleep_mode=p.is_sleep_mode_available(),
-                    bf16=torch.bfloat16 in p.supported_dtypes)
+    bf16, why = bf16_choice(p.device_type, torch.bfloat16 in p.supported_dtypes, read_cpuinfo())
+    return Platform(device=p.device_type, sleep_mode=p.is_sleep_mode_available(), bf16=bf16, bf16_why=why)
+
+
+def read_cpuinfo(path: str = "/proc/cpuinfo") -> str | None:
+    """The text of Linux's /proc/cpuinfo, None where there is none (macOS)."""
+    try:
+        return Path(path).read_text(errors="replace")
+    except OSError:
+        return None
+
+
+CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
+"""/proc/cpuinfo flags of a CPU that computes bfloat16 natively: x86's AMX and AVX-512 BF16
+(Intel from Cooper Lake, AMD from Zen 4), Arm's BF16 (Armv8.6: Graviton3, Neoverse V1/N2)."""
+
+
+def cpu_bf16_flag(cpuinfo: str) -> str | None:
+    """The first of `CPU_BF16_FLAGS` in /proc/cpuinfo's `flags` (x86) or `Features` (Arm) lines,
+    None without one (an AVX2-only x86, an older Arm, a CPU that lists no flags there)."""
+    words = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            words.update(value.split())
+    return next((flag for flag in CPU_BF16_FLAGS if flag in words), None)
+
+
+def bf16_choice(device: str, listed: bool, cpuinfo: str | None) -> tuple[bool, str]:
+    """Whether dtype auto serves a float32 policy in bfloat16 on vLLM's `device`, and why: where the
+    platform lists it (`listed`: its `supported_dtypes`) and, on a CPU, `cpu_bf16_flag` finds it in
+    `cpuinfo`. Without that, vLLM's CPU build emulates bf16 by conversion: 3.5-3.8x slower than
+    float32 on an AVX2-only AMD EPYC (benchmarks/README.md). `cpuinfo` None (no /proc/cpuinfo:
+    macOS, where vLLM lists bf16 only on a CPU with FEAT_BF16) leaves vLLM's list to decide."""
+    if not listed:
+        return False, f"vLLM's {device} platform does not list bfloat16 among its supported dtypes"
+    if device != "cpu":
+        return True, f"vLLM's {device} platform supports bfloat16"
+    if cpuinfo is None:
+        return True, "vLLM's cpu platform supports bfloat16 (no /proc/cpuinfo to check the CPU's flags)"
+    flag = cpu_bf16_flag(cpuinfo)
+    if flag:
+        return True, f"this CPU computes bfloat16 natively ({flag} in /proc/cpuinfo)"
+    return False, ("this CPU has no native bfloat16 (none of " + "/".join(CPU_BF16_FLAGS) + " in /proc/cpuinfo): "
+                   "vLLM's CPU build would emulate it, 3.5-3.8x slower than float32")
 
 
 def check_gpu_memory(free_bytes: int, total_bytes: int, utilization: float) -> None:
@@ -128,19 +175,22 @@ def engine_kwargs(model_path: str, dtype: str, gpu_memory_utilization: float, se
             "enable_prefix_caching": True, **extra}
 
 
-def serving_dtype(asked: str, weights: torch.dtype | None, platform: Platform) -> str:
-    """vLLM's `dtype`: as asked, or for "auto" 16-bit weights' own dtype; float32 weights (a
-    policy's master copy, or a checkpoint of unknown dtype) are served in bfloat16 where the
-    platform has it (its `supported_dtypes`), else float16 on a GPU and float32 on a CPU. (vLLM's
-    own "auto" would serve a float32 checkpoint in float16, whose range a bf16-trained model can
-    exceed, and asks `torch.cuda` on a CPU; veRL's rollout dtype defaults to bfloat16 likewise.)"""
+def serving_dtype(asked: str, weights: torch.dtype | None, platform: Platform, option: str) -> tuple[str, str]:
+    """vLLM's `dtype`, and for "auto" the line to log that says what it chose, why, and that
+    `option` overrides it ("" when asked for a dtype). As asked, or for "auto" 16-bit weights' own
+    dtype; float32 weights (a policy's master copy, or a checkpoint of unknown dtype) are served in
+    bfloat16 where `platform.bf16` (`bf16_choice`), else float16 on a GPU and float32 on a CPU.
+    (vLLM's own "auto" would serve a float32 checkpoint in float16, whose range a bf16-trained model
+    can exceed, and asks `torch.cuda` on a CPU; veRL's rollout dtype defaults to bfloat16 likewise.)"""
     if asked != "auto":
-        return asked
+        return asked, ""
     if weights in (torch.bfloat16, torch.float16):
-        return str(weights).removeprefix("torch.")
-    if platform.bf16:
-        return "bfloat16"
-    return "float32" if platform.cpu else "float16"
+        dtype = str(weights).removeprefix("torch.")
+        return dtype, f"{option}=auto serves the weights in their own {dtype}; set {option} to choose another"
+    dtype = "bfloat16" if platform.bf16 else "float32" if platform.cpu else "float16"
+    what = "float32 weights" if weights == torch.float32 else "weights of unknown dtype"
+    return dtype, (f"{option}=auto serves the {what} in {dtype}: {platform.bf16_why}; "
+                   f"set {option} (bfloat16, float16 or float32) to choose another")
 
 
 def named_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from posttrain.logging import get_logger
 from posttrain.rollout.vllm_platform import (
     detect_platform,
     engine_kwargs,
@@ -46,6 +47,8 @@ from posttrain.rollout.vllm_platform import (
     serving_dtype,
 )
 from posttrain.rollout.vllm_rows import row_result, sampling_kwargs
+
+log = get_logger(__name__)
 
 EXTENSION = "posttrain.rollout.vllm_serve.WeightReceiver"
 """The worker extension (`vllm.LLM(worker_extension_cls=...)`) that joins the weight group."""
@@ -136,7 +139,10 @@ class Engine:
 
         vllm = require_vllm()
         self.platform = detect_platform(vllm)
-        self.dtype = serving_dtype(opts.dtype, checkpoint_dtype(read_config_json(opts.model)), self.platform)
+        self.dtype, note = serving_dtype(opts.dtype, checkpoint_dtype(read_config_json(opts.model)), self.platform,
+                                         "--dtype")
+        if note:
+            log.info("vllm-serve: %s", note)
         self.opts, self.cuda, self.vllm = opts, self.platform.device == "cuda", vllm
         self.llm = vllm.LLM(**llm_kwargs(opts, self.dtype, self.platform))
         self.lock = threading.Lock()
