@@ -100,6 +100,7 @@ def test_a_sync_lands_between_the_turns_of_an_episode_and_each_token_keeps_its_v
     lines = metric_lines(tmp_path)
     assert [m["async/staleness/max"] for m in lines] == [0.0, 1.0, 1.0]
     assert max(m["turns/max"] for m in lines) >= 2
+    assert max(abs(m["rollout_corr/rollout_is_mean"] - 1) for m in lines[1:]) > 1e-4  # decoupled PPO's weight
     assert [r["version"] for r in prompt_log(tmp_path)] == [[0] * 2, [0] * 2, [1] * 2]
 
 
