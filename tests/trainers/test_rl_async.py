@@ -209,20 +209,31 @@ def test_a_crashed_async_run_resumes_training_every_prompt_once_per_epoch(tmp_pa
     if partial_rollout:
         over |= {"trainer.async_training.partial_rollout": "true", "trainer.async_training.partial_rollout_tokens": 2,
                  "rollout.max_new_tokens": 6}
-    for crash in (3, 6, None):
-        cfg = small(tmp_path, **over)
-        t = rl_module.GRPOTrainer(tiny_model().double(), reward_funcs=[starts_with_a], args=cfg, train_dataset=rows,
-                                  processing_class=word_tokenizer(), callbacks=[CrashAt(crash)] if crash else None)
+    crashed_and_resumed(lambda callbacks: rl_module.GRPOTrainer(
+        tiny_model().double(), reward_funcs=[starts_with_a], args=small(tmp_path, **over), train_dataset=rows,
+        processing_class=word_tokenizer(), callbacks=callbacks))
+    assert_each_prompt_once_per_epoch(tmp_path, prompts=16, steps_per_epoch=4, epochs=2)
+
+
+def crashed_and_resumed(make_trainer, crashes=(3, 6)):
+    """Train `make_trainer(callbacks)` crashing at each step of `crashes` (a KeyboardInterrupt after
+    it), then to the end: a new trainer each time, resuming as its config says."""
+    for crash in (*crashes, None):
+        trainer = make_trainer([CrashAt(crash)] if crash else None)
         if crash:
             with pytest.raises(KeyboardInterrupt):
-                t.train()
+                trainer.train()
         else:
-            t.train()
-    log = prompt_log(tmp_path)
-    assert [r["step"] for r in log] == list(range(1, 9))
-    for epoch in range(2):
-        seen = Counter(i for r in log[epoch * 4:(epoch + 1) * 4] for i in r["prompt_index"])
-        assert seen == Counter(range(16)), (epoch, seen)
+            trainer.train()
+
+
+def assert_each_prompt_once_per_epoch(run_dir, prompts, steps_per_epoch, epochs):
+    """trained_prompts.jsonl: every step once, each of the `prompts` prompts once per epoch."""
+    log = prompt_log(run_dir)
+    assert [r["step"] for r in log] == list(range(1, steps_per_epoch * epochs + 1))
+    for epoch in range(epochs):
+        seen = Counter(i for r in log[epoch * steps_per_epoch:(epoch + 1) * steps_per_epoch] for i in r["prompt_index"])
+        assert seen == Counter(range(prompts)), (epoch, seen)
 
 
 def test_ppo_with_its_critic_trains_asynchronously(tmp_path):

@@ -8,7 +8,6 @@ turn ` <call>guess(N)</call>` is 22 tokens, so segments of 22 tokens end at the 
 """
 
 import copy
-from collections import Counter
 from functools import partial
 
 import pytest
@@ -27,7 +26,7 @@ from posttrain.workers.forward import response_logits
 
 from .conftest import GUESS_ROWS
 from .test_rl import metric_lines
-from .test_rl_async import prompt_log
+from .test_rl_async import assert_each_prompt_once_per_epoch, crashed_and_resumed, prompt_log
 from .test_rl_partial import FLOAT32_LOGP, Versions
 from .test_rl_ray import episode_config
 
@@ -175,15 +174,6 @@ def test_episodes_in_parts_on_a_ray_rollout_pool_of_two_workers(ray_session, gue
     assert max(m["turns/max"] for m in metric_lines(tmp_path)) >= 2
 
 
-class CrashAt:
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            raise KeyboardInterrupt(f"crash at step {self.step}")
-
-
 def test_a_crashed_run_with_episodes_in_parts_trains_every_prompt_once_per_epoch(guesser, tmp_path):
     """8 prompts, 2 per step, 8 steps, checkpoints every 2: crashes at steps 3 and 6, each resumed
     (trainer.resume=auto). The episodes in flight at a checkpoint (their first segment played)
@@ -191,17 +181,7 @@ def test_a_crashed_run_with_episodes_in_parts_trains_every_prompt_once_per_epoch
     model, tok = guesser
     rows = [{**r, "prompt": f"{r['prompt']} {i}"} for i, r in enumerate(GUESS_ROWS * 2)]
     over = {**PARTIAL, "trainer.max_steps": 8, "trainer.save_steps": 2, "trainer.resume": "auto"}
-    for crash in (3, 6, None):
-        cfg = episode_config(tmp_path, "guess_number", **over)
-        t = GRPOTrainer(copy.deepcopy(model), args=cfg, train_dataset=rows, processing_class=tok,
-                        callbacks=[CrashAt(crash)] if crash else None)
-        if crash:
-            with pytest.raises(KeyboardInterrupt):
-                t.train()
-        else:
-            t.train()
-    log = prompt_log(tmp_path)
-    assert [r["step"] for r in log] == list(range(1, 9))
-    for epoch in range(2):
-        seen = Counter(i for r in log[epoch * 4:(epoch + 1) * 4] for i in r["prompt_index"])
-        assert seen == Counter(range(8)), (epoch, seen)
+    crashed_and_resumed(lambda callbacks: GRPOTrainer(
+        copy.deepcopy(model), args=episode_config(tmp_path, "guess_number", **over), train_dataset=rows,
+        processing_class=tok, callbacks=callbacks))
+    assert_each_prompt_once_per_epoch(tmp_path, prompts=8, steps_per_epoch=4, epochs=2)
