@@ -151,7 +151,7 @@ def test_the_watchdog_reaps_its_run_when_the_driver_is_sigkilled_and_not_before(
 
     driver.kill()
     driver.wait()
-    wait_for(lambda: not folder.exists() and not running(watchdog), 2, "the watchdog removed the folder and exited")
+    wait_for(lambda: not folder.exists() and not running(watchdog), 5, "the watchdog removed the folder and exited")
     assert [raylet.wait(1), worker.wait(1)] == [-signal.SIGTERM, -signal.SIGTERM]
 
 
