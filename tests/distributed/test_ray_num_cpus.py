@@ -12,15 +12,15 @@ import pytest
 from posttrain.cli import main
 
 
-def live_raylets(marker: str) -> set[int]:
-    """Pids of raylet processes whose command line holds `marker`."""
+def live_raylets(marker: str, program: str = "raylet") -> set[int]:
+    """Pids of `program` processes (raylet; "": any) whose command line holds `marker`."""
     found = set()
     for proc in Path("/proc").iterdir():
         try:
             cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if proc.name.isdigit() and "raylet" in cmd and marker in cmd:
+        if proc.name.isdigit() and program in cmd and marker in cmd:
             found.add(int(proc.name))
     return found
 
@@ -29,7 +29,7 @@ def live_raylets(marker: str) -> set[int]:
 def test_a_run_starts_ray_with_ray_num_cpus_and_shuts_it_down_when_placement_fails(tmp_path, capsys):
     """More CPUs than the cores reach the Ray the run starts (its placement error reads them
     back); one CPU more per worker than declared cannot be placed, and the failed run stops its
-    Ray: no raylet of this process, no session folder left."""
+    Ray: no raylet of this process, no session folder, no watchdog left."""
     ray = pytest.importorskip("ray")
     assert not ray.is_initialized()
     cpus = (os.cpu_count() or 1) + 1
@@ -51,3 +51,4 @@ def test_a_run_starts_ray_with_ray_num_cpus_and_shuts_it_down_when_placement_fai
         time.sleep(0.2)
     assert not live_raylets(f"/tmp/ptray-{os.getpid()}-"), "the failed run left its raylet"
     assert not list(Path("/tmp").glob(f"ptray-{os.getpid()}-*")), "the failed run left its session folder"
+    assert not live_raylets(f"/tmp/ptray-{os.getpid()}-", program=""), "the failed run left its watchdog"

@@ -11,7 +11,9 @@ interfaces (`*:port`, measured with psutil). So `loopback_only` turns the switch
 environment its processes inherit) and puts both back after. Quiet (`QUIET_ENV`, set before
 ray is imported when posttrain imports it): RAY_USAGE_STATS_ENABLED=0, RAY_AUTH_MODE=disabled.
 Ray's socket paths must stay under 107 bytes, so a local session lives in a short `mkdtemp`
-under /tmp, removed at `close`.
+under /tmp, removed at `close`. A driver killed before `close` (SIGKILL, the OOM killer) leaves
+that folder and its Ray processes behind: a watchdog (`ray_reaper`) started with the session reaps
+them within a second, and a session starting a local Ray first reaps the folders of dead runs.
 
 A placement group that cannot be satisfied waits silently, so `place` checks the cluster's
 CPUs first (over every pool: the sum of their bundles) and then waits for the groups a
@@ -24,12 +26,15 @@ import contextlib
 import logging
 import os
 import shutil
+import subprocess
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from posttrain.config import ConfigError
+from posttrain.distributed import ray_reaper
 
 log = logging.getLogger(__name__)
 
@@ -78,11 +83,12 @@ class RaySession:
     else started (address None: a local Ray on 127.0.0.1 with this machine's cores) or joined
     (`auto`, HOST:PORT). `close` shuts down only what this object started. `num_cpus`
     (ray.num_cpus): the CPUs a locally started Ray declares (None: this machine's cores); a
-    Ray already initialised must have declared as many."""
+    Ray already initialised must have declared as many. A local Ray comes with a watchdog that
+    reaps it if this process dies before `close`."""
 
     def __init__(self, address: str | None, num_cpus: int | None = None):
         ray = self.ray = import_ray()
-        self.started, self.temp_dir = False, None
+        self.started, self.temp_dir, self.watchdog = False, None, None
         if ray.is_initialized():
             cpus = ray.cluster_resources().get("CPU", 0.0)
             if num_cpus is not None and cpus != num_cpus:
@@ -91,17 +97,31 @@ class RaySession:
                                   "or give num_cpus to that ray.init")
             return
         if address is None:
-            # the pid names the process that started it (a test finds its own raylet by it)
-            self.temp_dir = tempfile.mkdtemp(prefix=f"ptray-{os.getpid()}-", dir="/tmp" if os.path.isdir("/tmp") else None)
-            with loopback_only(ray):
-                ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1, _node_ip_address="127.0.0.1",
-                         include_dashboard=False, log_to_driver=False, logging_level="WARNING",
-                         _temp_dir=self.temp_dir)
+            self.start_local(num_cpus)
         else:
             ray.init(address=address, log_to_driver=False, logging_level="WARNING")
             # `auto` joins whichever cluster RAY_ADDRESS or /tmp/ray names: say which one it was
             log.info("ray.address=%s: joined the Ray cluster at %s", address, joined_address(ray))
         self.started = True
+
+    def start_local(self, num_cpus: int | None) -> None:
+        """A Ray on 127.0.0.1 in a new `/tmp/ptray-<pid>-*` folder (the pid names the process that
+        started it: the reaper tells a dead run's folder by it, a test finds its raylet by it),
+        watched from before `ray.init`; the folders of dead runs are reaped first."""
+        tmp = "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
+        if cleaned := ray_reaper.clean_stale(Path(tmp)):
+            log.info("ray: %s", cleaned)
+        self.temp_dir = tempfile.mkdtemp(prefix=f"{ray_reaper.PREFIX}{os.getpid()}-", dir=tmp)
+        self.watchdog = ray_reaper.start_watchdog(Path(self.temp_dir))
+        try:
+            with loopback_only(self.ray):
+                self.ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1, _node_ip_address="127.0.0.1",
+                              include_dashboard=False, log_to_driver=False, logging_level="WARNING",
+                              _temp_dir=self.temp_dir)
+        except BaseException:
+            ray_reaper.reap([Path(self.temp_dir)])  # whatever the failed ray.init had started
+            self.close()
+            raise
 
     @property
     def loopback(self) -> bool:
@@ -114,6 +134,14 @@ class RaySession:
         if self.temp_dir is not None:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
             self.temp_dir = None
+        if self.watchdog is not None:
+            self.watchdog.terminate()
+            try:
+                self.watchdog.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.watchdog.kill()
+                self.watchdog.wait()
+            self.watchdog = None
 
 
 def cluster_cpus(ray: Any) -> tuple[float, float, int]:
