@@ -8,7 +8,8 @@ side by side in one process, single-turn responses or multi-turn episodes alike.
 Each segment prefills every unfinished row's prompt + tokens so far again (no KV cache is kept
 across a possible weight change: `trainers/rl_partial.py`), so the cost grows as S shrinks; a
 segment that ends no row's generation early costs only that prefill. Per S: the median seconds
-over the batches (each batch timed whole, then in segments, alternating, --repeats times), the
+over the batches (after an untimed warm-up call, each batch timed whole, then in segments, --repeats
+times), the
 ratio to the whole call, the segments per batch, and whether the segments gave the whole call's
 tokens (rollout.seed_mode=row and unchanged weights: they must, up to float rounding of the
 log-probs). The run's config overrides follow the flags (key=value, as on the CLI).
@@ -67,6 +68,7 @@ def main() -> None:
         segments: dict[int, list[int]] = {s: [] for s in args.tokens}
         same: dict[int, bool] = dict.fromkeys(args.tokens, True)
         tokens = 0
+        rollout.generate(trainer.prompts_of(list(range(size))), 0)  # warm-up, untimed
         for b in range(args.batches):
             prompts = trainer.prompts_of(list(range(b * size, (b + 1) * size))).replace(uid=torch.arange(size))
             for _ in range(args.repeats):
@@ -79,7 +81,7 @@ def main() -> None:
                     times.setdefault(str(s), []).append(seconds)
                     segments[s].append(count)
                     same[s] &= torch.equal(out.response_ids, whole.response_ids)
-        trainer.close() if hasattr(trainer, "close") else None
+        trainer.roles.close()
     base = statistics.median(times["whole"])
     rows = [{"S": "whole", "seconds": base, "ratio": 1.0, "segments": 1, "same_tokens": True}]
     rows += [{"S": s, "seconds": statistics.median(times[str(s)]), "ratio": statistics.median(times[str(s)]) / base,

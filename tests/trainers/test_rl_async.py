@@ -19,7 +19,13 @@ import torch
 import posttrain.trainers.rl as rl_module
 from posttrain.config import ConfigError
 from posttrain.distributed.groups import LocalWorkerGroup
-from posttrain.trainers.rl_async import AsyncRollouts, Lane, stale_groups, staleness_metrics
+from posttrain.trainers.rl_async import (
+    AsyncRollouts,
+    Lane,
+    lane_metrics,
+    stale_groups,
+    staleness_metrics,
+)
 from posttrain.trainers.rl_steps import step_seed
 from posttrain.workers import RLBatch
 
@@ -260,3 +266,22 @@ def test_every_estimator_reaches_the_optimum_asynchronously(tmp_path, name):
     assert sum(rewards[-3:]) / 3 > 0.9, rewards
     assert all(m["async/staleness/max"] == 1.0 for m in lines[1:])
     assert max(abs(m["rollout_corr/rollout_is_mean"] - 1) for m in lines[1:]) > 1e-3  # π_prox ≠ π_behaviour
+
+
+def test_a_generation_running_across_the_step_s_end_counts_as_the_rollout_busy():
+    """A rollout-bound step: the lane's job (the next batch's generation) started before the update
+    and still runs at the step's end. The rollout never waited on the update (timing/wait_update
+    0), and it ran during the whole update (perf/overlap = the update's share of the step)."""
+    lane = Lane(threaded=True)
+    release = threading.Event()
+    start = time.perf_counter()
+    lane.submit(release.wait, 30)
+    time.sleep(0.05)
+    update = (time.perf_counter(), time.perf_counter() + 0.05)
+    time.sleep(0.1)
+    end = time.perf_counter()
+    m = lane_metrics(lane, start, end, update)
+    release.set()
+    lane.close()
+    assert m["timing/wait_update"] < 0.01, m  # the old count: the whole step, as if the lane were idle
+    assert m["perf/overlap"] == pytest.approx((update[1] - update[0]) / (end - start), abs=0.02)

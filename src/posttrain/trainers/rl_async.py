@@ -49,23 +49,27 @@ log = get_logger(__name__)
 
 
 class Lane:
-    """Runs jobs in submission order, each timed (`busy`: (start, end) of every job run):
-    in one thread of its own (`threaded`), or at once in the caller, whose returned future is
-    then already done."""
+    """Runs jobs in submission order, each timed (`busy`: (start, end) of every job run;
+    `running`: the start of the job running now, None between jobs): in one thread of its own
+    (`threaded`), or at once in the caller, whose returned future is then already done."""
 
     def __init__(self, threaded: bool):
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="rollout-lane") if threaded else None
         self.busy: list[tuple[float, float]] = []
-        self.lock = threading.Lock()  # `busy` is appended to by the lane's thread
+        self.running: float | None = None
+        self.lock = threading.Lock()  # `busy` and `running` are written by the lane's thread
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         def timed() -> Any:
             t0 = time.perf_counter()
+            with self.lock:
+                self.running = t0
             try:
                 return fn(*args)
             finally:
                 with self.lock:
                     self.busy.append((t0, time.perf_counter()))
+                    self.running = None
 
         if self.pool is not None:
             return self.pool.submit(timed)
@@ -280,10 +284,12 @@ def collect_async(pipe: AsyncRollouts, step: int, reward: Any, n: int, timer: An
 def lane_metrics(lane: Lane, start: float, end: float, update: tuple[float, float]) -> dict[str, float]:
     """timing/wait_update: seconds of the step [start, end] in which the rollout had no job (it
     waited on the update); perf/overlap: the share of the step in which it ran a job while the
-    actor's pool was busy (`update`: from the batch's arrival to the update's end). The lane's
-    older jobs are forgotten."""
+    actor's pool was busy (`update`: from the batch's arrival to the update's end). A job still
+    running at `end` counts as busy up to it (a generation longer than the update runs across
+    steps); the lane's older jobs are forgotten."""
     with lane.lock:
-        busy, lane.busy = lane.busy, [(a, b) for a, b in lane.busy if b > end]
+        busy = lane.busy + ([(lane.running, end)] if lane.running is not None else [])
+        lane.busy = [(a, b) for a, b in lane.busy if b > end]
     gen = overlap(busy, start, end, (start, end))
     both = overlap(busy, start, end, update)
     span = max(end - start, 1e-9)
