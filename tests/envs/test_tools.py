@@ -153,3 +153,21 @@ def test_python_runs_in_the_sandbox():
     out = run_calls([ToolCall("python", "import socket; socket.create_connection(('1.1.1.1', 80), 1)")],
                     tools_by_name([python]), 10.0)[0]
     assert out.error
+
+
+def test_model_text_that_is_not_python_leaves_no_syntax_warning_in_the_log():
+    """`3if` in a calculator call or a tool call's arguments is an error result, and Python's
+    tokenizer no longer prints `<unknown>:1: SyntaxWarning: invalid decimal literal` to stderr
+    (the default warning filters, as a user's run has them)."""
+    import subprocess
+    import sys
+
+    code = ("from posttrain.envs import calculator, run_calls, ToolCall\n"
+            "from posttrain.envs.tools import tools_by_name\n"
+            "try:\n    calculator('3if 2')\nexcept SyntaxError as e:\n    print('error:', e.msg)\n"
+            "print(run_calls([ToolCall('calculator', '3if 2')], tools_by_name([calculator]), 5.0)[0].text)\n")
+    out = subprocess.run([sys.executable, "-W", "default", "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0].startswith("error: ")
+    assert "SyntaxError" in out.stdout.splitlines()[1]
+    assert "SyntaxWarning" not in out.stderr, out.stderr

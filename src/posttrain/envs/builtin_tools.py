@@ -13,6 +13,7 @@ import ast
 import math
 import operator
 
+from posttrain.envs.tools import parse_model_text
 from posttrain.rewards.sandbox import run_python
 
 _BINARY = {
@@ -40,7 +41,7 @@ def calculator(expression: str) -> str:
     """
     if len(expression) > MAX_EXPRESSION_CHARS:
         raise ValueError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
-    value = _evaluate(ast.parse(expression.strip(), mode="eval").body)
+    value = _evaluate(parse_model_text(expression.strip()).body)
     if isinstance(value, float):
         if not math.isfinite(value):
             raise ValueError("the result is not a finite number")

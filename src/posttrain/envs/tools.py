@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import ast
 import inspect
+import re
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -134,9 +136,23 @@ def run_calls(calls: Sequence[ToolCall], tools: Mapping[str, Tool], timeout_s: f
     return out
 
 
+MODEL_TEXT = "<model text>"
+"""The file name `parse_model_text` parses under: Python's SyntaxWarnings for it are silenced."""
+warnings.filterwarnings("ignore", category=SyntaxWarning, module=re.escape(MODEL_TEXT))
+
+
+def parse_model_text(source: str) -> ast.Expression:
+    """`ast.parse(source, mode="eval")` of text a model wrote (a tool call's arguments, a
+    calculator expression). Text such as `3if` raises SyntaxError, and Python's tokenizer would
+    also print `<unknown>:1: SyntaxWarning: invalid decimal literal` to stderr, once per such call,
+    into the user's log: the warnings of this file name are filtered (the error still says what
+    is wrong, in the tool's result)."""
+    return ast.parse(source, filename=MODEL_TEXT, mode="eval")
+
+
 def _literal_call_arguments(text: str) -> tuple[list[Any], dict[str, Any]]:
     """`"1, 'a', k=3"` -> ([1, 'a'], {'k': 3}): Python call arguments made of literals."""
-    call = ast.parse(f"f({text})", mode="eval").body
+    call = parse_model_text(f"f({text})").body
     if not isinstance(call, ast.Call):
         raise ValueError(f"cannot read arguments {text!r}")
     args = [ast.literal_eval(a) for a in call.args]
