@@ -365,10 +365,13 @@ def test_vllm_auto_dtype_serves_an_fp32_policy_in_bf16_only_where_it_is_native_a
 
 @pytest.mark.vllm
 @needs_vllm
-def test_a_sync_failing_midway_fails_the_step_and_the_engine_refuses_to_generate(auto_engine, policy):
+def test_a_sync_failing_midway_fails_the_step_and_the_engine_refuses_to_generate(auto_engine, vllm_engine, policy,
+                                                                                  tok):
     """A tensor vLLM cannot copy from (on the meta device: right name, shape and dtype, so the
     checks pass) in the second layer: the first layer has loaded when the load fails. The sync
-    raises naming the failure, and the engine, partly updated, generates nothing after."""
+    raises naming the failure, and the engine, partly updated, generates nothing after. Another
+    engine of this process is unharmed: vLLM shares layers (its rotary embeddings) between
+    engines of the same shape and dtype, which the failed reload had left as meta tensors."""
     broken = randomized(seed=3, **WIDE_HEADS)
     down = broken.model.layers[1].mlp.down_proj
     down.weight = torch.nn.Parameter(torch.empty(down.weight.shape, device="meta"))
@@ -379,6 +382,9 @@ def test_a_sync_failing_midway_fails_the_step_and_the_engine_refuses_to_generate
         auto_engine.generate(PROMPTS, SamplingParams(max_new_tokens=4))
     with pytest.raises(RuntimeError, match="weight sync failed midway"):
         auto_engine.sync_weights(policy)
+    params = SamplingParams(temperature=0, max_new_tokens=8, stop_token_ids=[])
+    assert torch.equal(vllm_engine.generate(PROMPTS, params).response_ids,
+                       make_engine("native", policy, tok).generate(PROMPTS, params).response_ids)
 
 
 @pytest.mark.vllm

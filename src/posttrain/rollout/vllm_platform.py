@@ -210,10 +210,35 @@ def load_weights_on_worker(worker, weights: Iterable[tuple[str, torch.Tensor]], 
     `collective_rpc` passes the worker first; served: the worker extension): vLLM's in-place
     `reload_weights` where `Platform.reloads_weights` (re-runs each layer's processing: the CPU
     build's repacking), else the model's `load_weights` (CUDA, unquantized: used as loaded)."""
-    if reload:
-        worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
-    else:
+    if not reload:
         worker.model_runner.model.load_weights(weights=weights)
+        return
+    try:
+        worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+    except BaseException:
+        put_back_layers(worker)
+        raise
+
+
+def put_back_layers(worker) -> None:
+    """After an in-place reload that failed midway: vLLM's `reload_weights` lifts every layer's
+    tensors out before loading and puts back the unloaded ones only when the load ends
+    (`finalize_layerwise_reload`, not reached on an error). Left out, they stay meta tensors,
+    also in the layers vLLM shares between the engines of one process (its cached rotary
+    embeddings, per shape and dtype): the next engine of the same shape and dtype in this process
+    failed with "Cannot copy out of meta tensor". The broken engine itself stays refused
+    (`VLLMEngine.broken`); a failure here must not hide the load's own error."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    try:
+        with set_current_vllm_config(worker.vllm_config):
+            finalize_layerwise_reload(worker.model_runner.get_model(), worker.vllm_config.model_config)
+    except Exception as err:  # the load's error is the one raised
+        import logging
+
+        logging.getLogger(__name__).warning("vllm engine: putting the layers back after a failed weight sync "
+                                            "failed too (%s: %s)", type(err).__name__, err)
 
 
 @contextlib.contextmanager
