@@ -280,12 +280,13 @@ class VLLMServerEngine(HoldsNoDeviceMemory):
             sending = _Background(send_buckets, self.group.broadcast, named, plan, 0, self.group.device)
             try:
                 self.client.call("/update_weights/", {"plan": plan_to_json(plan)})
+                sending.join()
+                if sending.error is not None:
+                    raise sending.error
             except BaseException:
-                self._drop_group()  # a sender still blocked in a broadcast fails with it
-                raise
-            sending.join()
-            if sending.error is not None:
-                raise sending.error
+                self._drop_group()  # a sender still blocked in a broadcast fails with it,
+                sending.join(timeout=60)  # and ends before the error goes up: a thread left inside a
+                raise  # gloo collective at the interpreter's exit aborted the process (SIGABRT, not exit 1)
         except ServerGone as err:
             raise self._died("the weight sync", err) from None
         except ServerError:
