@@ -61,9 +61,8 @@ Departures from the papers, TRL and veRL, and why:
   policy version; the old log-probs are always recomputed (π_prox) and the rollout correction's
   weight π_prox / π_behaviour is always applied (AReaL's decoupled PPO; token TIS when
   algorithm.rollout_correction.rollout_is is null). K = 0 is the synchronous loop, unchanged.
-  With partial_rollout the batches are generated in segments and a sync reaches the one in
-  flight (`rl_partial`; episodes stay on the rollout workers with their environments between
-  segments): a response's tokens can be of several versions.
+  With partial_rollout the batches are generated in segments (episodes kept on the rollout
+  workers) and a sync reaches the one in flight (`rl_partial`): tokens of several versions.
 - Rows whose advantage is 0 on every token (a GRPO group whose rewards are all equal) get
   no forward/backward when the loss is the clipped surrogate alone (no entropy bonus, no
   KL in the loss, no shared value head): their loss and gradient are exactly 0, and they
