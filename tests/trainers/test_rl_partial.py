@@ -21,9 +21,10 @@ from posttrain.distributed.groups import LocalWorkerGroup
 from posttrain.rollout import SamplingParams
 from posttrain.rollout.sampling import stream_seed
 from posttrain.trainers.rl_async import stale_groups, staleness_metrics
+from posttrain.trainers.rl_build import check_reward_source
 from posttrain.workers.forward import response_logits
 
-from .test_rl import metric_lines, tiny_model, trainer_for
+from .test_rl import metric_lines, starts_with_a, tiny_model, trainer_for
 from .test_rl_async import max_diff, prompt_log, run, small
 
 PARTIAL = {"trainer.async_training.max_staleness": 1, "trainer.async_training.partial_rollout": "true",
@@ -245,10 +246,13 @@ def test_partial_rollout_options_are_checked(tmp_path):
     with pytest.raises(ConfigError, match="rollout.engine.*rollout.engine=native or hf"):
         small(tmp_path, **{**PARTIAL, "rollout.engine": "vllm"})
     with pytest.raises(ConfigError, match="rollout.stop.*rollout.stop_token_ids"):
-        small(tmp_path, **{**PARTIAL, "rollout.stop": ["."]})
-    # multi-turn episodes keep each turn's tokens on the worker between segments: stop strings work
+        trainer_for(small(tmp_path, **{**PARTIAL, "rollout.stop": ["."]}))
+    # multi-turn episodes keep each turn's tokens on the worker between segments: stop strings work,
+    # whether the episodes come from the config or from the Python API's environment_factory / tools
+    stop = small(tmp_path, **{**PARTIAL, "rollout.stop": ["."]})
+    check_reward_source(stop, [starts_with_a], episodes=True)
     episodes = small(tmp_path, **{**PARTIAL, "rollout.env": "guess_number", "rollout.stop": ["."]})
-    assert episodes.trainer.async_training.partial_rollout and list(episodes.rollout.stop) == ["."]
+    check_reward_source(episodes, None)
     with pytest.raises(ConfigError, match="veRL's async_training.partial_rollout is trainer.async_training.partial_rollout"):
         small(tmp_path, **{"async_training.partial_rollout": "true"})
 

@@ -394,7 +394,15 @@ class RLConfig:
               f"{key}=true needs an engine that resumes a row's random stream mid-response: rollout.engine=native "
               "or hf (vLLM seeds each request's stream at its first token, so a resumed segment would redraw the "
               f"first segment's randomness), or {key}=false")
-        check(self.rollout.episodes or not self.rollout.stop, "rollout.stop",
+
+    def check_partial_rollout(self, episodes: bool) -> None:
+        """Partial rollouts of single-turn responses take no rollout.stop strings; episodes
+        (`episodes`: the Python API's environment_factory / tools, or rollout.env / rollout.tools)
+        keep each turn's tokens on the worker between segments and do. Checked where the trainer
+        knows whether it plays episodes (`trainers.rl_build.check_reward_source`)."""
+        key = "trainer.async_training.partial_rollout"
+        check(not self.trainer.async_training.partial_rollout or episodes or self.rollout.episodes
+              or not self.rollout.stop, "rollout.stop",
               f"{key}=true generates single-turn responses in segments, and a stop string split over two of them "
               f"would be missed: end responses with rollout.stop_token_ids instead, or set {key}=false (multi-turn "
               "episodes, rollout.env / rollout.tools, keep each turn's tokens between segments and take stop strings)")

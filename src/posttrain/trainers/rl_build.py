@@ -35,9 +35,11 @@ EVAL_SALT = 2_000_000
 def check_reward_source(cfg: RLConfig, reward_funcs: Any, episodes: bool = False) -> None:
     """A run needs reward functions (config or Python API), a reward model, or episodes
     (whose environment rewards are then the reward: `env_reward`); DAPO's overlong buffer
-    must fit the response limit, an episode's when the Python API passes an environment."""
+    must fit the response limit, an episode's when the Python API passes an environment; partial
+    rollouts take rollout.stop strings in episodes only."""
     episodes = episodes or cfg.rollout.episodes
     cfg.check_overlong(episodes)
+    cfg.check_partial_rollout(episodes)
     check(bool(cfg.reward.functions or reward_funcs or cfg.reward.model_path or episodes), "reward.functions",
           "no reward: set reward.functions=[...] (e.g. [task_reward]) or reward.model_path")
     if reward_funcs:
